@@ -1,0 +1,26 @@
+# Two set-up commands, both safe on a fresh machine:
+#   make run    create .venv, install v4stack, generate text from the tiny preset on the CPU
+#   make test   create .venv if needed, install, run the default test suite (not slow, gpu skipped)
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= The sandbox said
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned to the local CPU wheel, so nothing pulls a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/v4stack generate --preset tiny --prompt "$(PROMPT)" --max-tokens 32
+
+test: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+.PHONY: install run test

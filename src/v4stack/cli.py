@@ -1,0 +1,83 @@
+"""The one `v4stack` command. Subcommands import their heavy modules (torch) lazily."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    name="v4stack",
+    help="The DeepSeek-V4 system loop: model, kernels, MegaMoE, Muon/ZeRO, serving, rollouts, DSec.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _config(preset: Optional[str], model: Optional[str]):
+    from v4stack.config import ConfigError, ModelConfig, preset as get_preset
+
+    try:
+        if model:
+            return ModelConfig.load(model)
+        return get_preset(preset or "tiny")
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def info(
+    preset: str = typer.Option("flash", help="Preset: tiny, flash or pro."),
+    model: Optional[str] = typer.Option(None, help="A model directory (config.json) instead of a preset."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Parameter counts (total / activated) and per-token cache bytes, built on the meta device."""
+    from v4stack.model.stats import model_stats
+
+    stats = model_stats(_config(preset, model))
+    if as_json:
+        typer.echo(json.dumps(stats, indent=2))
+        return
+    typer.echo(f"preset/model        {model or preset}")
+    typer.echo(f"total params        {stats['total_params']:,} ({stats['total_params'] / 1e9:.1f}B)")
+    typer.echo(f"active params       {stats['active_params']:,} ({stats['active_params'] / 1e9:.2f}B)")
+    typer.echo("cache bytes per token (bf16 reference layout, all layers):")
+    for kind, b in stats["cache_bytes_per_token"].items():
+        typer.echo(f"  {kind:<18}{b:,.1f}")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., help="Prompt text (byte-level tokenizer)."),
+    preset: str = typer.Option("tiny", help="Preset when no --model is given."),
+    model: Optional[str] = typer.Option(None, help="Model directory with config.json + model.safetensors."),
+    max_tokens: int = typer.Option(32, min=1, help="New tokens to generate."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    top_k: int = typer.Option(0, min=0, help="0 = off."),
+    seed: int = typer.Option(0, help="Seed for random weights and sampling."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float64."),
+):
+    """Generate text on the CPU with the incremental decode path (random or saved weights)."""
+    from v4stack.generate import run_generate
+
+    cfg = _config(preset, model)
+    out = run_generate(cfg, model, prompt, max_tokens=max_tokens, temperature=temperature,
+                       top_p=top_p, top_k=top_k, seed=seed, dtype=dtype)
+    typer.echo(out["text"])
+    typer.echo(json.dumps({k: v for k, v in out.items() if k != "text"}), err=True)
+
+
+def main() -> None:  # console entry point
+    try:
+        app()
+    except BrokenPipeError:  # pragma: no cover
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
