@@ -1,0 +1,1 @@
+"""Optimizers: Muon (V4 update), AdamW, knapsack ownership, the sharded (ZeRO) step."""
