@@ -88,6 +88,11 @@ class ModelConfig:
         ratios = sorted({r for r in self.compress_ratios if r})
         return ratios[0] if ratios else 0
 
+    def is_csa(self, ratio: int) -> bool:
+        """A compressed layer is CSA (overlapped compressor + lightning indexer) when its ratio is
+        the smallest nonzero ratio and finer than the window; any other nonzero ratio is HCA."""
+        return ratio != 0 and ratio == self.csa_ratio and ratio < self.sliding_window
+
     @property
     def block_tokens(self) -> int:
         """lcm of the nonzero ratios: the token span one cache block must be a multiple of."""

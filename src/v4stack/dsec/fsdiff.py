@@ -1,0 +1,138 @@
+"""What a command did to a sandbox's filesystem, seen in its overlay upper directory.
+
+``scan(upper)`` gives a manifest ``{relpath: entry}``; ``fs_digest`` hashes it; ``delta(before,
+after)`` lists what changed (the provenance of a command); ``capture`` stores the changed file
+contents in the blob store so ``apply`` can reproduce the same upper on a fresh sandbox without
+running the command again. Overlay's own markers travel too: a whiteout (char device 0:0) and the
+``trusted.overlay.opaque`` directory attribute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from v4stack.dsec.cas import BlobStore
+
+OPAQUE = "trusted.overlay.opaque"
+
+
+def _opaque(p: str) -> bool:
+    try:
+        return os.getxattr(p, OPAQUE, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _hash_file(p: str) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+class Scanner:
+    """Scans an upper dir, re-hashing only files whose (inode, size, mtime, ctime) changed."""
+
+    def __init__(self):
+        self._cache: dict[tuple, str] = {}
+
+    def scan(self, upper: str | os.PathLike) -> dict[str, dict]:
+        upper = str(upper)
+        out: dict[str, dict] = {}
+        cache: dict[tuple, str] = {}
+        for dirpath, dirnames, filenames in os.walk(upper):
+            for name in dirnames + filenames:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, upper)
+                st = os.lstat(full)
+                m = st.st_mode
+                e = {"mode": stat.S_IMODE(m), "uid": st.st_uid, "gid": st.st_gid}
+                if stat.S_ISDIR(m):
+                    e["t"] = "dir"
+                    if _opaque(full):
+                        e["opaque"] = True
+                elif stat.S_ISREG(m):
+                    key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                    h = self._cache.get(key) or _hash_file(full)
+                    cache[key] = h
+                    e.update(t="file", size=st.st_size, sha=h)
+                elif stat.S_ISLNK(m):
+                    e.update(t="link", target=os.readlink(full))
+                elif stat.S_ISCHR(m) and st.st_rdev == 0:
+                    e = {"t": "whiteout"}
+                else:
+                    e = {"t": "other"}
+                out[rel] = e
+        self._cache = cache
+        return out
+
+
+def fs_digest(manifest: dict[str, dict]) -> str:
+    blob = json.dumps(sorted(manifest.items()), separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
+def delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict | None]:
+    """Changed or new entries, and ``None`` for entries gone from the upper."""
+    d: dict[str, dict | None] = {k: v for k, v in after.items() if before.get(k) != v}
+    for k in before:
+        if k not in after:
+            d[k] = None
+    return d
+
+
+def capture(upper: str | os.PathLike, d: dict[str, dict | None], blobs: BlobStore) -> str:
+    """Store the contents of changed files; returns the digest of the delta document."""
+    for rel, e in d.items():
+        if e is not None and e["t"] == "file" and not blobs.has(e["sha"]):
+            with open(os.path.join(upper, rel), "rb") as f:
+                blobs.put(f.read())
+    return blobs.put(json.dumps(sorted(d.items()), separators=(",", ":")).encode())
+
+
+def _remove(p: str) -> None:
+    if os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p)
+    elif os.path.lexists(p):
+        os.unlink(p)
+
+
+def apply(upper: str | os.PathLike, delta_digest: str, blobs: BlobStore) -> None:
+    """Make ``upper`` carry the changes recorded in ``delta_digest`` (parents before children)."""
+    items = json.loads(blobs.get(delta_digest))
+    gone = sorted((k for k, e in items if e is None), key=len, reverse=True)
+    for rel in gone:
+        _remove(os.path.join(upper, rel))
+    for rel, e in sorted(((k, e) for k, e in items if e is not None), key=lambda kv: kv[0].count("/")):
+        p = os.path.join(upper, rel)
+        t = e["t"]
+        if t == "dir":
+            if not os.path.isdir(p) or os.path.islink(p):
+                _remove(p)
+                os.mkdir(p)
+            if e.get("opaque"):
+                os.setxattr(p, OPAQUE, b"y", follow_symlinks=False)
+        else:
+            _remove(p)
+            if t == "file":
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blobs.get(e["sha"]))
+            elif t == "link":
+                os.symlink(e["target"], p)
+            elif t == "whiteout":
+                os.mknod(p, stat.S_IFCHR | 0o000, 0)
+                continue
+            else:
+                continue
+        if t != "link":
+            os.chown(p, e["uid"], e["gid"])
+            os.chmod(p, e["mode"])
+        else:
+            os.chown(p, e["uid"], e["gid"], follow_symlinks=False)

@@ -1,0 +1,66 @@
+"""Thin wrappers over mount(8)/umount(8) and the host's mount table."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+from v4stack.dsec.errors import Unsupported
+
+
+def need(cmd: str) -> str:
+    p = shutil.which(cmd) or (f"/usr/sbin/{cmd}" if os.path.exists(f"/usr/sbin/{cmd}") else None)
+    if p is None:
+        raise Unsupported(f"{cmd} is not installed (run scripts/dsec-system-deps.sh)")
+    return p
+
+
+def run(argv: list[str], timeout: float = 60) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise OSError(f"{' '.join(argv[:3])}... failed ({r.returncode}): {r.stderr.strip()[-400:]}")
+    return r.stdout
+
+
+def is_mount(path: str | os.PathLike) -> bool:
+    p = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            if line.split()[4].replace("\\040", " ") == p:
+                return True
+    return False
+
+
+def mount(fstype: str, source: str, target: str | os.PathLike, options: str = "") -> None:
+    argv = ["mount", "-t", fstype]
+    if options:
+        argv += ["-o", options]
+    run(argv + [source, str(target)])
+
+
+def umount(target: str | os.PathLike, lazy: bool = True) -> None:
+    if is_mount(target):
+        run(["umount", "-l" if lazy else "-f", str(target)])
+
+
+def make_shared(path: Path) -> None:
+    """Bind ``path`` on itself with shared propagation so mounts under it reach slave namespaces."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not is_mount(path):
+        run(["mount", "--bind", str(path), str(path)])
+    run(["mount", "--make-shared", str(path)])
+
+
+@contextmanager
+def file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

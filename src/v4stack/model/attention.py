@@ -1,0 +1,133 @@
+"""Attention for SWA-only, CSA and HCA layers: one shared-KV latent, window + compressed keys.
+
+Query: ``q = wq_b(q_norm(wq_a(x)))`` per head, weightless RMSNorm per head, RoPE on the tail.
+Key = value: ``kv = kv_norm(wkv(x))`` with RoPE on the tail. Candidates for query ``t``: the window
+``[t - n_win + 1, t]`` plus compressed entries (CSA: the indexer's top-k; HCA: every closed
+entry). A learned per-head sink logit joins the softmax denominator only. The output gets the
+inverse RoPE, then a grouped projection ``wo_a`` (g groups to d_g each) and ``wo_b``.
+
+Rows of several sequences are processed together; ``segments`` says which rows belong to which
+sequence, where it starts, and which per-layer state (if any) carries its history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from v4stack import ops
+from v4stack.config import ModelConfig
+from v4stack.model.compressor import Compressor
+from v4stack.model.indexer import Indexer
+from v4stack.model.linear import Linear
+from v4stack.model.norm import RMSNorm
+from v4stack.model.rope import Rotary
+from v4stack.model.state import LayerState
+
+
+@dataclass
+class Segment:
+    """Rows ``[start, start + length)`` hold positions ``[pos0, pos0 + length)`` of one sequence."""
+
+    start: int
+    length: int
+    pos0: int
+    state: list[LayerState] | None = None  # per-layer states of the request, or None (fresh, pos0 = 0)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+
+def window_candidates(span: torch.Tensor, span_start: int, positions: torch.Tensor, window: int):
+    """Per-query window keys ``[n, window, c]`` and mask from rows covering ``[span_start, ...)``."""
+    offs = torch.arange(-window + 1, 1, device=span.device)
+    idx = (positions - span_start).unsqueeze(1) + offs
+    valid = idx >= 0
+    return span[idx.clamp(min=0)], valid
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.groups, self.group_rank = cfg.o_groups, cfg.o_lora_rank
+        self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        self.rotary = Rotary(cfg, compressed=ratio != 0)
+        d, H, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.wq_a = Linear(d, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * c)
+        self.wkv = Linear(d, c)
+        self.kv_norm = RMSNorm(c, cfg.rms_norm_eps)
+        self.wo_a = Linear(H * c // self.groups, self.groups * self.group_rank)
+        self.wo_b = Linear(self.groups * self.group_rank, d)
+        self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.compressor = None
+        self.indexer = None
+        if ratio:
+            csa = cfg.is_csa(ratio)
+            self.compressor = Compressor(d, c, ratio, csa, self.rotary, cfg.rms_norm_eps)
+            if csa:
+                self.indexer = Indexer(cfg, ratio, self.rotary)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment], layer: int):
+        N, H, c = x.shape[0], self.n_heads, self.head_dim
+        qr = self.q_norm(self.wq_a(x))
+        q = ops.rms_norm(self.wq_b(qr).view(N, H, c), None, self.eps)
+        q = self.rotary.apply(q, positions)
+        kv = self.rotary.apply(self.kv_norm(self.wkv(x)), positions)
+        comp = self.compressor.project(x, positions) if self.compressor is not None else None
+        idx_proj = None
+        if self.indexer is not None:
+            idx_proj = self.indexer.project(qr, x, positions) + self.indexer.compressor.project(x, positions)
+        outs = [self._segment(q, kv, comp, idx_proj, positions, seg, layer) for seg in segments]
+        o = self.rotary.apply(torch.cat(outs), positions, inverse=True)
+        g = self.groups
+        o = o.reshape(N, g, H * c // g)
+        wa = self.wo_a.weight.view(g, self.group_rank, -1)
+        o = torch.cat([ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
+        return self.wo_b(o)
+
+    def _segment(self, q, kv, comp, idx_proj, positions, seg: Segment, layer: int) -> torch.Tensor:
+        rows, p0, n = seg.rows, seg.pos0, seg.length
+        st = seg.state[layer] if seg.state is not None else None
+        pos = positions[rows]
+        if st is None:
+            if p0 != 0:
+                raise ValueError("a segment without state must start at position 0")
+            span, span_start = kv[rows], 0
+        else:
+            span_start = max(0, p0 - self.window + 1)
+            span = torch.cat((st.read_window(span_start, p0), kv[rows]))
+        keys, mask = window_candidates(span, span_start, pos, self.window)
+        keys, mask = [keys], [mask]
+        if self.compressor is not None:
+            ckv, cscore = comp
+            new = self.compressor.extend(ckv[rows], cscore[rows], p0, st.tail if st else None, kv.dtype)
+            ents = torch.cat((st.compressed_kv, new)) if st is not None else new
+            S = ents.shape[0]
+            closes_at = (torch.arange(S, device=kv.device) + 1) * self.ratio - 1
+            visible = closes_at.unsqueeze(0) <= pos.unsqueeze(1)  # causal closure: whole blocks only
+            if self.indexer is not None:
+                iq, iw, ikv, iscore = idx_proj
+                comp_i = self.indexer.compressor
+                new_k = comp_i.extend(ikv[rows], iscore[rows], p0, st.index_tail if st else None, kv.dtype)
+                ikeys = torch.cat((st.index_keys, new_k)) if st is not None else new_k
+                sel, valid = self.indexer.select(iq[rows], iw[rows], ikeys, visible)
+                keys.append(ents[sel])
+                mask.append(valid)
+                if st is not None:
+                    st.index_keys = ikeys
+            else:
+                keys.append(ents.unsqueeze(0).expand(n, S, ents.shape[-1]))
+                mask.append(visible)
+            if st is not None:
+                st.compressed_kv = ents
+        if st is not None:
+            st.write_window(p0, kv[rows])
+        return ops.attention_with_sink(q[rows], torch.cat(keys, 1), torch.cat(mask, 1), self.attn_sink, self.scale)

@@ -1,0 +1,38 @@
+"""One V4 block: attention and MoE sublayers, each wrapped in mHC stream mixing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v4stack.config import ModelConfig
+from v4stack.model.attention import Attention, Segment
+from v4stack.model.mhc import hc_coefficients, hc_parameters, hc_read, hc_write
+from v4stack.model.moe import MoE
+from v4stack.model.norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ratio: int):
+        super().__init__()
+        self.layer_id, self.ratio = layer_id, ratio
+        self.iters, self.hc_eps, self.norm_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, ratio)
+        self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg, layer_id)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = hc_parameters(n, d)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = hc_parameters(n, d)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                token_ids: torch.Tensor) -> torch.Tensor:
+        """Streams ``x [N, n_hc, d]`` -> new streams."""
+        pre, post, comb = hc_coefficients(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                          self.iters, self.hc_eps, self.norm_eps)
+        y = self.attn(self.attn_norm(hc_read(x, pre)), positions, segments, self.layer_id)
+        x = hc_write(x, y, post, comb)
+        pre, post, comb = hc_coefficients(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                          self.iters, self.hc_eps, self.norm_eps)
+        y = self.ffn(self.ffn_norm(hc_read(x, pre)), token_ids)
+        return hc_write(x, y, post, comb)

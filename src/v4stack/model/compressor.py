@@ -1,0 +1,86 @@
+"""Learned gated pooling of KV: one compressed entry per ``m`` tokens.
+
+HCA (non-overlapped): entry ``i`` pools the ``m`` tokens of block ``i`` with per-channel softmax
+weights ``softmax_j(z_j + ape_j)``. CSA (overlapped, ``coff = 2``): channels ``[0:c]`` are the
+"b" half and ``[c:2c]`` the "a" half; entry ``i`` pools the a-half of block ``i`` together with the
+b-half of block ``i-1`` (8 slots for m = 4; block -1 is padding). Every entry gets an RMSNorm and
+RoPE at its block's start position ``i * m``. An entry exists only once its block is complete.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v4stack import ops
+from v4stack.model.linear import Linear, compute_dtype
+from v4stack.model.norm import RMSNorm
+from v4stack.model.rope import Rotary
+from v4stack.model.state import CompressorTail
+
+
+class Compressor(nn.Module):
+    def __init__(self, dim: int, width: int, ratio: int, overlap: bool, rotary: Rotary, eps: float):
+        super().__init__()
+        self.width, self.ratio, self.overlap = width, ratio, overlap
+        self.coff = 2 if overlap else 1
+        self.rotary = rotary
+        self.wkv = Linear(dim, self.coff * width)
+        self.wgate = Linear(dim, self.coff * width)
+        self.ape = nn.Parameter(torch.empty(ratio, self.coff * width, dtype=torch.float32))
+        self.norm = RMSNorm(width, eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``x [N, d]`` -> (kv, score) ``[N, coff*width]`` in the compute dtype."""
+        cd = compute_dtype(x.dtype)
+        kv = self.wkv(x).to(cd)
+        score = self.wgate(x).to(cd) + self.ape.to(cd)[positions % self.ratio]
+        return kv, score
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, row0: int, blocks: range, dtype) -> torch.Tensor:
+        """Entries for ``blocks`` from contiguous rows that start at position ``row0``."""
+        m, c = self.ratio, self.width
+        if len(blocks) == 0:
+            return kv.new_zeros(0, c).to(dtype)
+        b = torch.arange(blocks.start, blocks.stop, device=kv.device)
+        slot = torch.arange(m, device=kv.device)
+        cur = (b * m - row0).unsqueeze(1) + slot  # [nb, m] row index of block b's tokens
+        if not self.overlap:
+            pooled = ops.weighted_pool(kv[cur], score[cur], dim=1)
+        else:
+            prev = cur - m
+            has_prev = (b > 0).unsqueeze(1).expand_as(prev)
+            safe = prev.clamp(min=0)
+            kv_b = torch.where(has_prev.unsqueeze(-1), kv[safe][..., :c], 0.0)
+            sc_b = torch.where(has_prev.unsqueeze(-1), score[safe][..., :c], float("-inf"))
+            kv_all = torch.cat((kv_b, kv[cur][..., c:]), dim=1)
+            sc_all = torch.cat((sc_b, score[cur][..., c:]), dim=1)
+            pooled = ops.weighted_pool(kv_all, sc_all, dim=1)
+        entries = self.norm(pooled.to(dtype))
+        return self.rotary.apply(entries, b * m)
+
+    def extend(
+        self, kv: torch.Tensor, score: torch.Tensor, pos0: int, tail: CompressorTail | None, dtype
+    ) -> torch.Tensor:
+        """Consume the rows of positions ``[pos0, pos0 + n)``; return the entries they close.
+
+        ``tail`` holds the rows before ``pos0`` that an open block (and, for CSA, the previous
+        block) still needs; it is updated in place. With no tail, ``pos0`` must be 0.
+        """
+        m, n = self.ratio, kv.shape[0]
+        lookback = m if self.overlap else 0
+        if tail is None:
+            if pos0 != 0:
+                raise ValueError("a compressor without a tail can only start at position 0")
+            row0, all_kv, all_score = 0, kv, score
+        else:
+            row0 = max(0, (pos0 // m) * m - lookback)
+            old_kv, old_score = tail.read(row0, pos0)
+            all_kv, all_score = torch.cat((old_kv, kv)), torch.cat((old_score, score))
+        end = pos0 + n
+        blocks = range(pos0 // m, end // m)
+        entries = self.pool(all_kv, all_score, row0, blocks, dtype)
+        if tail is not None:
+            keep_from = max(0, (end // m) * m - lookback)
+            tail.write(keep_from, all_kv[keep_from - row0 :], all_score[keep_from - row0 :])
+        return entries

@@ -1,0 +1,26 @@
+"""A bias-free linear layer whose matmul goes through ``v4stack.ops``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v4stack import ops
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}"
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of V4's fp32 islands (mHC, compressor, routing, experts): fp32, or fp64 in fp64 runs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
