@@ -32,9 +32,10 @@ class AdamWHyper:
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                step: int, hp: AdamWHyper, lr: float | None = None, decay: bool = True) -> None:
+                step: int, hp: AdamWHyper, lr: float | None = None,
+                decay: bool | torch.Tensor = True) -> None:
     """In-place AdamW on fp32 tensors; ``step`` counts from 1. ``decay=False`` skips weight decay
-    (norm weights and biases)."""
+    (norm weights and biases); a bool tensor chooses per element (a flat ZeRO shard mixes both)."""
     lr = hp.lr if lr is None else lr
     b1, b2 = hp.betas
     exp_avg.mul_(b1).add_(grad, alpha=1 - b1)
@@ -42,7 +43,11 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     bc1 = 1 - b1 ** step
     bc2 = 1 - b2 ** step
     denom = (exp_avg_sq / bc2).sqrt_().add_(hp.eps)
-    if decay and hp.weight_decay:
+    if isinstance(decay, torch.Tensor):
+        if hp.weight_decay:
+            shrink = torch.full_like(param, 1 - lr * hp.weight_decay)
+            param.mul_(torch.where(decay, shrink, torch.ones_like(param)))
+    elif decay and hp.weight_decay:
         param.mul_(1 - lr * hp.weight_decay)
     param.addcdiv_(exp_avg, denom, value=-lr / bc1)
 
