@@ -36,8 +36,13 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
             normal(p, p.shape[1] ** -0.5)
         elif leaf.endswith("_base"):
             normal(p, 0.5)
+            if p.numel() > 4 * 2 and name.endswith(("hc_attn_base", "hc_ffn_base")):
+                n = int(round((p.numel() + 1) ** 0.5)) - 1  # width n^2 + 2n
+                p[2 * n :] *= 0.2  # comb logits stay where 20 Sinkhorn rounds converge
         elif leaf.endswith("_scale"):
             p.copy_((torch.rand(p.shape, generator=g, dtype=torch.float64) * 0.5 + 0.75).to(p.dtype))
+            if p.numel() == 3:
+                p[2] *= 0.25
         elif leaf == "attn_sink":
             normal(p, 1.0)
         elif leaf == "ape":

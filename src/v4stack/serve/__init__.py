@@ -1,0 +1,1 @@
+"""Serving: sampling, engine, scheduler, hybrid cache, OpenAI-compatible API."""
