@@ -20,7 +20,11 @@ install: $(VENV)/.installed
 run: install
 	$(BIN)/v4stack generate --preset tiny --prompt "$(PROMPT)" --max-tokens 32
 
-test: install
+# OS packages for the sandbox tests (crun, erofs-utils, debootstrap, ...): installed when missing
+sysdeps:
+	bash scripts/dsec-system-deps.sh
+
+test: install sysdeps
 	$(BIN)/python -m pytest -q -m "not slow"
 
-.PHONY: install run test
+.PHONY: install run sysdeps test
