@@ -45,9 +45,15 @@ def info(
     typer.echo(f"preset/model        {model or preset}")
     typer.echo(f"total params        {stats['total_params']:,} ({stats['total_params'] / 1e9:.1f}B)")
     typer.echo(f"active params       {stats['active_params']:,} ({stats['active_params'] / 1e9:.2f}B)")
-    typer.echo("cache bytes per token (bf16 reference layout, all layers):")
-    for kind, b in stats["cache_bytes_per_token"].items():
-        typer.echo(f"  {kind:<18}{b:,.1f}")
+    layers = stats["layers"]
+    typer.echo(f"layers              {layers['swa']} SWA-only, {layers['csa']} CSA, {layers['hca']} HCA, {layers['mtp']} MTP")
+    typer.echo("block cache, bytes per token      bf16 reference   V4 format (FP8 + BF16 RoPE dims)")
+    ref, v4 = stats["cache_bytes_per_token"], stats["cache_bytes_per_token_v4_format"]
+    for kind in ref:
+        typer.echo(f"  {kind:<32}{ref[kind]:>14,.1f}   {v4[kind]:>14,.1f}")
+    typer.echo("state cache, bytes per request (fixed size):")
+    for kind, b in stats["state_bytes_per_request"].items():
+        typer.echo(f"  {kind:<32}{b:>14,}")
 
 
 @app.command()
