@@ -25,29 +25,36 @@ class MuonAdamW:
 
     ``step(grads)`` takes a name -> gradient dict (defaults to each parameter's ``.grad``).
     ``lr_scale`` multiplies both learning rates (for warm-up / decay schedules).
+    ``use_muon=False`` is the AdamW-only baseline (same code, every parameter on AdamW).
     """
 
     def __init__(self, params: dict[str, nn.Parameter] | nn.Module, muon: MuonHyper | None = None,
-                 adamw: AdamWHyper | None = None):
+                 adamw: AdamWHyper | None = None, use_muon: bool = True):
         if isinstance(params, nn.Module):
             params = dict(params.named_parameters())
         self.params = params
         self.muon_hp = (muon or MuonHyper()).validate()
         self.adamw_hp = (adamw or AdamWHyper()).validate()
         self.split: ParamSplit = split_params((n, p.shape) for n, p in params.items())
+        if not use_muon:  # the AdamW-only baseline: every matrix goes to AdamW
+            for n, shape in self.split.muon.items():
+                self.split.adamw[n] = shape
+                self.split.reasons[n] = "AdamW baseline (Muon off)"
+            self.split.muon = {}
         self.items: list[Item] = muon_items(self.split.muon)
         self.steps = 0
         self.state: dict[str, torch.Tensor] = {}
         for it in self.items:
-            self.state[f"muon.{it.name}"] = torch.zeros(it.k, *it.shape)
+            dev = params[it.members[0]].device
+            self.state[f"muon.{it.name}"] = torch.zeros(it.k, *it.shape, device=dev)
         for n in self.split.adamw:
             self.state[f"m.{n}"] = torch.zeros_like(params[n], dtype=torch.float32)
             self.state[f"v.{n}"] = torch.zeros_like(params[n], dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, grads: dict[str, torch.Tensor] | None = None, lr_scale: float = 1.0) -> None:
-        if grads is None:
-            grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        if grads is None:  # an unused parameter (an expert no token chose) has a zero gradient
+            grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
         self.steps += 1
         for it in self.items:
             if any(n not in grads for n in it.members):

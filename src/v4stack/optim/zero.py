@@ -63,6 +63,10 @@ class ZeroMuonAdamW:
         self.split = split_params((n, p.shape) for n, p in params.items())
         self.items = muon_items(self.split.muon)
         sizes = [it.numel for it in self.items]
+        if sizes and len(sizes) > cap * self.world:
+            # a small world cannot keep the deployment cap (the tiny preset has ~100 items): relax it
+            cap = math.ceil(len(sizes) / self.world)
+        self.cap = cap
         if zero_group_size is None:
             plan = search_group_size([sizes], self.world, cap).assignments
             g = plan[0].group_size if plan else self.world
@@ -71,7 +75,7 @@ class ZeroMuonAdamW:
             if zero_group_size < 1 or self.world % zero_group_size:
                 raise ValueError(f"zero_group_size must divide the world size {self.world}, got {zero_group_size}")
             g = zero_group_size
-            owners = assign(sizes, g, cap).owners if sizes else []
+            owners = assign(sizes, g, max(cap, math.ceil(len(sizes) / g))).owners if sizes else []
         self.G, self.R = g, self.world // g
         self.local, self.replica = self.rank % g, self.rank // g
         self.owners = owners

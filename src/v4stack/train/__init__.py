@@ -1,0 +1,1 @@
+"""Training: the trainer, byte-level data, checkpoints, loss log."""

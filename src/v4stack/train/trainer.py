@@ -1,0 +1,245 @@
+"""The trainer: byte-level language modelling of a V4 preset on one process or under torchrun.
+
+One process runs ``MuonAdamW``; under ``torchrun`` (``WORLD_SIZE`` > 1, gloo on CPU) the ranks run
+``ZeroMuonAdamW``: each computes gradients on its own micro-batches, scaled by 1 / (world *
+grad_accum), and the sharded step sums them on the owners. The data order is a pure function of
+(seed, step, micro-batch) and every piece of state that changes (weights, optimizer shards, the
+stochastic-rounding generators, the loss log) is in the checkpoint, so a run killed at any moment
+resumes from its last checkpoint and reproduces the same losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from v4stack.config import preset as get_preset
+from v4stack.model import V4Model
+from v4stack.optim.adamw import AdamWHyper
+from v4stack.optim.hybrid import MuonAdamW
+from v4stack.optim.muon import MuonHyper
+from v4stack.optim.zero import ZeroMuonAdamW
+from v4stack.train import checkpoint as ckpt
+from v4stack.train.corpus import load_text, unigram_entropy
+from v4stack.train.data import ByteBatches
+from v4stack.train.log import LossLog, Progress, plot_curves
+
+OPTIMIZERS = ("muon", "adamw")
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    out: str = "runs/tiny"
+    data: list[str] = field(default_factory=list)  # files / directories; empty -> generated corpus
+    corpus_bytes: int = 1 << 20
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    grad_accum: int = 1
+    optimizer: str = "muon"  # "adamw": the AdamW-only baseline
+    muon_lr: float = 0.02
+    adamw_lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup: int = 20
+    mtp_weight: float = 0.0  # 0 = MTP loss off
+    seed: int = 0
+    ckpt_every: int = 50
+    keep: int = 2
+    eval_every: int = 0
+    eval_batches: int = 4
+    stochastic_bf16: bool = True
+    max_minutes: float = 0.0  # 0 = no wall-clock limit
+    threads: int = 0  # 0 = torch default
+    device: str = "cpu"  # one process may run on "cuda"; the sharded step runs on CPU (gloo)
+    progress: bool = True
+
+    def validate(self) -> "TrainConfig":
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "eval_batches", "corpus_bytes"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 1, f"train field '{name}' must be an integer >= 1, got {v!r}")
+        need(self.seq_len >= 4, f"train field 'seq_len' must be >= 4, got {self.seq_len}")
+        need(self.optimizer in OPTIMIZERS, f"train field 'optimizer' must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        need(self.muon_lr > 0 and self.adamw_lr > 0, "train fields 'muon_lr' and 'adamw_lr' must be > 0")
+        need(self.weight_decay >= 0, f"train field 'weight_decay' must be >= 0, got {self.weight_decay}")
+        need(self.warmup >= 0, f"train field 'warmup' must be >= 0, got {self.warmup}")
+        need(self.mtp_weight >= 0, f"train field 'mtp_weight' must be >= 0 (0 = off), got {self.mtp_weight}")
+        need(self.device in ("cpu", "cuda"), f"train field 'device' must be 'cpu' or 'cuda', got {self.device!r}")
+        need(self.eval_every >= 0 and self.max_minutes >= 0 and self.threads >= 0 and self.keep >= 1,
+             "train fields 'eval_every', 'max_minutes', 'threads' must be >= 0 and 'keep' >= 1")
+        return self
+
+
+def lr_scale(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% at the last step."""
+    if cfg.warmup and step <= cfg.warmup:
+        return step / cfg.warmup
+    t = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def lm_losses(model: V4Model, tokens: torch.Tensor, mtp: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next-token cross entropy (nats/byte), and the MTP loss (token t+2) when asked."""
+    V = model.cfg.vocab_size
+    if not mtp:
+        logits = model(tokens)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1)), None
+    logits, mtp_logits = model.forward_train(tokens)
+    main = F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1))
+    if mtp_logits is None:
+        return main, None
+    extra = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, V), tokens[:, 2:].reshape(-1))
+    return main, extra
+
+
+@torch.no_grad()
+def eval_loss(model: V4Model, batches: ByteBatches, n: int) -> float:
+    dev = next(model.parameters()).device
+    losses = [lm_losses(model, b.to(dev), mtp=False)[0].item() for b in batches.val_batches(n)]
+    return sum(losses) / len(losses)
+
+
+def _dist_setup() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def train(cfg: TrainConfig) -> dict:
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    rank, world = _dist_setup()
+    mcfg = get_preset(cfg.preset)
+    data, source = load_text(cfg.data, cfg.corpus_bytes, cfg.seed)
+    batches = ByteBatches(data, cfg.seq_len, cfg.batch_size, cfg.seed)
+    unigram = unigram_entropy(bytes(batches.train.to(torch.uint8).tolist()))
+    model = V4Model(mcfg, seed=cfg.seed)
+    dev = torch.device(cfg.device)
+    if dev.type == "cuda" and world > 1:
+        raise ValueError("train field 'device': the sharded step runs over gloo on CPU; use 'cpu' under torchrun")
+    model.to(dev)
+    muon_hp = MuonHyper(lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+    adamw_hp = AdamWHyper(lr=cfg.adamw_lr, weight_decay=cfg.weight_decay)
+    if world > 1:
+        if cfg.optimizer != "muon":
+            raise ValueError("train field 'optimizer': the sharded step runs Muon; use one process for 'adamw'")
+        opt = ZeroMuonAdamW(model, muon_hp, adamw_hp, stochastic=cfg.stochastic_bf16, seed=cfg.seed)
+    else:
+        opt = MuonAdamW(model, muon_hp, adamw_hp, use_muon=cfg.optimizer == "muon")
+    out = Path(cfg.out)
+    root = out / "ckpt"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    _barrier(world)
+    found = ckpt.latest(root, clean=rank == 0)
+    _barrier(world)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+    meta = {"config": dataclasses.asdict(cfg), "world": world, "source": source, "unigram_nats": unigram,
+            "tokens_per_step": tokens_per_step, "params": sum(p.numel() for p in model.parameters())}
+    log = LossLog(out / "loss.json", meta)
+    start, elapsed0 = 0, 0.0
+    if found is not None:
+        model_state, optim_state, cmeta = ckpt.load(found, rank)
+        if cmeta["world"] != world:
+            raise RuntimeError(f"checkpoint {found} was written by {cmeta['world']} ranks; this run has {world}")
+        model.load_state_dict(model_state["model"])
+        optim_state = _to_device(optim_state, dev)
+        opt.load_state_dict(optim_state["optim"])
+        torch.set_rng_state(optim_state["rng"].cpu())
+        start, elapsed0 = cmeta["step"], cmeta["elapsed"]
+        log.records = cmeta["records"]
+        log.truncate(start)
+    if rank == 0 and cfg.progress and start == 0:
+        print(opt.split.describe().splitlines()[-1], flush=True)
+    progress = Progress(cfg.steps, start) if (rank == 0 and cfg.progress) else None
+    t0 = time.perf_counter() - elapsed0
+    use_mtp = cfg.mtp_weight > 0
+    step = start
+    for step in range(start + 1, cfg.steps + 1):
+        ts = time.perf_counter()
+        sums = torch.zeros(2)
+        for micro in range(cfg.grad_accum):
+            tokens = batches.batch(step, rank * cfg.grad_accum + micro).to(dev)
+            main, extra = lm_losses(model, tokens, use_mtp)
+            total = main if extra is None else main + cfg.mtp_weight * extra
+            (total / (cfg.grad_accum * world)).backward()
+            sums[0] += main.item()
+            sums[1] += 0.0 if extra is None else extra.item()
+        if world > 1:
+            dist.all_reduce(sums)
+        sums /= cfg.grad_accum * world
+        opt.step(lr_scale=lr_scale(step, cfg))
+        opt.zero_grad()
+        now = time.perf_counter()
+        rec = {"step": step, "loss": round(float(sums[0]), 6), "lr_scale": round(lr_scale(step, cfg), 6),
+               "tokens": step * tokens_per_step, "elapsed_s": round(now - t0, 3)}
+        if use_mtp:
+            rec["mtp_loss"] = round(float(sums[1]), 6)
+        if cfg.eval_every and step % cfg.eval_every == 0 and rank == 0:
+            rec["val_loss"] = round(eval_loss(model, batches, cfg.eval_batches), 6)
+        log.add(**rec)
+        if progress:
+            progress.update(step, rec["loss"], tokens_per_step / max(now - ts, 1e-9))
+        stop = torch.tensor([float(cfg.max_minutes > 0 and now - t0 > 60 * cfg.max_minutes)])
+        if world > 1:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if step % cfg.ckpt_every == 0 or step == cfg.steps or stop.item():
+            _save(root, step, rank, world, model, opt, log, now - t0, cfg.keep)
+        if stop.item():
+            break
+    summary = {}
+    if rank == 0:
+        final_val = eval_loss(model, batches, cfg.eval_batches)
+        tail = [r["loss"] for r in log.records[-10:]]
+        summary = {"steps": step, "final_loss": sum(tail) / max(len(tail), 1), "val_loss": final_val,
+                   "unigram_nats": unigram, "tokens": step * tokens_per_step,
+                   "elapsed_s": log.records[-1]["elapsed_s"] if log.records else 0.0,
+                   "resumed_from": start, "optimizer": cfg.optimizer, "world": world}
+        log.meta["summary"] = summary
+        log.save()
+        curve = {cfg.optimizer: [(r["step"], r["loss"]) for r in log.records]}
+        vals = [(r["step"], r["val_loss"]) for r in log.records if "val_loss" in r]
+        if vals:
+            curve["val"] = vals
+        plot_curves(curve, out / "loss.png", f"v4stack train --preset {cfg.preset}", baseline=unigram)
+    _barrier(world)
+    return summary
+
+
+def _to_device(obj, dev: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: _to_device(v, dev) for k, v in obj.items()}
+    return obj
+
+
+def _save(root: Path, step: int, rank: int, world: int, model, opt, log: LossLog, elapsed: float, keep: int) -> None:
+    ckpt.write_shard(root, step, rank, {"optim": opt.state_dict(), "rng": torch.get_rng_state()})
+    _barrier(world)
+    if rank == 0:
+        meta = {"step": step, "world": world, "elapsed": elapsed, "records": log.records}
+        ckpt.commit(root, step, {"model": model.state_dict()}, meta, keep)
+        log.save()
+    _barrier(world)
