@@ -43,5 +43,5 @@ class Indexer(nn.Module):
         scores = ops.indexer_scores(q, w, keys).masked_fill(~visible, float("-inf"))
         # a stable sort breaks ties (e.g. several entries whose ReLU terms are all 0) towards the
         # earlier entry, so the choice never depends on how many entries exist past the visible ones
-        top, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-        return idx[:, :k], top[:, :k] > float("-inf")
+        top, idx = ops.topk(scores, k, stable=True)
+        return idx, top > float("-inf")

@@ -34,10 +34,10 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     column normalisation.
     """
     m = ops.softmax(logits, dim=-1) + eps
-    m = m / (m.sum(-2, keepdim=True) + eps)
+    m = m / (ops.sum(m, -2, keepdim=True) + eps)
     for _ in range(iters - 1):
-        m = m / (m.sum(-1, keepdim=True) + eps)
-        m = m / (m.sum(-2, keepdim=True) + eps)
+        m = m / (ops.sum(m, -1, keepdim=True) + eps)
+        m = m / (ops.sum(m, -2, keepdim=True) + eps)
     return m
 
 
@@ -52,26 +52,24 @@ def hc_coefficients(x, fn, base, scale, iters: int, eps: float, norm_eps: float)
     n = x.shape[1]
     mix = _mix(x, fn, norm_eps)
     base, scale = base.to(mix.dtype), scale.to(mix.dtype)
-    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
-    post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    pre = ops.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * ops.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
     return pre, post, sinkhorn(comb, iters, eps)
 
 
 def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Sublayer input before its norm: ``sum_j pre_j x_j`` -> ``[N, d]`` in x's dtype."""
-    return (pre.unsqueeze(-1) * x.to(pre.dtype)).sum(1).to(x.dtype)
+    return ops.hc_read(x, pre)
 
 
 def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams ``x'_k = post_k * out + sum_j comb[j, k] x_j``."""
-    cd = post.dtype
-    mixed = torch.einsum("njk,njd->nkd", comb, x.to(cd))
-    return (post.unsqueeze(-1) * out.to(cd).unsqueeze(1) + mixed).to(x.dtype)
+    return ops.hc_write(x, out, post, comb)
 
 
 def hc_head(x, fn, base, scale, eps: float, norm_eps: float) -> torch.Tensor:
     """Final stream mixing ``pre = sigmoid(mix * scale + base) + eps`` (no Sinkhorn) -> ``[N, d]``."""
     mix = _mix(x, fn, norm_eps)
-    pre = torch.sigmoid(mix * scale.to(mix.dtype) + base.to(mix.dtype)) + eps
+    pre = ops.sigmoid(mix * scale.to(mix.dtype) + base.to(mix.dtype)) + eps
     return hc_read(x, pre)

@@ -11,7 +11,6 @@ only the choice). The chosen experts' unbiased scores are normalised to sum 1 an
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from v4stack import ops
@@ -40,7 +39,7 @@ def swiglu(x, w1, w2, w3, limit: float, weight: torch.Tensor | None = None) -> t
     if limit > 0:
         gate = gate.clamp(max=limit)
         up = up.clamp(-limit, limit)
-    act = F.silu(gate) * up
+    act = ops.silu(gate) * up
     if weight is not None:
         act = act * weight.unsqueeze(-1)
     return ops.linear(act, w2.to(cd))
@@ -60,13 +59,13 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """-> (expert indices ``[N, k]``, routing weights ``[N, k]`` in the compute dtype)."""
         cd = compute_dtype(x.dtype)
-        scores = F.softplus(ops.linear(x.to(cd), self.weight.to(cd))).sqrt()
+        scores = ops.softplus(ops.linear(x.to(cd), self.weight.to(cd))).sqrt()
         if self.hashed:
             idx = self.tid2eid[token_ids].long()
         else:
-            idx = torch.topk(scores + self.bias.to(cd), self.topk, dim=-1).indices
+            idx = ops.topk(scores + self.bias.to(cd), self.topk)[1]
         w = scores.gather(1, idx)
-        w = w / w.sum(-1, keepdim=True) * self.scale
+        w = w / ops.sum(w, -1, keepdim=True) * self.scale
         return idx, w
 
 
@@ -89,16 +88,17 @@ class MoE(nn.Module):
         return self.combine(x, idx, w)
 
     def combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Routed experts in expert order, summed per token in fp32, then the shared expert."""
+        """Routed experts' outputs per (token, slot), summed per token by ``ops.moe_combine`` in
+        fp32 (in ascending expert order in invariant mode), then the shared expert."""
         cd = compute_dtype(x.dtype)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=cd, device=x.device)
+        y = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=cd, device=x.device)
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts).tolist()
         for e, cnt in enumerate(counts):
             if cnt == 0:
                 continue
             tok, slot = torch.where(idx == e)
-            y = self.experts[e](x[tok], w[tok, slot])
-            out.index_add_(0, tok, y)
+            y[tok, slot] = self.experts[e](x[tok], w[tok, slot])
+        out = ops.moe_combine(y, idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.to(x.dtype)

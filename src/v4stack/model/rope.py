@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from v4stack import ops
 from v4stack.config import ModelConfig
 
 
@@ -45,7 +46,7 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         ang = positions.to(torch.float64).unsqueeze(-1) * self.freqs.to(positions.device)
         calc = torch.float64 if dtype == torch.float64 else torch.float32
-        return ang.cos().to(calc), ang.sin().to(calc)
+        return ops.cos(ang).to(calc), ops.sin(ang).to(calc)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last ``dim`` channels of ``x``.

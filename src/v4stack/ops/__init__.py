@@ -1,26 +1,143 @@
-"""Every reduction the model does goes through this package.
+"""Every reduction the model does goes through this package, in one of two modes.
 
-The model calls these functions only; which implementation runs is chosen by the active mode
-(``fast`` today: framework defaults). Keeping the call sites here is what lets a batch-invariant
-mode replace the reductions without touching the model.
+- ``fast`` (the process default): framework defaults, ``core.py``;
+- ``invariant``: a fixed reduction order per row that never depends on the batch, ``invariant.py``.
+
+Pick one with ``ops.set_mode("invariant")`` or ``with ops.mode("invariant"): ...``. GEMM-like ops
+take ``fp=``, a ``FloatSemantics`` from ``ops.opt_in(site, tf32=..., fast_math=...)``; without it
+they run IEEE fp32 (no TF32, no reduced-precision reductions), and invariant mode refuses any
+opt-in.
 """
 
-from v4stack.ops.core import (
-    attention_with_sink,
-    hc_mix,
-    indexer_scores,
-    linear,
-    rms_norm,
-    softmax,
-    weighted_pool,
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from v4stack.ops import core as _fast
+from v4stack.ops import invariant as _inv
+from v4stack.ops.mode import (
+    IEEE,
+    MODES,
+    FloatSemantics,
+    FloatSemanticsError,
+    get_mode,
+    mode,
+    opt_in,
+    recorded,
+    set_mode,
 )
+from v4stack.ops.mode import admit as _admit
+from v4stack.ops.mode import cuda_float_flags as _cuda_flags
+
+
+def _impl():
+    return _inv if get_mode() == "invariant" else _fast
+
+
+def _gemm(op: str, x: torch.Tensor, fp: FloatSemantics | None):
+    """(implementation, context) for a GEMM-like op with explicit float semantics."""
+    fp = _admit(op, fp)
+    impl = _impl()
+    if x.is_cuda and impl is _fast:
+        return impl, _cuda_flags(fp)
+    return impl, contextlib.nullcontext()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fp: FloatSemantics | None = None) -> torch.Tensor:
+    """``x @ weight.T`` over the last dim of ``x``."""
+    impl, ctx = _gemm("linear", x, fp)
+    with ctx:
+        return impl.linear(x, weight)
+
+
+def hc_mix(flat: torch.Tensor, fn: torch.Tensor, eps: float, fp: FloatSemantics | None = None) -> torch.Tensor:
+    """mHC projection: ``(flat @ fn.T) * rsqrt(mean(flat^2) + eps)`` (weightless RMS)."""
+    impl, ctx = _gemm("hc_mix", flat, fp)
+    with ctx:
+        return impl.hc_mix(flat, fn, eps)
+
+
+def indexer_scores(q, w, k, fp: FloatSemantics | None = None) -> torch.Tensor:
+    """Lightning-indexer score ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``."""
+    impl, ctx = _gemm("indexer_scores", q, fp)
+    with ctx:
+        return impl.indexer_scores(q, w, k)
+
+
+def attention_with_sink(q, keys, mask, sink, scale: float, fp: FloatSemantics | None = None) -> torch.Tensor:
+    """Shared-KV attention, q ``[T, H, c]``, keys ``[T, K, c]``, mask ``[T, K]``, sink ``[H]``."""
+    impl, ctx = _gemm("attention_with_sink", q, fp)
+    with ctx:
+        return impl.attention_with_sink(q, keys, mask, sink, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in at least fp32, returned in ``x``'s dtype."""
+    return _impl().rms_norm(x, weight, eps)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return _impl().softmax(x, dim)
+
+
+def weighted_pool(kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tensor:
+    """Gated pooling: ``sum_j softmax_j(score) * kv_j`` along ``dim`` (per channel)."""
+    return _impl().weighted_pool(kv, score, dim)
+
+
+def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """mHC read ``sum_j pre_j x_j``: ``x [N, n, d]``, ``pre [N, n]`` -> ``[N, d]``."""
+    return _impl().hc_read(x, pre)
+
+
+def hc_write(x, out, post, comb) -> torch.Tensor:
+    """mHC write ``x'_k = post_k * out + sum_j comb[j, k] x_j``."""
+    return _impl().hc_write(x, out, post, comb)
+
+
+def moe_combine(y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Routed expert outputs ``y [N, k, d]`` (expert ids ``idx [N, k]``) summed per token."""
+    return _impl().moe_combine(y, idx)
+
+
+def topk(x: torch.Tensor, k: int, stable: bool = False):
+    """(values, indices) of the ``k`` largest along the last dim, descending."""
+    return _impl().topk(x, k, stable)
+
+
+def sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:  # noqa: A001
+    return _impl().sum(x, dim, keepdim)
+
+
+def exp(x):
+    return _impl().exp(x)
+
+
+def sigmoid(x):
+    return _impl().sigmoid(x)
+
+
+def silu(x):
+    return _impl().silu(x)
+
+
+def softplus(x):
+    return _impl().softplus(x)
+
+
+def cos(x):
+    return _impl().cos(x)
+
+
+def sin(x):
+    return _impl().sin(x)
+
 
 __all__ = [
-    "attention_with_sink",
-    "hc_mix",
-    "indexer_scores",
-    "linear",
-    "rms_norm",
-    "softmax",
-    "weighted_pool",
+    "IEEE", "MODES", "FloatSemantics", "FloatSemanticsError", "attention_with_sink", "cos", "exp",
+    "get_mode", "hc_mix", "hc_read", "hc_write", "indexer_scores", "linear", "mode", "moe_combine",
+    "opt_in", "recorded", "rms_norm", "set_mode", "sigmoid", "silu", "sin", "softmax", "softplus",
+    "sum", "topk", "weighted_pool",
 ]

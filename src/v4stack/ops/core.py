@@ -1,4 +1,9 @@
-"""Reference ("fast") implementations of the model's reductions: framework defaults."""
+"""The ``fast`` implementations of the model's reductions: framework defaults.
+
+A row's result may depend on the batch it shares a call with (CPU ``torch.mm`` changes its fp32
+kernel from M = 8 on, cuBLAS picks split-K by shape, torch's CPU pointwise kernels use a scalar
+formula for a tensor's ragged tail). ``invariant.py`` holds the batch-invariant versions.
+"""
 
 from __future__ import annotations
 
@@ -59,3 +64,42 @@ def attention_with_sink(
     p = torch.exp(scores - m)
     denom = p.sum(-1, keepdim=True) + torch.exp(sink - m)
     return torch.einsum("thk,tkc->thc", p / denom, keys)
+
+
+def sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:  # noqa: A001
+    return x.sum(dim, keepdim=keepdim)
+
+
+exp = torch.exp
+sigmoid = torch.sigmoid
+silu = F.silu
+softplus = F.softplus
+cos = torch.cos
+sin = torch.sin
+
+
+def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Sublayer input before its norm: ``sum_j pre_j x_j`` -> ``[N, d]`` in x's dtype."""
+    return (pre.unsqueeze(-1) * x.to(pre.dtype)).sum(1).to(x.dtype)
+
+
+def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams ``x'_k = post_k * out + sum_j comb[j, k] x_j``."""
+    cd = post.dtype
+    mixed = torch.einsum("njk,njd->nkd", comb, x.to(cd))
+    return (post.unsqueeze(-1) * out.to(cd).unsqueeze(1) + mixed).to(x.dtype)
+
+
+def moe_combine(y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Routed outputs ``y [N, k, d]`` summed over the k slots in at least fp32."""
+    acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+    return y.to(acc).sum(1)
+
+
+def topk(x: torch.Tensor, k: int, stable: bool = False):
+    """Largest ``k`` along the last dim, descending; ``stable`` breaks ties to the lower index."""
+    if stable:
+        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+        return vals[..., :k], idx[..., :k]
+    r = torch.topk(x, k, dim=-1)
+    return r.values, r.indices

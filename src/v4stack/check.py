@@ -1,0 +1,180 @@
+"""`v4stack check invariance`: are a request's logits the same alone and inside any batch?
+
+Random prompts (mixed lengths, each prefilled in its own random chunks, then decoded token by
+token on fixed random tokens) run first one request at a time, then through several batch sizes
+in shuffled orders: a request joins as soon as a slot frees up, so some prefill while others
+decode, and the row order is reshuffled every step. Each request's logits from every step are
+compared bitwise with its solo run. The first batched schedule is also run twice (determinism).
+
+This module imports torch lazily so the CLI stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+import typer
+
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+@dataclass
+class Request:
+    rid: int
+    chunks: list  # token tensors, fed one per step: prefill chunks then single decode tokens
+
+
+def make_requests(n: int, seed: int, vocab: int, max_prompt: int = 24, decode: int = 4) -> list[Request]:
+    """``n`` requests of prompt length 1..max_prompt, random prefill chunking, ``decode`` tokens."""
+    import torch
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for rid in range(n):
+        L = rng.randint(1, max_prompt)
+        toks = torch.randint(0, vocab, (L + decode,), generator=g)
+        cuts, p = [], 0
+        while p < L:
+            step = rng.randint(1, max(1, L // 2))
+            cuts.append((p, min(L, p + step)))
+            p += step
+        cuts += [(L + j, L + j + 1) for j in range(decode)]
+        reqs.append(Request(rid, [toks[a:b] for a, b in cuts]))
+    return reqs
+
+
+def run_alone(model, reqs: list[Request]) -> dict[int, list]:
+    out = {}
+    for r in reqs:
+        st = model.new_state()
+        out[r.rid] = [model.step([(c, st)])[0].clone() for c in r.chunks]
+    return out
+
+
+def run_batched(model, reqs: list[Request], batch: int, seed: int) -> dict[int, list]:
+    """Continuous batching: up to ``batch`` requests per step, joining as slots free up."""
+    rng = random.Random(seed)
+    queue = list(reqs)
+    rng.shuffle(queue)
+    out = {r.rid: [] for r in reqs}
+    active: list[tuple[Request, object]] = []
+    while queue or active:
+        while queue and len(active) < batch:
+            r = queue.pop(0)
+            active.append((r, model.new_state()))
+        rng.shuffle(active)
+        res = model.step([(r.chunks[len(out[r.rid])], st) for r, st in active])
+        for (r, _), logits in zip(active, res):
+            out[r.rid].append(logits.clone())
+        active = [(r, st) for r, st in active if len(out[r.rid]) < len(r.chunks)]
+    return out
+
+
+def _bits(t):
+    import torch
+
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def compare(ref: dict[int, list], got: dict[int, list]) -> dict:
+    """Bitwise comparison of every (request, step) logits tensor."""
+    steps = differ = rows_differ = 0
+    reqs_differ = set()
+    max_abs = 0.0
+    for rid, ref_steps in ref.items():
+        for a, b in zip(ref_steps, got[rid], strict=True):
+            steps += 1
+            if a.shape == b.shape and a.dtype == b.dtype and bool((_bits(a) == _bits(b)).all()):
+                continue
+            differ += 1
+            reqs_differ.add(rid)
+            d = (a.double() - b.double()).abs()
+            rows_differ += int((d.amax(-1) > 0).sum()) if d.numel() else 0
+            max_abs = max(max_abs, float(d.max()) if d.numel() else 0.0)
+    return {"steps": steps, "steps_differ": differ, "rows_differ": rows_differ,
+            "requests_differ": len(reqs_differ), "max_abs_diff": max_abs}
+
+
+def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invariant", seed: int = 0,
+                     batch_sizes: tuple[int, ...] = (3, 8, 32), dtype: str = "float32",
+                     max_prompt: int = 24, decode: int = 4) -> dict:
+    """Run ``prompts`` requests alone and batched under ops mode ``mode``; compare bitwise."""
+    import torch
+
+    from v4stack import ops
+    from v4stack.config import preset as get_preset
+    from v4stack.model import V4Model
+
+    if mode not in ops.MODES:
+        raise ValueError(f"mode must be one of {list(ops.MODES)}, got {mode!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if prompts < 1:
+        raise ValueError(f"prompts must be >= 1, got {prompts}")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch_sizes must be non-empty and >= 1, got {list(batch_sizes)}")
+    cfg = get_preset(preset)
+    model = V4Model(cfg, seed=seed).cast(getattr(torch, dtype)).eval()
+    reqs = make_requests(prompts, seed, cfg.vocab_size, max_prompt, decode)
+    runs = []
+    with torch.no_grad(), ops.mode(mode):
+        ref = run_alone(model, reqs)
+        first = None
+        for i, b in enumerate(batch_sizes):
+            got = run_batched(model, reqs, b, seed=seed * 1000 + i)
+            first = first or (b, seed * 1000 + i, got)
+            runs.append({"batch_size": b, "order_seed": seed * 1000 + i, **compare(ref, got)})
+        b, s, got = first
+        again = compare(got, run_batched(model, reqs, b, seed=s))
+    total = {k: sum(r[k] for r in runs) for k in ("steps", "steps_differ", "rows_differ")}
+    return {
+        "preset": preset, "mode": mode, "dtype": dtype, "prompts": prompts, "seed": seed,
+        "steps_per_request": [len(r.chunks) for r in reqs],
+        "runs": runs,
+        "steps_compared": total["steps"], "steps_differ": total["steps_differ"],
+        "rows_differ": total["rows_differ"],
+        "requests_differ": max((r["requests_differ"] for r in runs), default=0),
+        "max_abs_diff": max((r["max_abs_diff"] for r in runs), default=0.0),
+        "deterministic": again["steps_differ"] == 0,
+        "invariant": total["steps_differ"] == 0,
+    }
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+
+app = typer.Typer(help="Checks a user can run against the local install.", no_args_is_help=True)
+
+
+@app.command("invariance")
+def invariance_command(
+    preset: str = typer.Option("tiny", help="Model preset (random weights)."),
+    prompts: int = typer.Option(32, min=1, help="Number of random prompts."),
+    mode: str = typer.Option("invariant", help="ops mode: invariant or fast."),
+    seed: int = typer.Option(0, help="Seed for weights, prompts and batch orders."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float64."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full JSON report."),
+):
+    """Run prompts alone and in shuffled batches; compare logits bitwise at every step.
+
+    Exits 1 if any step differs (or a repeat is not bit-identical) in invariant mode.
+    """
+    try:
+        rep = check_invariance(preset, prompts, mode, seed=seed, dtype=dtype)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    if as_json:
+        typer.echo(json.dumps(rep, indent=2))
+    else:
+        typer.echo(f"mode {rep['mode']}  preset {rep['preset']}  dtype {rep['dtype']}  prompts {rep['prompts']}")
+        for r in rep["runs"]:
+            typer.echo(f"  batch {r['batch_size']:>3}: {r['steps_differ']}/{r['steps']} steps differ "
+                       f"({r['requests_differ']} requests, max |diff| {r['max_abs_diff']:.3g})")
+        typer.echo(f"  same batch twice bit-identical: {rep['deterministic']}")
+        typer.echo("invariant" if rep["invariant"] else f"NOT invariant: {rep['steps_differ']} steps differ")
+    if mode == "invariant" and not (rep["invariant"] and rep["deterministic"]):
+        raise typer.Exit(1)

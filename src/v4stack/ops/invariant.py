@@ -1,0 +1,240 @@
+"""Batch-invariant implementations of the model's reductions, in plain torch (CPU or GPU).
+
+Invariant by construction:
+
+- every reduction is a pairwise tree of elementwise IEEE adds over the reduced axis, whose shape
+  depends only on the reduced width ``L`` (level by level, element ``i`` is added to element
+  ``i + L // 2``; an odd last element is carried up). An elementwise add rounds each element once,
+  the same way in a vector lane or in scalar code, so an output row depends on its own inputs and
+  ``L`` only - never on how many rows share the call, where the row sits, or the thread count;
+- products are elementwise multiplies in the accumulation dtype (fp32 for bf16/fp16/fp32 inputs,
+  whose products are then exact for 16-bit inputs; fp64 for fp64);
+- maxima use ``torch.maximum`` trees (exact);
+- transcendental pointwise functions run, on CPU, over a contiguous buffer padded to whole blocks
+  of 64 elements in calls of a fixed size, so every element takes torch's vectorised formula: its
+  CPU kernels use a different scalar formula for a tensor's ragged tail and for strided inputs,
+  and for sigmoid, silu and softplus the two differ in the last bit.
+
+Large products are computed in chunks of rows / columns; chunking never changes an element's
+arithmetic, only peak memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_BLOCK = 64  # elements: a multiple of every CPU vector width x unroll torch uses (AVX-512: 2 x 16 fp32)
+_CHUNK = 16384  # elements per pointwise call: below torch's parallel grain (32768), so never split
+_BUDGET = 1 << 22  # elements of one product tensor before the work is chunked
+
+
+def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp64 if any input is fp64, else fp32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+# ---- reductions ----------------------------------------------------------------------------
+
+
+def _tree(t: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Reduce dim 0 of ``t`` with a pairwise tree fixed by ``t.shape[0]``."""
+    while t.shape[0] > 1:
+        L = t.shape[0]
+        h = L // 2
+        s = combine(t[:h], t[h : 2 * h])
+        t = torch.cat((s, t[2 * h :])) if L % 2 else s
+    return t[0]
+
+
+def _reduce(x: torch.Tensor, dim: int, keepdim: bool, combine, empty: float) -> torch.Tensor:
+    dim = dim % x.dim()
+    t = x.movedim(dim, 0)
+    if t.shape[0] == 0:
+        r = torch.full(t.shape[1:], empty, dtype=x.dtype, device=x.device)
+    else:
+        r = _tree(t.contiguous(), combine)
+    return r.unsqueeze(dim) if keepdim else r
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Sum over ``dim`` in a fixed pairwise order (in ``x``'s dtype)."""
+    return _reduce(x, dim, keepdim, torch.add, 0.0)
+
+
+def tree_max(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Max over ``dim`` (exact; the tree only fixes which of equal zeros / NaNs comes out)."""
+    return _reduce(x, dim, keepdim, torch.maximum, float("-inf"))
+
+
+def sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:  # noqa: A001
+    return tree_sum(x, dim, keepdim)
+
+
+# ---- pointwise -----------------------------------------------------------------------------
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` elementwise, with every element on the same code path wherever it sits."""
+    if x.device.type != "cpu":  # CUDA kernels apply one formula to every element
+        return fn(x)
+    n = x.numel()
+    flat = x.reshape(-1)
+    pad = (-n) % _BLOCK
+    buf = torch.cat((flat, flat.new_zeros(pad))) if pad else flat.contiguous()
+    out = torch.empty_like(buf)
+    for s in range(0, buf.numel(), _CHUNK):
+        out[s : s + _CHUNK] = fn(buf[s : s + _CHUNK])
+    return out[:n].view(x.shape)
+
+
+def exp(x):
+    return pointwise(torch.exp, x)
+
+
+def sigmoid(x):
+    return pointwise(torch.sigmoid, x)
+
+
+def silu(x):
+    return pointwise(F.silu, x)
+
+
+def softplus(x):
+    return pointwise(F.softplus, x)
+
+
+def cos(x):
+    return pointwise(torch.cos, x)
+
+
+def sin(x):
+    return pointwise(torch.sin, x)
+
+
+def _inv_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(v)`` as two correctly rounded IEEE operations."""
+    return torch.div(torch.ones_like(v), torch.sqrt(v))
+
+
+# ---- GEMM ----------------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` over the last dim; each output's K-sum is a fixed tree (no split-K)."""
+    K, N = x.shape[-1], weight.shape[0]
+    if weight.shape[-1] != K:
+        raise ValueError(f"weight has in_features {weight.shape[-1]}, input has {K}")
+    acc = acc_dtype(x.dtype, weight.dtype)
+    lead = x.shape[:-1]
+    xt = x.reshape(-1, K).to(acc).t()  # [K, M]
+    wt = weight.to(acc).t()  # [K, N]
+    M = xt.shape[1]
+    out = torch.empty(M, N, dtype=acc, device=x.device)
+    if K == 0:
+        return out.zero_().to(x.dtype).view(*lead, N)
+    nc = min(N, 256)
+    mc = max(1, min(M, _BUDGET // (K * nc)))
+    for m0 in range(0, M, mc):
+        for n0 in range(0, N, nc):
+            prod = xt[:, m0 : m0 + mc, None] * wt[:, None, n0 : n0 + nc]  # [K, mc, nc]
+            out[m0 : m0 + mc, n0 : n0 + nc] = _tree(prod, torch.add)
+    return out.to(x.dtype).view(*lead, N)
+
+
+# ---- the model's fused reductions ----------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.to(acc_dtype(x.dtype))
+    ms = tree_sum(xf * xf, -1, keepdim=True) / x.shape[-1]
+    y = xf * _inv_sqrt(ms + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    e = exp(x - tree_max(x, dim, keepdim=True))
+    return e / tree_sum(e, dim, keepdim=True)
+
+
+def hc_mix(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """mHC projection; the 24-wide GEMM and the RMS reduce in fixed trees over ``n * d``."""
+    rs = _inv_sqrt(tree_sum(flat * flat, -1, keepdim=True) / flat.shape[-1] + eps)
+    return linear(flat, fn) * rs
+
+
+def weighted_pool(kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tensor:
+    return tree_sum(softmax(score, dim) * kv, dim)
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    dots = linear(q, k).clamp_min(0)  # [T, h, S]
+    return tree_sum(dots * w.unsqueeze(-1), 1)
+
+
+def attention_with_sink(q, keys, mask, sink, scale: float) -> torch.Tensor:
+    """Per query row: scores over its own candidates, sink in the denominator, weighted sum.
+
+    Query rows never mix: each row's dot products (tree over ``c``) and its sums over candidates
+    (trees over ``K``) depend on that row alone; rows are chunked only to bound memory.
+    """
+    T, H, c = q.shape
+    K = keys.shape[1]
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    tc = max(1, min(T, _BUDGET // max(1, H * K * c)))
+    for t0 in range(0, T, tc):
+        sl = slice(t0, t0 + tc)
+        out[sl] = _attend(q[sl], keys[sl], mask[sl], sink, scale)
+    return out
+
+
+def _attend(q, keys, mask, sink, scale):
+    qc = q.permute(2, 0, 1).unsqueeze(-1)  # [c, t, H, 1]
+    kc = keys.permute(2, 0, 1).unsqueeze(2)  # [c, t, 1, K]
+    scores = _tree((qc * kc).contiguous(), torch.add) * scale  # [t, H, K]
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = sink.to(scores.dtype).view(1, -1, 1)
+    m = torch.maximum(tree_max(scores, -1, keepdim=True), sink)
+    p = exp(scores - m)
+    denom = tree_sum(p, -1, keepdim=True) + exp(sink - m)
+    w = p / denom
+    prod = w.permute(2, 0, 1).unsqueeze(-1) * keys.permute(1, 0, 2).unsqueeze(2)  # [K, t, H, c]
+    if prod.shape[0] == 0:
+        return torch.zeros_like(q)
+    return _tree(prod.contiguous(), torch.add)
+
+
+def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_j pre_j x_j`` over the streams, a fixed tree over ``j``."""
+    return tree_sum(pre.unsqueeze(-1) * x.to(pre.dtype), 1).to(x.dtype)
+
+
+def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``x'_k = post_k * out + sum_j comb[j, k] x_j`` with the j-sum a fixed tree."""
+    cd = post.dtype
+    mixed = tree_sum(comb.unsqueeze(-1) * x.to(cd).unsqueeze(2), 1)  # [N, j, k, d] -> [N, k, d]
+    return (post.unsqueeze(-1) * out.to(cd).unsqueeze(1) + mixed).to(x.dtype)
+
+
+def moe_combine(y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per token, the routed outputs ``y [N, k, d]`` summed left to right in ascending expert id
+    (ties in slot order), in at least fp32."""
+    acc = acc_dtype(y.dtype)
+    order = torch.sort(idx, dim=1, stable=True).indices
+    ys = y.to(acc).gather(1, order.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+    out = torch.zeros(y.shape[0], y.shape[2], dtype=acc, device=y.device)
+    for j in range(ys.shape[1]):
+        out = out + ys[:, j]
+    return out
+
+
+def topk(x: torch.Tensor, k: int, stable: bool = False):
+    """Largest ``k`` along the last dim, descending, ties to the lower index (a stable sort)."""
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
