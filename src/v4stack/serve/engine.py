@@ -1,0 +1,155 @@
+"""The engine: one ``step()`` schedules, runs the model once over every scheduled request,
+stores the cache, samples, and reports tokens. It is synchronous and single-threaded; the
+server drives it from a background thread (``serve/runner.py``).
+
+It runs the ops in ``invariant`` mode by default, so a request's tokens equal the model's own
+incremental decode of that request alone, whatever else shares its steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from v4stack.model import V4Model
+from v4stack.ops.mode import mode as ops_mode
+from v4stack.serve.cache.manager import CacheManager
+from v4stack.serve.request import Request, Status
+from v4stack.serve.sampling import SamplingParams
+from v4stack.serve.scheduler import Scheduler
+
+
+@dataclass
+class EngineConfig:
+    n_blocks: int = 256
+    n_slots: int = 64
+    n_snapshots: int | None = None  # boundary snapshots kept for prefix reuse (default: n_blocks)
+    token_budget: int = 256
+    max_running: int = 64
+    ops_mode: str = "invariant"
+
+    def validate(self) -> "EngineConfig":
+        for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine setting '{name}' must be >= 1, got {getattr(self, name)}")
+        if self.ops_mode not in ("fast", "invariant"):
+            raise ValueError(f"engine setting 'ops_mode' must be 'fast' or 'invariant', got {self.ops_mode!r}")
+        return self
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0
+    tokens_generated: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    ttft: list[float] = field(default_factory=list)
+    finished: int = 0
+    aborted: int = 0
+
+
+class Engine:
+    def __init__(self, model: V4Model, config: EngineConfig | None = None):
+        self.model = model.eval()
+        self.config = (config or EngineConfig()).validate()
+        c = self.config
+        self.cache = CacheManager(model.cfg, model.dtype, c.n_blocks, c.n_slots, c.n_snapshots,
+                                  device=model.embed.weight.device)
+        self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    @property
+    def max_context(self) -> int:
+        return min(self.model.cfg.max_position_embeddings, self.cache.blocks.n_blocks * self.cache.B - 1)
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    on_event=None) -> Request:
+        params.validate()
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the context this engine can hold ({self.max_context} tokens)")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, list(prompt), params, on_event=on_event)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.release(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.requests.pop(req.id, None)
+        if reason == "abort":
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
+        if req.on_event is not None:
+            req.on_event(req, [], True)
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        dev = self.model.embed.weight.device
+        inputs, states = [], []
+        for req, n in plan:
+            st = self.cache.state(req.cache)
+            ids = req.all_tokens[req.computed : req.computed + n]
+            states.append((st, ids))
+            inputs.append((torch.tensor(ids, device=dev), st))
+        with ops_mode(self.config.ops_mode):
+            logits = self.model.step(inputs)
+        self.stats.steps += 1
+        done = []
+        now = time.perf_counter()
+        for (req, n), (st, ids), lg in zip(plan, states, logits):
+            self.cache.commit(req.cache, st, ids)
+            self.stats.tokens_computed += n
+            if req.pending:
+                continue
+            with ops_mode(self.config.ops_mode):
+                tok = req.sampler(lg[-1])
+            req.output.append(tok)
+            req.token_times.append(now)
+            self.stats.tokens_generated += 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self.stats.ttft.append(now - req.arrival)
+            finished = len(req.output) >= req.params.max_tokens or req.hit_stop()
+            if req.on_event is not None:
+                req.on_event(req, [tok], False)
+            if finished:
+                self._finish(req, "stop" if req.hit_stop() else "length")
+                done.append(req)
+        return done
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Run ``prompts`` to completion (offline batch use and tests)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work():
+            self.step()
+        return reqs
