@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from v4stack.megamoe.experts import ExpertShard, pairs_by_expert, reduce_topk
+from v4stack.megamoe.fp8 import FP8, dequantize_rows, quantize_rows
 
 
 def _a2a_rows(send: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
@@ -51,7 +52,11 @@ class AllToAllMoE:
         dist.all_to_all_single(recv_counts, send_counts, group=g)
         in_rows = send_counts.sum(1).tolist()
         out_rows = recv_counts.sum(1).tolist()
-        rx = _a2a_rows(x[order // k].to(self.dispatch_dtype), out_rows, in_rows, g)
+        if self.dispatch_dtype == FP8:
+            q, scales = quantize_rows(x[order // k])
+            rx = dequantize_rows(_a2a_rows(q, out_rows, in_rows, g), _a2a_rows(scales, out_rows, in_rows, g))
+        else:
+            rx = _a2a_rows(x[order // k].to(self.dispatch_dtype), out_rows, in_rows, g)
         rw = _a2a_rows(w.reshape(-1, 1).float()[order], out_rows, in_rows, g).view(-1)
         self.last_remote_rows = sum(c for r, c in enumerate(out_rows) if r != self.rank)
 

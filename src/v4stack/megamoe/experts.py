@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from v4stack.megamoe.fp8 import FP8, dequantize_rows, quantize_rows
 from v4stack.model.moe import MoE, swiglu
 
 GEMM_MODES = ("row", "tile")
@@ -149,12 +150,19 @@ def shared_expert(moe: MoE, x: torch.Tensor, tile: int = 8, gemm: str = "row") -
 
 @torch.no_grad()
 def reference_routed(moe: MoE, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, *, tile: int = 8,
-                     gemm: str = "row") -> torch.Tensor:
+                     gemm: str = "row", dispatch_dtype: torch.dtype | None = None,
+                     combine_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The routed part of the single-process layer in the documented order, fp32 ``[N, h]``.
 
     Same math and sum order as ``MoE.combine``; its expert GEMMs batch each expert's rows in
     one call, so the two agree bitwise when ``ops.linear`` is row-invariant (invariant mode).
+    ``dispatch_dtype`` / ``combine_dtype`` round the rows the way a lossy dispatch (BF16, FP8 with
+    per-128 scales) or a BF16 combine would.
     """
+    if dispatch_dtype == FP8:
+        x = dequantize_rows(*quantize_rows(x))
+    elif dispatch_dtype is not None:
+        x = x.to(dispatch_dtype)
     n, k = idx.shape
     shard = ExpertShard.from_moe(moe, 0, 1, tile=tile, gemm=gemm)
     order, counts = pairs_by_expert(idx, moe.n_experts)
@@ -164,7 +172,7 @@ def reference_routed(moe: MoE, x: torch.Tensor, idx: torch.Tensor, w: torch.Tens
     for e, c in enumerate(counts.tolist()):
         if c:
             p = order[lo : lo + c]
-            comb[p] = shard.ffn_rows(e, x[p // k], wf[p])
+            comb[p] = shard.ffn_rows(e, x[p // k], wf[p]).to(combine_dtype).float()
         lo += c
     return reduce_topk(comb, idx)
 

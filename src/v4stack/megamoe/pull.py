@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from v4stack.megamoe.experts import ExpertShard, pairs_by_expert, reduce_topk
+from v4stack.megamoe.fp8 import FP8, dequantize_rows, n_scales, quantize_rows
 from v4stack.megamoe.plan import Hardware, WavePlan, plan_waves
 from v4stack.megamoe.symm import symmetric_buffer
 
@@ -116,8 +117,11 @@ class MegaMoE:
         self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
         self.hw = hw or CPU_HW
         h, k, nl = shard.hidden, shard.topk, shard.n_local
+        self.fp8 = dispatch_dtype == FP8
+        ns = n_scales(h) if self.fp8 else 0
         self.buf = symmetric_buffer({
             "x": ((max_tokens, h), dispatch_dtype),
+            "xs": ((max_tokens, ns), torch.float32),  # per-128 scales (FP8 dispatch only)
             "w": ((max_tokens * k,), torch.float32),
             "counts": ((self.world, nl), torch.int32),
             "pairs": ((self.world, max_tokens * k), torch.int32),
@@ -125,6 +129,7 @@ class MegaMoE:
         }, group, self.device)
         self.ring_x = torch.zeros(ring_tiles, shard.tile, h, dtype=dispatch_dtype, device=self.device)
         self.ring_w = torch.zeros(ring_tiles, shard.tile, dtype=torch.float32, device=self.device)
+        self.ring_s = torch.ones(ring_tiles, shard.tile, ns, dtype=torch.float32, device=self.device)
         self.last = CallStats()
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -137,7 +142,12 @@ class MegaMoE:
     def _push_metadata(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
         n, k = idx.shape
         buf, nl = self.buf, self.shard.n_local
-        buf.local("x")[:n].copy_(x.to(self.dispatch_dtype))
+        if self.fp8:
+            q, scales = quantize_rows(x)
+            buf.local("x")[:n].copy_(q)
+            buf.local("xs")[:n].copy_(scales)
+        else:
+            buf.local("x")[:n].copy_(x.to(self.dispatch_dtype))
         buf.local("w")[: n * k].copy_(w.reshape(-1).float())
         order, counts = pairs_by_expert(idx, self.shard.n_experts)
         order, counts = order.to(torch.int32).to(self.device), counts.to(torch.int32)
@@ -215,6 +225,9 @@ class MegaMoE:
                             p_dev = p.to(self.device)
                             torch.index_select(src_x, 0, p_dev // k, out=self.ring_x[slot, lo : lo + n])
                             torch.index_select(src_w, 0, p_dev, out=self.ring_w[slot, lo : lo + n])
+                            if self.fp8:
+                                torch.index_select(self.buf.remote(s, "xs"), 0, p_dev // k,
+                                                   out=self.ring_s[slot, lo : lo + n])
                             lo += n
                         if lo < self.shard.tile:
                             self.ring_x[slot, lo:].zero_()
@@ -239,7 +252,10 @@ class MegaMoE:
                     slot = (i + j) % self.ring_tiles
                     if self._cuda:
                         torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
-                    y = self.shard.ffn_tile(t.expert, self.ring_x[slot], self.ring_w[slot])
+                    xt = self.ring_x[slot]
+                    if self.fp8:
+                        xt = dequantize_rows(xt, self.ring_s[slot])
+                    y = self.shard.ffn_tile(t.expert, xt, self.ring_w[slot])
                     r = 0
                     for s, p in t.segments:
                         m = p.shape[0]
