@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import shutil
@@ -35,16 +36,25 @@ def is_mount(path: str | os.PathLike) -> bool:
     return False
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
+
+
 def mount(fstype: str, source: str, target: str | os.PathLike, options: str = "") -> None:
-    argv = ["mount", "-t", fstype]
-    if options:
-        argv += ["-o", options]
-    run(argv + [source, str(target)])
+    """mount(2) directly for in-memory filesystems (no fork); mount(8) where a loop device is needed."""
+    if "loop" in options.split(","):
+        run(["mount", "-t", fstype, "-o", options, source, str(target)])
+        return
+    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), 0, options.encode() or None) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount -t {fstype} {target}: {os.strerror(e)}")
 
 
 def umount(target: str | os.PathLike, lazy: bool = True) -> None:
-    if is_mount(target):
-        run(["umount", "-l" if lazy else "-f", str(target)])
+    if _libc.umount2(str(target).encode(), _MNT_DETACH if lazy else 0) != 0:
+        e = ctypes.get_errno()
+        if e not in (22, 2):  # EINVAL: not a mount point; ENOENT: gone
+            raise OSError(e, f"umount {target}: {os.strerror(e)}")
 
 
 def make_shared(path: Path) -> None:

@@ -137,20 +137,26 @@ class Rootfs:
     def upper(self) -> Path:
         return self.rw / "upper"
 
-    def mount(self, chain: list[str]) -> None:
+    def mount(self, chain: list[str], prepare=None) -> None:
+        """Mount a fresh upper over ``chain``; ``prepare(upper)`` may fill the upper first."""
         lowers = [str(self.layers.path(x)) for x in chain] + [str(self.image_dir)]
         self.rw.mkdir(parents=True, exist_ok=True)
         self.root.mkdir(exist_ok=True)
         mount("tmpfs", "dsec-rw", self.rw, f"size={self.disk_bytes},mode=0755")
         self.upper.mkdir()
         (self.rw / "work").mkdir()
+        if prepare is not None:
+            prepare(self.upper)
         mount("overlay", "dsec-root", self.root,
               f"lowerdir={':'.join(lowers)},upperdir={self.upper},workdir={self.rw / 'work'}")
         self.chain = list(chain)
 
     def unmount(self) -> None:
-        umount(self.root)
-        umount(self.rw)
+        for target in (self.root, self.rw):
+            for _ in range(8):  # a crashed earlier run may have left mounts stacked here
+                if not is_mount(target):
+                    break
+                umount(target)
 
     def remount(self, chain: list[str]) -> None:
         self.unmount()

@@ -74,7 +74,8 @@ class TrajectoryLog:
 
     @property
     def next_seq(self) -> int:
-        return max(self.entries, default=-1) + 1
+        base = max((m.get("seq_base", 0) for m in self.marks if m.get("t") == "create"), default=0)
+        return max(max(self.entries, default=-1) + 1, base)
 
     def last_result_seq(self) -> int:
         done = [s for s, e in self.entries.items() if e.result is not None]

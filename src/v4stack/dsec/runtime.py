@@ -1,0 +1,308 @@
+"""What an edge runs: sandboxes = rootfs + substrate + trajectory log, and their verbs.
+
+Every mutating request (exec, file writes and removals) is logged: INTENT durable before it
+runs, RESULT (exit code, stdout/stderr blobs, duration, fs digest, change delta) durable after.
+A request re-issued with a sequence number that is already logged is answered from the log
+(fast-forward) and never runs twice; one whose INTENT has no RESULT is an unknown outcome (409).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+from v4stack.dsec import fsdiff
+from v4stack.dsec import substrates as substrate_registry
+from v4stack.dsec.cas import BlobStore
+from v4stack.dsec.cgroups import Limits
+from v4stack.dsec.errors import BadRequest, Conflict, NotFound
+from v4stack.dsec.files import Files
+from v4stack.dsec.images import ImageStore
+from v4stack.dsec.rootfs import LayerStore, Rootfs, read_snapshot, write_snapshot
+from v4stack.dsec.substrates.base import Handle, OnOutput
+from v4stack.dsec.trajlog import TrajectoryLog, query, read_log, request_digest
+
+MAX_CHAIN = 8
+DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+class Sandbox:
+    def __init__(self, rt: "Runtime", sid: str, image_id: str, substrate, limits: Limits):
+        self.rt, self.id, self.image_id, self.substrate, self.limits = rt, sid, image_id, substrate, limits
+        self.rootfs = Rootfs(rt.home, sid, rt.images.mounted(image_id), rt.layers, limits.disk_bytes)
+        self.handle = Handle(sid, self.rootfs, None, limits)
+        self.log = TrajectoryLog(rt.home / "logs" / sid)
+        self.scanner = fsdiff.Scanner()
+        self.manifest: dict = {}
+        self.parent: str | None = None
+        self.lock = threading.Lock()
+        self.files = Files(self.rootfs.root)
+
+    def info(self) -> dict:
+        return {"id": self.id, "image": self.image_id, "substrate": self.substrate.name, "chain": self.rootfs.chain,
+                "parent_snapshot": self.parent, "next_seq": self.log.next_seq, "limits": asdict(self.limits)}
+
+    # -- logged requests --------------------------------------------------------------------
+    def _logged(self, request: dict, idempotent: bool, seq: int | None, run) -> dict:
+        with self.lock:
+            nxt = self.log.next_seq
+            if seq is not None and seq < nxt:
+                e = self.log.entries.get(seq)
+                if e is None:
+                    raise Conflict(f"seq={seq}: not in this sandbox's log (it starts at {nxt - len(self.log.entries)})", "seq")
+                if e.intent["req"] != request_digest(request):
+                    raise Conflict(f"seq={seq}: logged with a different request", "seq")
+                if e.result is None:
+                    raise Conflict(f"seq={seq}: unknown outcome (the request was logged but never finished); "
+                                   "it is not re-run", "seq")
+                return self._answer(e.result, fast_forward=True)
+            if seq is not None and seq > nxt:
+                raise Conflict(f"seq={seq}: the next sequence number is {nxt}", "seq")
+            entry = self.log.intent(request, idempotent, self.parent, seq=nxt)
+            res = run()
+            after = self.scanner.scan(self.rootfs.upper)
+            d = fsdiff.delta(self.manifest, after)
+            self.manifest = after
+            blobs = self.rt.blobs
+            rec = self.log.result(
+                entry.seq,
+                exit=res.get("exit", 0),
+                stdout=blobs.put(res.get("stdout", b"")),
+                stderr=blobs.put(res.get("stderr", b"")),
+                duration=res.get("duration", 0.0),
+                timed_out=res.get("timed_out", False),
+                oom_killed=res.get("oom_killed", False),
+                fs=fsdiff.fs_digest(after),
+                delta=fsdiff.capture(self.rootfs.upper, d, blobs) if d else None,
+                changed=sorted(d)[:1000],
+            )
+            self.rt.touch(self.id)
+            return self._answer(rec, fast_forward=False)
+
+    def _answer(self, rec: dict, fast_forward: bool) -> dict:
+        b = self.rt.blobs
+        return {"seq": rec["seq"], "exit_code": rec["exit"], "stdout": b.get(rec["stdout"]).decode(errors="replace"),
+                "stderr": b.get(rec["stderr"]).decode(errors="replace"), "duration": rec["duration"],
+                "timed_out": rec.get("timed_out", False), "oom_killed": rec.get("oom_killed", False),
+                "fs_digest": rec["fs"], "changed": rec.get("changed", []), "fast_forward": fast_forward}
+
+    def exec(self, cmd: str | list[str], cwd: str = "/", env: dict | None = None, timeout: float = 60,
+             idempotent: bool = False, seq: int | None = None, on_output: OnOutput | None = None) -> dict:
+        if isinstance(cmd, str):
+            argv = ["/bin/sh", "-c", cmd]
+        elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
+            argv = cmd
+        else:
+            raise BadRequest("cmd: a shell string or a non-empty list of strings", "cmd")
+        if not 0 < timeout <= 3600:
+            raise BadRequest(f"timeout={timeout}: allowed 0 < timeout <= 3600 seconds", "timeout")
+        full_env = {**DEFAULT_ENV, **(env or {})}
+        request = {"op": "exec", "argv": argv, "cwd": cwd, "env": full_env, "timeout": timeout}
+
+        def run():
+            r = self.substrate.exec(self.handle, argv, cwd, full_env, timeout, on_output)
+            return {"exit": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "duration": r.duration,
+                    "timed_out": r.timed_out, "oom_killed": r.oom_killed}
+
+        return self._logged(request, idempotent, seq, run)
+
+    def write_files(self, items: list[tuple[str, bytes, int]], seq: int | None = None) -> dict:
+        """Write files (creating parents); one log entry for the whole batch."""
+        request = {"op": "write", "files": [[p, self.rt.blobs.put(d), m] for p, d, m in items]}
+
+        def run():
+            for p, d, m in items:
+                self.files.write(p, d, m)
+            return {"exit": 0}
+
+        return self._logged(request, True, seq, run)
+
+    def remove_file(self, path: str, seq: int | None = None) -> dict:
+        return self._logged({"op": "remove", "path": path}, True, seq, lambda: (self.files.remove(path), {"exit": 0})[1])
+
+    # -- snapshots --------------------------------------------------------------------------
+    def _remount(self, chain: list[str], prepare=None) -> None:
+        unmounting = getattr(self.substrate, "unmounting", None)
+        if unmounting and self.handle.state.get("worker") is not None:
+            unmounting(self.handle)
+        self.rootfs.unmount()
+        self.rootfs.mount(chain, prepare)
+        self.manifest = self.scanner.scan(self.rootfs.upper)
+
+    def snapshot(self) -> dict:
+        """Seal the upper as a layer, continue on a fresh upper; the snapshot names its log position."""
+        with self.lock:
+            t0 = time.monotonic()
+            upper = self.scanner.scan(self.rootfs.upper)
+            chain = list(self.rootfs.chain)
+            if upper:
+                layer = self.rt.layers.seal(self.rootfs.upper, self.image_id, chain, fsdiff.fs_digest(upper))
+                chain = [layer] + chain
+            if len(chain) > MAX_CHAIN:
+                chain = [self.rt.layers.flatten(self.image_id, chain)]
+            self._remount(chain)
+            doc = {"id": new_id("snap"), "sandbox": self.id, "image": self.image_id, "layers": chain,
+                   "seq": self.log.next_seq - 1, "parent": self.parent, "created": time.time()}
+            write_snapshot(self.rt.home, doc)
+            self.log.mark("snapshot", id=doc["id"], seq=doc["seq"], layers=chain)
+            self.parent = doc["id"]
+            doc["duration"] = time.monotonic() - t0
+            return doc
+
+    def restore(self, snapshot_id: str, replay_from: str | None = None) -> dict:
+        """Put the sandbox back to ``snapshot_id``; with ``replay_from`` (a sandbox id, possibly dead)
+        also re-apply that sandbox's logged changes after the snapshot, without re-running them."""
+        snap = read_snapshot(self.rt.home, snapshot_id)
+        if snap["image"] != self.image_id:
+            raise BadRequest(f"snapshot_id={snapshot_id}: made from image {snap['image']}, not {self.image_id}",
+                             "snapshot_id")
+        with self.lock:
+            t0 = time.monotonic()
+            plan = self._replay_plan(snap, replay_from) if replay_from else {"apply": [], "unknown": []}
+
+            def prepare(upper: Path):
+                for e in plan["apply"]:
+                    if e.result.get("delta"):
+                        fsdiff.apply(upper, e.result["delta"], self.rt.blobs)
+
+            self._remount(snap["layers"], prepare)
+            self.parent = snapshot_id
+            self.log.mark("restore", snapshot=snapshot_id, seq=snap["seq"], replay_from=replay_from,
+                          replayed=[e.seq for e in plan["apply"]])
+            out = {"snapshot": snapshot_id, "seq": snap["seq"], "duration": time.monotonic() - t0,
+                   "replayed": [e.seq for e in plan["apply"]], "unknown_outcome": plan["unknown"],
+                   "fs_digest": fsdiff.fs_digest(self.manifest)}
+            if plan["apply"]:
+                for e in plan["apply"]:  # the copied entries keep their sequence numbers
+                    self.log.intent(e.intent["request"], e.intent["idem"], snapshot_id, seq=e.seq)
+                    self.log.result(e.seq, **{k: v for k, v in e.result.items() if k not in ("t", "seq", "lsn", "ts")},
+                                    replayed_from=replay_from)
+                out["expected_fs_digest"] = plan["apply"][-1].result["fs"]
+                out["state_matches"] = out["expected_fs_digest"] == out["fs_digest"]
+            return out
+
+    def _replay_plan(self, snap: dict, source: str) -> dict:
+        entries, marks = read_log(self.rt.home / "logs" / source)
+        # the point in the source's log where its state was this snapshot (taken or restored there)
+        base = [m["lsn"] for m in marks if (m.get("t") == "snapshot" and m.get("id") == snap["id"])
+                or (m.get("t") == "restore" and m.get("snapshot") == snap["id"])]
+        start = max(base, default=-1)
+        later = [m for m in marks if m.get("t") in ("snapshot", "restore") and m["lsn"] > start]
+        if later:
+            raise Conflict(f"replay_from={source}: its state moved to another snapshot after "
+                           f"{snap['id']}; restore the latest one", "replay_from")
+        apply, unknown = [], []
+        for s in sorted(entries):
+            e = entries[s]
+            if s <= snap["seq"] or e.intent["lsn"] < start:
+                continue
+            if e.result is None:
+                unknown.append(s)
+                break  # nothing after an unknown outcome can be trusted to follow from it
+            apply.append(e)
+        return {"apply": apply, "unknown": unknown}
+
+    def destroy(self) -> None:
+        with self.lock:
+            self.substrate.destroy(self.handle)
+            self.rootfs.destroy()
+            self.log.close()
+
+
+class Runtime:
+    """All sandboxes of one edge, over the shared storage at ``home``."""
+
+    def __init__(self, home: str | os.PathLike, pool_size: int = 2):
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.images = ImageStore(self.home)
+        self.layers = LayerStore(self.home)
+        self.blobs = BlobStore(self.home / "blobs")
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.pool_size = pool_size
+        self._substrates: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self.last_active: dict[str, float] = {}
+
+    def substrate(self, name: str):
+        with self._lock:
+            if name not in self._substrates:
+                if name == "process":
+                    from v4stack.dsec.substrates.process import ProcessSubstrate
+
+                    self._substrates[name] = ProcessSubstrate(self.home, self.pool_size)
+                else:
+                    self._substrates[name] = substrate_registry.get(name, self.home)
+            return self._substrates[name]
+
+    def touch(self, sid: str) -> None:
+        self.last_active[sid] = time.time()
+
+    def get(self, sid: str) -> Sandbox:
+        try:
+            return self.sandboxes[sid]
+        except KeyError:
+            raise NotFound(f"sandbox_id={sid!r}: no such sandbox on this edge", "sandbox_id") from None
+
+    def create(self, image: str = "busybox", substrate: str = "container", limits: Limits | None = None,
+               sid: str | None = None, snapshot: str | None = None, replay_from: str | None = None) -> Sandbox:
+        limits = (limits or Limits()).validate()
+        sub = self.substrate(substrate)
+        snap = read_snapshot(self.home, snapshot) if snapshot else None
+        image_id = snap["image"] if snap else self.images.resolve(image)
+        sid = sid or new_id("sbx")
+        if sid in self.sandboxes or (self.home / "logs" / sid).exists():
+            raise Conflict(f"sandbox_id={sid!r}: already exists", "sandbox_id")
+        sbx = Sandbox(self, sid, image_id, sub, limits)
+        try:
+            sbx.log.mark("create", image=image_id, substrate=substrate, snapshot=snapshot,
+                         seq_base=(snap["seq"] + 1) if snap else 0)
+            sbx.rootfs.mount(snap["layers"] if snap else [])
+            sub.create(sbx.handle)
+        except BaseException:
+            sbx.rootfs.destroy()
+            sbx.log.close()
+            shutil.rmtree(self.home / "logs" / sid, ignore_errors=True)
+            raise
+        sbx.parent = snapshot
+        self.sandboxes[sid] = sbx
+        self.touch(sid)
+        sbx.restore_info = sbx.restore(snapshot, replay_from) if snapshot and replay_from else None
+        return sbx
+
+    def kill(self, sid: str) -> None:
+        sbx = self.sandboxes.pop(self.get(sid).id)
+        sbx.destroy()
+
+    def log(self, sid: str, since: int = 0, path: str | None = None) -> dict:
+        d = self.home / "logs" / sid
+        if not d.is_dir():
+            raise NotFound(f"sandbox_id={sid!r}: no log", "sandbox_id")
+        return query(d, since, path)
+
+    def close(self) -> None:
+        for sid in list(self.sandboxes):
+            try:
+                self.kill(sid)
+            except Exception:
+                pass
+        for s in self._substrates.values():
+            s.close()
+
+
+def snapshot_doc(home: Path, snapshot_id: str) -> dict:
+    return read_snapshot(home, snapshot_id)
+
+
+def dump(obj) -> bytes:
+    return json.dumps(obj).encode()
