@@ -33,8 +33,16 @@ def dsec_home(tmp_path_factory):
         pytest.skip(why)
     home = tmp_path_factory.mktemp("dsec-home")
     yield home
-    subprocess.run(["umount", "-R", "-l", str(home / "run")], capture_output=True)
-    subprocess.run(["umount", "-R", "-l", str(home / "mnt")], capture_output=True)
+    unmount_all(home)
+
+
+def unmount_all(home) -> None:
+    """Lazily unmount everything mounted under ``home``, deepest first."""
+    prefix = str(home) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = {line.split()[4] for line in f if line.split()[4].startswith(prefix)}
+    for p in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", p], capture_output=True)
 
 
 @pytest.fixture(scope="session")
