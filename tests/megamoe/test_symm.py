@@ -37,7 +37,7 @@ def _shm_world(rank, world):
 
 
 def test_shm_symmetric_buffer_across_processes():
-    run_world(_shm_world, 3)
+    run_world(_shm_world, 2)
 
 
 def test_unknown_device_names_the_field():

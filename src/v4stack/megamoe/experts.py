@@ -136,8 +136,8 @@ def shared_expert(moe: MoE, x: torch.Tensor, tile: int = 8, gemm: str = "row") -
     """The shared expert in the same tiled / per-row form (fp32 output)."""
     se = moe.shared_experts
     if se is None:
-        return torch.zeros(x.shape, dtype=torch.float32)
-    one = torch.ones(x.shape[0], dtype=torch.float32)
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    one = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
 
     def fn(xt, wt):
         if gemm == "tile":
@@ -165,8 +165,9 @@ def reference_routed(moe: MoE, x: torch.Tensor, idx: torch.Tensor, w: torch.Tens
         x = x.to(dispatch_dtype)
     n, k = idx.shape
     shard = ExpertShard.from_moe(moe, 0, 1, tile=tile, gemm=gemm)
-    order, counts = pairs_by_expert(idx, moe.n_experts)
-    comb = torch.zeros(n * k, x.shape[1], dtype=torch.float32)
+    order, counts = pairs_by_expert(idx.cpu(), moe.n_experts)
+    order = order.to(x.device)
+    comb = torch.zeros(n * k, x.shape[1], dtype=torch.float32, device=x.device)
     wf = w.reshape(-1).float()
     lo = 0
     for e, c in enumerate(counts.tolist()):

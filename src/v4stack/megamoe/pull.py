@@ -208,6 +208,8 @@ class MegaMoE:
         try:
             k = self.shard.topk
             i = 0
+            if self._cuda:
+                torch.cuda.set_device(self.device)
             ctx = torch.cuda.stream(self._pull_stream) if self._cuda else _nullctx()
             with ctx:
                 for tiles in waves:
@@ -284,6 +286,8 @@ class MegaMoE:
         self.buf.barrier()
         waves, plan = self._tiles()
         ring = _Ring(self.ring_tiles)
+        if self._cuda:  # the pulls start after the metadata barrier on the compute stream
+            self._pull_stream.wait_stream(torch.cuda.current_stream(self.device))
         puller = threading.Thread(target=self._pull, args=(waves, ring), daemon=True)
         puller.start()
         try:

@@ -111,8 +111,11 @@ class CudaSymmetric(SymmetricBuffer):
         from torch.distributed import _symmetric_memory as symm_mem  # GPU only; optional at import
 
         device = device or torch.device("cuda", torch.cuda.current_device())
+        g = group if group is not None else dist.group.WORLD
+        if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(g.group_name):
+            symm_mem.enable_symm_mem_for_group(g.group_name)
         local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(local, group if group is not None else dist.group.WORLD)
+        self._handle = symm_mem.rendezvous(local, g.group_name)
         for r in range(self.world):
             seg = local if r == self.rank else self._handle.get_buffer(r, (self.nbytes,), torch.uint8, 0)
             self._segments.append(seg)
