@@ -149,6 +149,11 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
 app = typer.Typer(help="Checks a user can run against the local install.", no_args_is_help=True)
 
 
+@app.callback()
+def _checks() -> None:
+    """Checks a user can run against the local install."""
+
+
 @app.command("invariance")
 def invariance_command(
     preset: str = typer.Option("tiny", help="Model preset (random weights)."),

@@ -39,13 +39,22 @@ def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
 # ---- reductions ----------------------------------------------------------------------------
 
 
-def _tree(t: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Reduce dim 0 of ``t`` with a pairwise tree fixed by ``t.shape[0]``."""
+def _tree(t: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+          identity: float = 0.0) -> torch.Tensor:
+    """Reduce dim 0 of ``t`` with a pairwise tree over its width padded to a power of two.
+
+    The padding uses ``combine``'s identity, and at each level element ``i`` meets ``i + P/2``:
+    so appending identity elements (masked candidates, empty cache rows) never changes a result.
+    A query's attention over "its entries plus masked ones" is then the same however many masked
+    entries its batch, chunk or cache layout adds.
+    """
+    L = t.shape[0]
+    P = 1 << max(0, (L - 1).bit_length())
+    if P != L:
+        t = torch.cat((t, t.new_full((P - L, *t.shape[1:]), identity)))
     while t.shape[0] > 1:
-        L = t.shape[0]
-        h = L // 2
-        s = combine(t[:h], t[h : 2 * h])
-        t = torch.cat((s, t[2 * h :])) if L % 2 else s
+        h = t.shape[0] // 2
+        t = combine(t[:h], t[h:])
     return t[0]
 
 
@@ -55,7 +64,7 @@ def _reduce(x: torch.Tensor, dim: int, keepdim: bool, combine, empty: float) -> 
     if t.shape[0] == 0:
         r = torch.full(t.shape[1:], empty, dtype=x.dtype, device=x.device)
     else:
-        r = _tree(t.contiguous(), combine)
+        r = _tree(t.contiguous(), combine, empty)
     return r.unsqueeze(dim) if keepdim else r
 
 
@@ -129,12 +138,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight has in_features {weight.shape[-1]}, input has {K}")
     acc = acc_dtype(x.dtype, weight.dtype)
     lead = x.shape[:-1]
-    xt = x.reshape(-1, K).to(acc).t()  # [K, M]
+    M = lead.numel()
+    xt = x.reshape(M, K).to(acc).t()  # [K, M]
     wt = weight.to(acc).t()  # [K, N]
-    M = xt.shape[1]
-    out = torch.empty(M, N, dtype=acc, device=x.device)
-    if K == 0:
-        return out.zero_().to(x.dtype).view(*lead, N)
+    out = torch.zeros(M, N, dtype=acc, device=x.device)
+    if K == 0 or M == 0 or N == 0:
+        return out.to(x.dtype).view(*lead, N)
     nc = min(N, 256)
     mc = max(1, min(M, _BUDGET // (K * nc)))
     for m0 in range(0, M, mc):
