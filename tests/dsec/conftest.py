@@ -39,10 +39,13 @@ def dsec_home(tmp_path_factory):
 def unmount_all(home) -> None:
     """Lazily unmount everything mounted under ``home``, deepest first."""
     prefix = str(home) + "/"
-    with open("/proc/self/mountinfo") as f:
-        points = {line.split()[4] for line in f if line.split()[4].startswith(prefix)}
-    for p in sorted(points, key=len, reverse=True):
-        subprocess.run(["umount", "-l", p], capture_output=True)
+    for _ in range(4):  # stacked mounts need one pass each
+        with open("/proc/self/mountinfo") as f:
+            points = {line.split()[4] for line in f if line.split()[4].startswith(prefix)}
+        if not points:
+            return
+        for p in sorted(points, key=len, reverse=True):
+            subprocess.run(["umount", "-l", p], capture_output=True)
 
 
 @pytest.fixture(scope="session")

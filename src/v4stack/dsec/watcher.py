@@ -1,0 +1,85 @@
+"""The watcher: edge health, sandbox leases (TTL and idle, paused time not counted), reclamation
+of a dead edge's sandboxes, and garbage collection of layers nothing references.
+
+It reads and writes the apiserver's SQLite file and calls edges directly, so it runs as its own
+process (or a thread in ``dsec up``) and keeps working while the apiserver restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from v4stack.dsec.rootfs import LayerStore
+from v4stack.dsec.store import Store
+
+
+class Watcher:
+    def __init__(self, home: str | Path, token: str, db_path: str | Path | None = None, dead_after: float = 3.0,
+                 layer_grace: float = 60.0):
+        self.home = Path(home)
+        self.store = Store(db_path or self.home / "dsec.sqlite")
+        self.layers = LayerStore(self.home)
+        self.dead_after, self.layer_grace = dead_after, layer_grace
+        self.http = httpx.Client(timeout=10, headers={"Authorization": f"Bearer {token}"})
+        self.stop = threading.Event()
+
+    def tick(self, now: float | None = None) -> dict:
+        """One pass. ``now`` moves the lease clock only (tests); edge liveness uses the real clock."""
+        real = time.time()
+        now = now or real
+        report = {"dead_edges": [], "lost": [], "expired": [], "idle": [], "layers_removed": []}
+        for e in self.store.q("SELECT * FROM edges WHERE state='alive' AND last_seen < ?", real - self.dead_after):
+            self.store.x("UPDATE edges SET state='dead' WHERE id=? AND last_seen < ?", e["id"], real - self.dead_after)
+            report["dead_edges"].append(e["id"])
+            for s in self.store.q("SELECT id FROM sandboxes WHERE edge=? AND state IN ('creating','running','paused')",
+                                  e["id"]):
+                self.store.set_state(s["id"], "lost", f"edge {e['id']} stopped heartbeating")
+                report["lost"].append(s["id"])
+        for s in self.store.q("SELECT * FROM sandboxes WHERE state IN ('running','paused')"):
+            why = None
+            if self.store.active_seconds(s, now) > s["timeout"]:
+                why, key = f"timeout {s['timeout']:g}s of active time reached", "expired"
+            elif s["state"] == "running" and now - s["last_active"] > s["idle_timeout"]:
+                why, key = f"idle for more than {s['idle_timeout']:g}s", "idle"
+            if why:
+                self._kill(s, why)
+                report[key].append(s["id"])
+        report["layers_removed"] = self.gc_layers(real)
+        return report
+
+    def _kill(self, row: dict, why: str) -> None:
+        e = self.store.edge(row["edge"])
+        if e and e["state"] == "alive":
+            try:
+                self.http.delete(f"{e['url']}/edge/v1/sandboxes/{row['id']}")
+            except httpx.HTTPError:
+                pass
+        self.store.set_state(row["id"], "expired", why)
+
+    def gc_layers(self, now: float) -> list[str]:
+        refs = self.store.referenced_layers()
+        for p in (self.home / "snapshots").glob("*.json") if (self.home / "snapshots").is_dir() else []:
+            try:
+                refs.update(json.loads(p.read_text())["layers"])
+            except (ValueError, KeyError, OSError):
+                continue
+        gone = []
+        for lid in self.layers.ids():
+            p = self.layers.dir / lid
+            if lid not in refs and now - p.stat().st_mtime > self.layer_grace:
+                self.layers.remove(lid)
+                gone.append(lid)
+        return gone
+
+    def run(self, every: float = 1.0) -> None:
+        while not self.stop.is_set():
+            try:
+                self.tick()
+            except Exception as e:  # keep watching; one bad tick must not end reclamation
+                print(f"dsec watcher: tick failed: {type(e).__name__}: {e}", flush=True)
+            self.stop.wait(every)

@@ -1,0 +1,228 @@
+"""apiserver + edge (a real subprocess) + watcher over real HTTP on 127.0.0.1, driven by the SDK."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.dsec.conftest import missing_capability, unmount_all
+
+TOKEN = "test-token-" + "x" * 16
+
+
+def _free_sock():
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+class Cluster:
+    def __init__(self, home: Path):
+        import uvicorn
+
+        from v4stack.dsec.apiserver import make_app
+        from v4stack.dsec.images import ImageStore
+        from v4stack.dsec.watcher import Watcher
+
+        self.home = home
+        ImageStore(home).build("busybox")
+        sock = _free_sock()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(make_app(home, TOKEN), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        self.watcher = Watcher(home, TOKEN, dead_after=1.0, layer_grace=0)
+        self.edges: list[subprocess.Popen] = []
+        self.start_edge("edge-a")
+        os.environ["DSEC_API_URL"], os.environ["DSEC_TOKEN"] = self.url, TOKEN
+
+    def start_edge(self, name: str) -> subprocess.Popen:
+        log = open(self.home / f"{name}.out", "ab")
+        p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", str(self.home),
+                              "--apiserver", self.url, "--id", name, "--pool", "1", "--heartbeat", "0.2"],
+                             env={**os.environ, "DSEC_TOKEN": TOKEN}, stdout=log, stderr=log)
+        self.edges.append(p)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            rows = self.api().get("/v1/edges").json() if self.server.started else []
+            if any(r["id"] == name and r["state"] == "alive" for r in rows):
+                return p
+            time.sleep(0.1)
+        raise RuntimeError(f"edge {name} did not register: {(self.home / f'{name}.out').read_text()[-2000:]}")
+
+    def api(self, token: str = TOKEN) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {token}"})
+
+    def close(self) -> None:
+        for p in self.edges:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.server.should_exit = True
+        self.thread.join(10)
+        from v4stack.dsec.cgroups import Cgroup
+
+        for d in Path("/sys/fs/cgroup/pids").glob("dsec-*"):  # a SIGKILLed edge leaves its groups behind
+            c = Cgroup(d.name)
+            if c.dirs["pids"] == d:
+                c.destroy()
+        unmount_all(self.home)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = missing_capability()
+    if why:
+        pytest.skip(why)
+    c = Cluster(tmp_path_factory.mktemp("dsec-cluster"))
+    yield c
+    c.close()
+
+
+def test_auth_missing_or_wrong_token_is_401_and_changes_nothing(cluster):
+    before = cluster.api().get("/v1/sandboxes").json()
+    for token in (None, "wrong-token-" + "y" * 16):
+        h = {} if token is None else {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=cluster.url, timeout=30, headers=h) as c:
+            assert c.post("/v1/sandboxes", json={"image": "busybox"}).status_code == 401
+            assert c.get("/v1/sandboxes").status_code == 401
+            assert c.post("/v1/edges/register", json={"edge_id": "evil", "url": "http://127.0.0.1:1"}).status_code == 401
+    assert cluster.api().get("/v1/sandboxes").json() == before
+    assert all(e["id"] != "evil" for e in cluster.api().get("/v1/edges").json())
+    r = cluster.api().post("/v1/sandboxes", json={"substrate": "vm"})
+    assert r.status_code == 400 and r.json()["field"] == "substrate"
+    r = cluster.api().post("/v1/sandboxes", json={"timeout": -1})
+    assert r.status_code == 400 and r.json()["field"] == "timeout"
+
+
+@pytest.mark.parametrize("sub", ["container", "process"])
+def test_sdk_end_to_end(cluster, sub):
+    from v4stack.dsec.client import Sandbox, SandboxError
+
+    with Sandbox.create(image="busybox", substrate=sub) as sbx:
+        sbx.files.write("/workspace/src/a.txt", "alpha")
+        sbx.files.write_many([("/workspace/src/deep/b.txt", "beta"), ("/workspace/c.bin", b"\x00\x01")])
+        assert [e["name"] for e in sbx.files.list("/workspace/src")] == ["a.txt", "deep"]
+        chunks = []
+        r = sbx.commands.run("cat /workspace/src/a.txt /workspace/src/deep/b.txt; echo E >&2",
+                             on_stdout=chunks.append)
+        assert r.exit_code == 0 and r.stdout == "alphabeta" and "".join(chunks) == "alphabeta" and r.stderr == "E\n"
+        snap = sbx.snapshot()
+        sbx.commands.run("echo after > /workspace/after")
+        twin = Sandbox.restore(snap["id"], substrate=sub)
+        try:
+            assert twin.files.read("/workspace/src/a.txt") == b"alpha"
+            assert twin.commands.run("ls /workspace").stdout == "c.bin\nsrc\n"
+        finally:
+            twin.kill()
+        fork = sbx.fork()
+        try:
+            assert fork.files.read("/workspace/after") == b"after\n"
+        finally:
+            fork.kill()
+        sbx.pause()
+        with pytest.raises(SandboxError) as e:
+            sbx.commands.run("true")
+        assert e.value.status == 409
+        sbx.resume()
+        sbx.resume()  # a second resume is not an error
+        assert sbx.commands.run("cat /workspace/after").stdout == "after\n"
+        log = sbx.log(path="workspace/after")
+        assert log["provenance"] and log["unknown_outcome"] == []
+        with pytest.raises(SandboxError) as e:
+            sbx.files.read("/workspace/nope")
+        assert e.value.status == 404 and e.value.field == "path"
+
+
+def test_ttl_and_idle_leave_paused_time_out(cluster):
+    from v4stack.dsec.client import Sandbox
+
+    a = Sandbox.create(substrate="process", timeout=5, idle_timeout=5)
+    a.pause()
+    now = time.time()
+    assert a.id not in cluster.watcher.tick(now + 30)["expired"]  # 30 s paused: neither TTL nor idle
+    a.resume()
+    rep = cluster.watcher.tick(time.time() + 2)
+    assert a.id not in rep["expired"] + rep["idle"]
+    rep = cluster.watcher.tick(time.time() + 6)
+    assert a.id in rep["expired"] + rep["idle"]
+    assert a.info()["state"] == "expired"
+
+
+def test_parallel_create_of_32_never_hangs(cluster):
+    from v4stack.dsec.client import Sandbox, SandboxError
+
+    def one(i):
+        try:
+            s = Sandbox.create(substrate="container", request_timeout=90)
+            out = s.commands.run(f"echo {i}").stdout
+            s.kill()
+            return out == f"{i}\n"
+        except SandboxError as e:
+            return str(e)  # a clear error is allowed; a hang is not
+
+    t0 = time.time()
+    with ThreadPoolExecutor(32) as ex:
+        results = list(ex.map(one, range(32), timeout=150))
+    assert time.time() - t0 < 150
+    assert all(r is True for r in results), results
+
+
+def test_edge_sigkill_mid_command_then_restore_and_fast_forward(cluster):
+    from v4stack.dsec.client import Sandbox, SandboxError
+
+    edge_b = cluster.start_edge("edge-b")
+    sbx = Sandbox.create(substrate="container", edge="edge-b")
+    assert sbx.info()["edge"] == "edge-b"
+    sbx.commands.run("echo base > /workspace/base")
+    snap = sbx.snapshot()
+    sbx.commands.run("echo $$ > /workspace/nonidem; rm /workspace/base")
+    sbx.commands.run("mkdir /workspace/d; echo z > /workspace/d/z", idempotent=True)
+    want = sbx.commands.run("cat /workspace/nonidem; ls -R /workspace").stdout
+
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(SandboxError, sbx.commands.run,
+                                                                    "echo doomed > /workspace/doomed; sleep 30")))
+    t.start()
+    deadline = time.time() + 20
+    while time.time() < deadline and not sbx.log()["unknown_outcome"]:
+        time.sleep(0.05)
+    in_flight = sbx.log()["unknown_outcome"]
+    assert in_flight == [4]
+    edge_b.kill()  # SIGKILL mid-command
+    edge_b.wait()
+    t.join(30)
+    assert errors, "the client call did not fail when its edge died"
+    time.sleep(1.2)
+    rep = cluster.watcher.tick()
+    assert "edge-b" in rep["dead_edges"] and sbx.id in rep["lost"]
+    assert sbx.info()["state"] == "lost"
+    log = sbx.log()
+    assert log["unknown_outcome"] == [4]
+    assert [e["status"] for e in log["entries"]] == ["done"] * 4 + ["unknown_outcome"]
+
+    again = Sandbox.restore(snap["id"], replay_from=sbx.id, substrate="container")
+    try:
+        info = again.info_at_create["restore"]
+        assert info["replayed"] == [1, 2, 3] and info["unknown_outcome"] == [4] and info["state_matches"]
+        assert again.commands.run("cat /workspace/nonidem; ls -R /workspace").stdout == want
+        assert not again.files.list("/workspace") or "doomed" not in [e["name"] for e in again.files.list("/workspace")]
+        # the replayed entries answer a re-issued request from the log (fast-forward)
+        ff = again.commands.run("mkdir /workspace/d; echo z > /workspace/d/z", idempotent=True, seq=2)
+        assert ff.fast_forward and ff.exit_code == 0
+    finally:
+        again.kill()
