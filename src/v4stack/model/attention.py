@@ -106,9 +106,17 @@ class Attention(nn.Module):
             span = torch.cat((st.read_window(span_start, p0), kv[rows]))
         keys, mask = window_candidates(span, span_start, pos, self.window)
         keys, mask = [keys], [mask]
+        snaps = {}
+        if st is not None:
+            for P in st.capture_at:
+                if p0 < P <= p0 + n:
+                    snap = snaps[P] = st.blank()
+                    lo = max(span_start, P - self.window)
+                    snap.write_window(lo, span[lo - span_start : P - span_start])
         if self.compressor is not None:
             ckv, cscore = comp
-            new = self.compressor.extend(ckv[rows], cscore[rows], p0, st.tail if st else None, kv.dtype)
+            new = self.compressor.extend(ckv[rows], cscore[rows], p0, st.tail if st else None, kv.dtype,
+                                         {P: sn.tail for P, sn in snaps.items()})
             ents = torch.cat((st.compressed_kv, new)) if st is not None else new
             S = ents.shape[0]
             closes_at = (torch.arange(S, device=kv.device) + 1) * self.ratio - 1
@@ -116,7 +124,8 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 iq, iw, ikv, iscore = idx_proj
                 comp_i = self.indexer.compressor
-                new_k = comp_i.extend(ikv[rows], iscore[rows], p0, st.index_tail if st else None, kv.dtype)
+                new_k = comp_i.extend(ikv[rows], iscore[rows], p0, st.index_tail if st else None, kv.dtype,
+                                      {P: sn.index_tail for P, sn in snaps.items()})
                 ikeys = torch.cat((st.index_keys, new_k)) if st is not None else new_k
                 sel, valid = self.indexer.select(iq[rows], iw[rows], ikeys, visible)
                 keys.append(ents[sel])
@@ -130,4 +139,5 @@ class Attention(nn.Module):
                 st.compressed_kv = ents
         if st is not None:
             st.write_window(p0, kv[rows])
+            st.captured.update(snaps)
         return ops.attention_with_sink(q[rows], torch.cat(keys, 1), torch.cat(mask, 1), self.attn_sink, self.scale)

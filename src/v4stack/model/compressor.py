@@ -60,7 +60,8 @@ class Compressor(nn.Module):
         return self.rotary.apply(entries, b * m)
 
     def extend(
-        self, kv: torch.Tensor, score: torch.Tensor, pos0: int, tail: CompressorTail | None, dtype
+        self, kv: torch.Tensor, score: torch.Tensor, pos0: int, tail: CompressorTail | None, dtype,
+        capture: dict[int, CompressorTail] | None = None,
     ) -> torch.Tensor:
         """Consume the rows of positions ``[pos0, pos0 + n)``; return the entries they close.
 
@@ -80,6 +81,9 @@ class Compressor(nn.Module):
         end = pos0 + n
         blocks = range(pos0 // m, end // m)
         entries = self.pool(all_kv, all_score, row0, blocks, dtype)
+        for P, snap in (capture or {}).items():  # the tail as it stood at position P
+            keep_from = max(0, (P // m) * m - lookback)
+            snap.write(keep_from, all_kv[keep_from - row0 : P - row0], all_score[keep_from - row0 : P - row0])
         if tail is not None:
             keep_from = max(0, (end // m) * m - lookback)
             tail.write(keep_from, all_kv[keep_from - row0 :], all_score[keep_from - row0 :])

@@ -51,6 +51,18 @@ class LayerState:
     compressed_kv: torch.Tensor | None = None  # [n_closed, head_dim]
     index_tail: CompressorTail | None = None
     index_keys: torch.Tensor | None = None  # [n_closed, index_head_dim]
+    # boundary capture: positions P (inside the next step) whose fixed-size state to record, and
+    # what was recorded: P -> a LayerState holding the window and tails as of position P
+    capture_at: tuple[int, ...] = ()
+    captured: dict = field(default_factory=dict)
+
+    def blank(self) -> "LayerState":
+        """A zeroed state of the same fixed-size layout (no compressed parts)."""
+        def tail(t):
+            if t is None:
+                return None
+            return CompressorTail(kv=torch.zeros_like(t.kv), score=torch.full_like(t.score, float("-inf")))
+        return LayerState(swa_kv=torch.zeros_like(self.swa_kv), tail=tail(self.tail), index_tail=tail(self.index_tail))
 
     def read_window(self, start: int, stop: int) -> torch.Tensor:
         idx = torch.arange(start, stop, device=self.swa_kv.device) % self.swa_kv.shape[0]

@@ -116,7 +116,7 @@ class Engine:
         dev = self.model.embed.weight.device
         inputs, states = [], []
         for req, n in plan:
-            st = self.cache.state(req.cache)
+            st = self.cache.state(req.cache, n)
             ids = req.all_tokens[req.computed : req.computed + n]
             states.append((st, ids))
             inputs.append((torch.tensor(ids, device=dev), st))

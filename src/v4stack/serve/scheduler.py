@@ -1,9 +1,9 @@
 """Continuous batching: which requests run in the next step, and how many tokens each feeds.
 
 Each step has a token budget. Running requests that are decoding feed one token each; requests
-still prefilling feed a chunk that ends on a block boundary (so the boundary state can be kept for
-prefix reuse) or at the end of what they know; waiting requests are admitted, oldest first, while
-the budget, the free blocks and the state slots allow. When a running request cannot get a block
+still prefilling feed as much of their prompt as the budget leaves (the model records the state at
+every block boundary inside a chunk, so chunks need no alignment); waiting requests are admitted,
+oldest first, while the budget, the free blocks and the state slots allow. When a running request cannot get a block
 for its next token, the most recently admitted request is preempted: its cache is released and it
 goes back to the front of the queue, to be recomputed from its prompt and the tokens it already
 produced (which are kept, never re-sampled).
@@ -34,14 +34,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.pending, budget)
-        if n < req.pending:
-            B = self.cache.B
-            end = ((req.computed + n) // B) * B
-            if end > req.computed:
-                n = end - req.computed
-        return n
+    @staticmethod
+    def _chunk(req: Request, budget: int) -> int:
+        return min(req.pending, budget)
 
     def preempt(self, req: Request) -> None:
         self.cache.free(req.cache)

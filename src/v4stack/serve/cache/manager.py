@@ -69,15 +69,17 @@ class CacheManager:
         if s is not None:
             self.snap.release(s)
 
-    def _take_snapshot(self, bid: int, slot: int) -> None:
+    def _take_snapshot(self, bid: int, layers) -> None:
+        """Keep ``layers`` (the fixed-size state at block ``bid``'s end) for prefix reuse."""
         if bid in self.snap_of:
+            self.snap_of.move_to_end(bid)
             return
         s = self.snap.acquire()
         if s is None:
             if not self.snap_of:
                 return
             _, s = self.snap_of.popitem(last=False)  # evict the least recently used snapshot
-        self.snap.copy(self.slots, slot, s)
+        self.snap.store(s, layers)
         self.snap_of[bid] = s
 
     # ---- admission and prefix reuse ----------------------------------------------------
@@ -143,9 +145,15 @@ class CacheManager:
 
     # ---- per step ----------------------------------------------------------------------
 
-    def state(self, rc: RequestCache) -> RequestState:
-        """The model's view: state slot in place, compressed entries gathered from the blocks."""
+    def state(self, rc: RequestCache, n_new: int = 0) -> RequestState:
+        """The model's view: state slot in place, compressed entries gathered from the blocks, and
+        a request to record the fixed-size state at every block boundary of the next ``n_new``
+        tokens (for the boundary snapshots)."""
         st = self.slots.view(rc.slot, rc.pos)
+        first = rc.pos // self.B + 1
+        capture = tuple(range(first * self.B, rc.pos + n_new + 1, self.B))
+        for ls in st.layers:
+            ls.capture_at = capture
         by_layer = {}
         for g in self.spec.paged:
             by_layer.setdefault(g.layer, {})[g.kind] = g
@@ -177,11 +185,11 @@ class CacheManager:
             h = chain_hash(prev, rc.tokens[j * B : (j + 1) * B])
             rc.hashes.append(h)
             self.blocks.register(rc.blocks[j], h)
-        if rc.pos % B == 0 and rc.pos > 0:
             # the published block for this prefix (ours, or an equal one published first)
-            bid = self.blocks.lookup(rc.hashes[-1])
-            if bid is not None:
-                self._take_snapshot(bid, rc.slot)
+            bid = self.blocks.lookup(h)
+            P = (j + 1) * B
+            if bid is not None and P in st.layers[0].captured:
+                self._take_snapshot(bid, [ls.captured[P] for ls in st.layers])
 
     def free(self, rc: RequestCache) -> None:
         for b in rc.blocks:

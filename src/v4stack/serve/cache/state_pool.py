@@ -49,6 +49,16 @@ class StatePool:
             for d, s in zip(ts, src.tensors[key]):
                 d[dst_slot].copy_(s[src_slot])
 
+    def store(self, slot: int, layers: list[LayerState]) -> None:
+        """Write per-layer fixed-size states (window, tails) into ``slot``."""
+        for i, ls in enumerate(layers):
+            self.tensors[("swa_kv", i)][0][slot].copy_(ls.swa_kv)
+            for kind, t in (("compressor_tail", ls.tail), ("index_tail", ls.index_tail)):
+                if t is not None:
+                    dst = self.tensors[(kind, i)]
+                    dst[0][slot].copy_(t.kv)
+                    dst[1][slot].copy_(t.score)
+
     def view(self, slot: int, pos: int) -> RequestState:
         """A ``RequestState`` whose window and tails are views of ``slot`` (compressed parts unset)."""
         layers = []
