@@ -1,0 +1,65 @@
+"""`dsec up` starts apiserver + edge + watcher as one command; the SDK works against it; SIGTERM stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.dsec.conftest import unmount_all
+
+TOKEN = "cli-token-" + "z" * 16
+
+
+def test_dsec_up_serves_and_stops(dsec_home, tmp_path):
+    home = tmp_path / "up-home"
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "DSEC_TOKEN": TOKEN}
+    log = open(tmp_path / "up.out", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "up", "--home", str(home), "--port", str(port),
+                          "--pool", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        h = {"Authorization": f"Bearer {TOKEN}"}
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if any(e["state"] == "alive" for e in httpx.get(f"{url}/v1/edges", headers=h, timeout=2).json()):
+                    break
+            except (httpx.HTTPError, ValueError, TypeError):
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError((tmp_path / "up.out").read_text())
+        from v4stack.dsec.client import Sandbox
+
+        with Sandbox.create(substrate="process", api_url=url, token=TOKEN) as sbx:
+            assert sbx.commands.run("echo up").stdout == "up\n"
+        assert httpx.get(f"{url}/v1/sandboxes", timeout=5).status_code == 401
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        unmount_all(home)
+    assert p.returncode is not None
+
+
+def test_image_build_cli_is_content_addressed(dsec_home, tmp_path):
+    out = [subprocess.run([sys.executable, "-m", "v4stack.dsec.cli", "image", "build", "busybox", "--home",
+                           str(tmp_path), *extra], capture_output=True, text=True, check=True).stdout.strip()
+           for extra in ([], ["--force"])]
+    assert out[0] == out[1] and len(out[0]) == 32
+    bad = subprocess.run([sys.executable, "-m", "v4stack.dsec.cli", "image", "build", "alpine", "--home", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "recipe='alpine'" in bad.stderr
