@@ -215,6 +215,11 @@ def test_edge_sigkill_mid_command_then_restore_and_fast_forward(cluster):
     assert log["unknown_outcome"] == [4]
     assert [e["status"] for e in log["entries"]] == ["done"] * 4 + ["unknown_outcome"]
 
+    # a new edge on this host reclaims what the dead one left: mounts, processes, cgroups
+    cluster.start_edge("edge-c")
+    assert not (cluster.home / "run" / sbx.id).exists()
+    assert not Path(f"/sys/fs/cgroup/pids/dsec-{sbx.id}").exists()
+
     again = Sandbox.restore(snap["id"], replay_from=sbx.id, substrate="container")
     try:
         info = again.info_at_create["restore"]
