@@ -68,6 +68,7 @@ def train_command(
     threads: int = typer.Option(0, min=0, help="torch threads (0 = default)."),
     device: str = typer.Option("cpu", help="cpu, or cuda for one process."),
     show_split: bool = typer.Option(False, help="Print which optimizer takes each parameter, then train."),
+    progress: bool = typer.Option(True, help="Progress line on stderr."),
 ):
     """Train a preset on byte-level text; resumes from the run directory's last checkpoint."""
     from v4stack.train.trainer import TrainConfig, train
@@ -77,7 +78,7 @@ def train_command(
                       adamw_lr=adamw_lr, weight_decay=weight_decay, warmup=warmup, mtp_weight=mtp_weight,
                       seed=seed, ckpt_every=ckpt_every, eval_every=eval_every,
                       stochastic_bf16=stochastic_bf16, max_minutes=max_minutes, threads=threads,
-                      device=device)
+                      device=device, progress=progress)
     try:
         cfg.validate()
     except ValueError as e:

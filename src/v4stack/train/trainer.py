@@ -111,13 +111,16 @@ def eval_loss(model: V4Model, batches: ByteBatches, n: int) -> float:
     return sum(losses) / len(losses)
 
 
-def _dist_setup() -> tuple[int, int]:
+def _dist_setup() -> tuple[int, int, bool]:
+    """(rank, world, whether this call created the process group)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    created = False
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
+        created = True
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+        return dist.get_rank(), dist.get_world_size(), created
+    return 0, 1, created
 
 
 def _barrier(world: int) -> None:
@@ -129,7 +132,7 @@ def train(cfg: TrainConfig) -> dict:
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    rank, world = _dist_setup()
+    rank, world, created = _dist_setup()
     mcfg = get_preset(cfg.preset)
     data, source = load_text(cfg.data, cfg.corpus_bytes, cfg.seed)
     batches = ByteBatches(data, cfg.seq_len, cfg.batch_size, cfg.seed)
@@ -224,6 +227,8 @@ def train(cfg: TrainConfig) -> dict:
             curve["val"] = vals
         plot_curves(curve, out / "loss.png", f"v4stack train --preset {cfg.preset}", baseline=unigram)
     _barrier(world)
+    if created:
+        dist.destroy_process_group()
     return summary
 
 
