@@ -114,6 +114,41 @@ def serve(
     run_server(cfg, model, name, host, port, ecfg, seed=seed, dtype=dt, device=device)
 
 
+bench_app = typer.Typer(help="Benchmarks that write JSON.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("serve")
+def bench_serve_cmd(
+    preset: str = typer.Option("tiny"),
+    clients: int = typer.Option(16, min=1, help="Concurrent streaming clients."),
+    requests: int = typer.Option(64, min=1),
+    prefixes: int = typer.Option(4, min=1, help="Distinct shared prefixes."),
+    prefix_len: int = typer.Option(64, min=1),
+    suffix_len: int = typer.Option(16, min=1, help="Max random suffix per request."),
+    max_tokens: int = typer.Option(16, min=1),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+    ops_mode: str = typer.Option("invariant"),
+    n_blocks: int = typer.Option(512, min=1),
+    hidden: Optional[int] = typer.Option(None, help="Override hidden size (a wider model for GPU runs)."),
+    out: str = typer.Option("bench/results/serve_cpu_tiny.json", help="JSON output path."),
+):
+    """Concurrent shared-prefix workload against a real local server: throughput, TTFT, ITL, hits."""
+    import dataclasses
+
+    from v4stack.generate import parse_dtype
+    from v4stack.serve.bench import bench_serve
+
+    cfg = _config(preset, None)
+    if hidden:
+        cfg = dataclasses.replace(cfg, hidden_size=hidden).validate()
+    res = bench_serve(cfg, clients=clients, requests=requests, prefixes=prefixes, prefix_len=prefix_len,
+                      suffix_len=suffix_len, max_tokens=max_tokens, device=device, dtype=parse_dtype(dtype),
+                      ops_mode=ops_mode, n_blocks=n_blocks, out=out, label=f"{preset}/{device}/{ops_mode}")
+    typer.echo(json.dumps(res, indent=2))
+
+
 def main() -> None:  # console entry point
     try:
         app()

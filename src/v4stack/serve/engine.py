@@ -49,6 +49,8 @@ class EngineStats:
     ttft: list[float] = field(default_factory=list)
     finished: int = 0
     aborted: int = 0
+    # per finished request: (arrival, first token time, token times, prompt tokens, prefix-hit tokens)
+    log: list = field(default_factory=list)
 
 
 class Engine:
@@ -97,6 +99,7 @@ class Engine:
         return self.scheduler.has_work()
 
     def _finish(self, req: Request, reason: str) -> None:
+        hit = req.cache.hit_tokens if req.cache is not None else 0
         self.scheduler.release(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.id, None)
@@ -104,6 +107,9 @@ class Engine:
             self.stats.aborted += 1
         else:
             self.stats.finished += 1
+            self.stats.log.append((req.arrival, req.first_token_at, list(req.token_times), len(req.prompt), hit))
+            if len(self.stats.log) > 100_000:
+                del self.stats.log[:50_000]
         if req.on_event is not None:
             req.on_event(req, [], True)
 

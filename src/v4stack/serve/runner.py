@@ -64,7 +64,7 @@ class EngineRunner:
                        ids=tuple(req.output))
             loop.call_soon_threadsafe(out.put_nowait, ev)
 
-        self._cmds.put(("add", prompt, params, request_id, on_event, loop, out))
+        self._cmds.put(("add", prompt, params, request_id, on_event, loop, out, time.perf_counter()))
         self._wake.set()
         return out
 
@@ -81,9 +81,10 @@ class EngineRunner:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, prompt, params, rid, on_event, loop, out = cmd
+                _, prompt, params, rid, on_event, loop, out, submitted = cmd
                 try:
-                    self.engine.add_request(prompt, params, rid, on_event)
+                    req = self.engine.add_request(prompt, params, rid, on_event)
+                    req.arrival = submitted  # TTFT counts the wait for the engine thread too
                 except ValueError as err:
                     loop.call_soon_threadsafe(out.put_nowait, Event([], True, "error", "", str(err)))
             else:
