@@ -97,3 +97,28 @@ def _fp32_on_owner_and_unbiased(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_owner_reduces_in_fp32_and_rounding_is_unbiased(world):
     run_world(_fp32_on_owner_and_unbiased, world)
+
+
+def _state_round_trip(rank, world):
+    params = make_params()
+    opt = ZeroMuonAdamW(params, MUON, ADAMW, stochastic=True, seed=3)
+    for s in range(2):
+        opt.step(grads_for(rank, s))
+    saved_params = {n: p.clone() for n, p in params.items()}
+    saved = opt.state_dict()
+    opt.step(grads_for(rank, 2))
+    after = {n: p.clone() for n, p in params.items()}
+
+    params2 = {n: p.clone() for n, p in saved_params.items()}
+    opt2 = ZeroMuonAdamW(params2, MUON, ADAMW, stochastic=True, seed=999)  # seed is overwritten
+    opt2.load_state_dict(saved)
+    opt2.step(grads_for(rank, 2))
+    for n in SHAPES:
+        assert torch.equal(params2[n], after[n]), f"{n}: resumed step differs"
+    bad = dict(saved, zero_group_size=saved["zero_group_size"] + 1)
+    with pytest.raises(ValueError, match="zero_group_size"):
+        opt2.load_state_dict(bad)
+
+
+def test_state_round_trip_with_stochastic_rounding():
+    run_world(_state_round_trip, 2)

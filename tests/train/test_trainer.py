@@ -115,3 +115,10 @@ def test_two_gloo_ranks_equal_one_process_with_accumulation(tmp_path):
     assert [s for s, _ in la] == [s for s, _ in lb]
     assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(la, lb))
     assert (two / "ckpt" / "step_000003" / "optim.rank1.pt").exists()
+
+
+@pytest.mark.slow
+def test_tiny_training_goes_well_below_the_unigram_baseline(tmp_path):
+    summary = train(TrainConfig(**{**SMALL, "out": str(tmp_path), "steps": 60, "batch_size": 4,
+                                   "seq_len": 64, "ckpt_every": 60, "warmup": 10, "eval_batches": 4}))
+    assert summary["val_loss"] < summary["unigram_nats"] - 0.5
