@@ -27,6 +27,12 @@ def missing_capability() -> str | None:
 
 
 @pytest.fixture(scope="session")
+def unmount():
+    """The ``unmount_all`` helper, as a fixture (test modules need no import path to reach it)."""
+    return unmount_all
+
+
+@pytest.fixture(scope="session")
 def dsec_home(tmp_path_factory):
     why = missing_capability()
     if why:

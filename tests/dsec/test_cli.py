@@ -11,12 +11,10 @@ import time
 
 import httpx
 
-from tests.dsec.conftest import unmount_all
-
 TOKEN = "cli-token-" + "z" * 16
 
 
-def test_dsec_up_serves_and_stops(dsec_home, tmp_path):
+def test_dsec_up_serves_and_stops(dsec_home, unmount, tmp_path):
     home = tmp_path / "up-home"
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -51,7 +49,7 @@ def test_dsec_up_serves_and_stops(dsec_home, tmp_path):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-        unmount_all(home)
+        unmount(home)
     assert p.returncode is not None
 
 

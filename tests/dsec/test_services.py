@@ -15,8 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.dsec.conftest import missing_capability, unmount_all
-
 TOKEN = "test-token-" + "x" * 16
 
 
@@ -28,7 +26,7 @@ def _free_sock():
 
 
 class Cluster:
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, unmount_all):
         import uvicorn
 
         from v4stack.dsec.apiserver import make_app
@@ -36,6 +34,7 @@ class Cluster:
         from v4stack.dsec.watcher import Watcher
 
         self.home = home
+        self.unmount_all = unmount_all
         ImageStore(home).build("busybox")
         sock = _free_sock()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -80,15 +79,12 @@ class Cluster:
             c = Cgroup(d.name)
             if c.dirs["pids"] == d:
                 c.destroy()
-        unmount_all(self.home)
+        self.unmount_all(self.home)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = missing_capability()
-    if why:
-        pytest.skip(why)
-    c = Cluster(tmp_path_factory.mktemp("dsec-cluster"))
+def cluster(dsec_home, unmount, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("dsec-cluster"), unmount)
     yield c
     c.close()
 
@@ -229,5 +225,23 @@ def test_edge_sigkill_mid_command_then_restore_and_fast_forward(cluster):
         # the replayed entries answer a re-issued request from the log (fast-forward)
         ff = again.commands.run("mkdir /workspace/d; echo z > /workspace/d/z", idempotent=True, seq=2)
         assert ff.fast_forward and ff.exit_code == 0
+    finally:
+        again.kill()
+
+
+def test_watcher_collects_only_unreferenced_layers(cluster):
+    from v4stack.dsec.client import Sandbox
+
+    with Sandbox.create(substrate="process") as sbx:
+        sbx.commands.run("echo keep > /workspace/keep")
+        snap = sbx.snapshot()
+    stray = cluster.home / "layers" / ("0" * 32)
+    (stray / "workspace").mkdir(parents=True)
+    removed = cluster.watcher.tick()["layers_removed"]
+    assert stray.name in removed and not stray.exists()
+    assert all((cluster.home / "layers" / lid).is_dir() for lid in snap["layers"])
+    again = Sandbox.restore(snap["id"], substrate="process")
+    try:
+        assert again.files.read("/workspace/keep") == b"keep\n"
     finally:
         again.kill()
