@@ -11,8 +11,9 @@ contiguous block of experts):
    rows each tile needs straight out of the sources' buffers into a local ring of tiles, waiting
    on the ring's free counter first (back-pressure sits with the rank that owns the compute).
 3. **Compute.** The compute side takes a wave once its tiles are in the ring, runs Linear-1 ->
-   SwiGLU (V4 clamps) -> Linear-2 on every tile, pushes each output row into the source's combine
-   buffer at the row's pair id, and frees the slots. Wave j+1 is pulled while wave j computes.
+   SwiGLU (V4 clamps) -> Linear-2 on every tile, frees the slots, and pushes each output row into
+   the source's combine buffer at the row's pair id. Wave j+1 is pulled while wave j computes; on
+   CUDA wave j-1's combine push runs on a third stream meanwhile.
 4. **Reduce.** Barrier; each source sums its tokens' k rows in fp32 in the fixed order of
    ``experts.reduce_topk`` (ascending expert id).
 
@@ -134,6 +135,7 @@ class MegaMoE:
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             self._pull_stream = torch.cuda.Stream(self.device)
+            self._combine_stream = torch.cuda.Stream(self.device)
             self._ready = [torch.cuda.Event() for _ in range(ring_tiles)]
             self._done = [None] * ring_tiles
 
@@ -170,7 +172,7 @@ class MegaMoE:
         per_expert = counts.sum(0).tolist()
         k = self.shard.topk
         plan = plan_waves(
-            per_expert, self.hw_for_tile(),
+            per_expert, self._hw_for_tile(),
             tokens=round(sum(per_expert) * self.world / k),  # even-routing estimate of the global batch
             topk=k, n_experts=self.shard.n_experts,
             expert_width=self.shard.w1[0].shape[0] if self.shard.n_local else 1,
@@ -200,7 +202,7 @@ class MegaMoE:
             waves.append(tiles)
         return waves, plan
 
-    def hw_for_tile(self) -> Hardware:
+    def _hw_for_tile(self) -> Hardware:
         hw = self.hw
         return Hardware(hw.peak_flops, hw.link_bytes_per_s, hw.compute_units, self.shard.tile)
 
@@ -242,6 +244,8 @@ class MegaMoE:
             ring.fail(e)
 
     def _compute(self, waves: list[list[Tile]], ring: _Ring) -> None:
+        """GEMMs of a wave, free its ring slots, then push its combine rows (on CUDA the push runs
+        on its own stream, so wave j's combine overlaps wave j+1's GEMMs)."""
         i = 0
         for tiles in waves:
             n = len(tiles)
@@ -250,6 +254,7 @@ class MegaMoE:
             for lo in range(0, n, step):
                 group = tiles[lo : lo + step]
                 ring.wait_produced(i + len(group))
+                ys = []
                 for j, t in enumerate(group):
                     slot = (i + j) % self.ring_tiles
                     if self._cuda:
@@ -257,19 +262,29 @@ class MegaMoE:
                     xt = self.ring_x[slot]
                     if self.fp8:
                         xt = dequantize_rows(xt, self.ring_s[slot])
-                    y = self.shard.ffn_tile(t.expert, xt, self.ring_w[slot])
-                    r = 0
-                    for s, p in t.segments:
-                        m = p.shape[0]
-                        self.buf.remote(s, "comb").index_copy_(0, p.to(self.device),
-                                                               y[r : r + m].to(self.combine_dtype))
-                        r += m
+                    ys.append(self.shard.ffn_tile(t.expert, xt, self.ring_w[slot]).to(self.combine_dtype))
                     if self._cuda:
                         ev = torch.cuda.Event()
                         ev.record(torch.cuda.current_stream(self.device))
                         self._done[slot] = ev
                 i += len(group)
                 ring.free(len(group))
+                self._push_combine(group, ys)
+
+    def _push_combine(self, group: list[Tile], ys: list[torch.Tensor]) -> None:
+        ctx = _nullctx()
+        if self._cuda:
+            self._combine_stream.wait_stream(torch.cuda.current_stream(self.device))
+            ctx = torch.cuda.stream(self._combine_stream)
+        with ctx:
+            for t, y in zip(group, ys):
+                if self._cuda:
+                    y.record_stream(self._combine_stream)
+                r = 0
+                for s, p in t.segments:
+                    m = p.shape[0]
+                    self.buf.remote(s, "comb").index_copy_(0, p.to(self.device), y[r : r + m])
+                    r += m
 
     # ---- the call --------------------------------------------------------------------------
 
@@ -299,6 +314,8 @@ class MegaMoE:
             puller.join()
         if ring.error:
             raise RuntimeError("megamoe puller failed") from ring.error
+        if self._cuda:  # every combine row is written before the barrier
+            torch.cuda.current_stream(self.device).wait_stream(self._combine_stream)
         self.buf.barrier()
         all_tiles = [t for ts in waves for t in ts]
         self.last = CallStats(
