@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from v4stack.config import preset as get_preset
 from v4stack.model import V4Model
+from v4stack.ops.mode import mode as ops_mode
 from v4stack.optim.adamw import AdamWHyper
 from v4stack.optim.hybrid import MuonAdamW
 from v4stack.optim.muon import MuonHyper
@@ -129,6 +130,12 @@ def _barrier(world: int) -> None:
 
 
 def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) a training run; returns the summary on rank 0 and {} elsewhere."""
+    with ops_mode("fast"):  # training keeps the model on its fast ops
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict:
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
