@@ -91,3 +91,14 @@ def test_search_prefers_the_largest_balanced_group():
 def test_search_reports_infeasible_domain():
     with pytest.raises(OwnershipError, match="needing >= 4 ranks"):
         search_group_size([[1] * 18], domain=3, cap=5)
+
+
+def test_pigeonhole_lower_bound():
+    # 5 large items on 4 ranks: some rank holds two, whatever the assignment
+    sizes = [10] * 5 + [1] * 10
+    lb = padding_lower_bound(sizes, 4)
+    assert lb == pytest.approx(1 - 60 / (4 * 20))
+    a = assign(sizes, 4, cap=5)
+    assert a.max_load >= 20 and a.padding >= lb - 1e-12
+    # and the bound is met here: 10+10 | 10+1*5 | 10+1*4... -> the search cannot do better than 20
+    assert a.max_load == 20

@@ -9,9 +9,10 @@ large as the most loaded rank's share. The waste is
 
 The problem is multiway number partitioning with a cardinality cap (NP-hard). ``assign`` runs
 longest-processing-time first under the cap, then a local search (moves and swaps out of the most
-loaded rank) until no move lowers the maximum. Lower bound: max(largest item, total / G), so a
-single matrix larger than the mean load forces padding of at least 1 - total / (G * largest); the
-group size is therefore part of the plan. ``search_group_size`` tries every group size G that
+loaded rank) until no move lowers the maximum. Lower bound: max(largest item, total / G,
+(k + 1) * the (kG + 1)-th largest), so a single matrix larger than the mean load forces padding of
+at least 1 - total / (G * largest), and G + 1 large matrices force a rank to hold two; the group
+size is therefore part of the plan. ``search_group_size`` tries every group size G that
 divides the data-parallel domain D (the rest is covered by D / G replicated groups) and keeps the
 largest G whose padding meets the target - the largest G because optimizer state per rank falls
 with G.
@@ -75,11 +76,18 @@ class Assignment:
 
 
 def padding_lower_bound(sizes: list[int], group_size: int) -> float:
-    """Padding no assignment can beat: the max load is at least the largest item and the mean."""
+    """Padding no assignment can beat. The max load is at least the mean, the largest item, and,
+    by pigeonhole, (k + 1) times the (k * G + 1)-th largest item: of the k * G + 1 largest items
+    some rank holds k + 1."""
     total = sum(sizes)
     if not total:
         return 0.0
-    lb = max(max(sizes), math.ceil(total / group_size))
+    desc = sorted(sizes, reverse=True)
+    lb = max(desc[0], math.ceil(total / group_size))
+    k = 1
+    while k * group_size < len(desc):
+        lb = max(lb, (k + 1) * desc[k * group_size])
+        k += 1
     return (group_size * lb - total) / (group_size * lb)
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from v4stack.config import ModelConfig
-from v4stack.optim.ownership import DEFAULT_CAP, DEFAULT_TARGET, OwnershipError, search_group_size
+from v4stack.optim.ownership import (DEFAULT_CAP, DEFAULT_TARGET, OwnershipError, padding_lower_bound,
+                                     search_group_size)
 from v4stack.optim.split import Item, muon_items, split_params
 
 # the default deployment: see docs/training.md for why
@@ -153,6 +154,8 @@ def _plan_kind(lists: list[list[int]], domain: int, cap: int, target: float) -> 
         "max_matrices_per_rank": max(c.max_count for c in choices),
         "max_items_per_stage": max(len(l) for l in lists),
         "stage_padding": [round(c.padding, 6) for c in choices],
+        "stage_lower_bound": [round(padding_lower_bound(sizes, c.group_size), 6)
+                              for sizes, c in zip(lists, choices)],
         "tried": [c.tried for c in choices],
     }
 
