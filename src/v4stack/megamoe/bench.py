@@ -5,10 +5,10 @@ calls on the same inputs. Reported per (routing, size, path):
 
 - ``p50_ms`` / ``p99_ms``: latency of one layer call (the slowest rank's time per call, each call
   started from a barrier);
-- ``throughput_tok_s``: steady state, ``iters`` calls back to back, global tokens per second;
+- ``throughput_tok_s``: steady state, calls back to back (in a few blocks), global tokens per second;
 - ``link_GB_s``: rows that crossed ranks (dispatch + combine bytes) per p50 call time.
 
-The ranks are real processes (gloo on one host, or ``torchrun`` / CUDA when launched that way).
+The two paths alternate call by call, so a busy host slows both alike. The ranks are real processes (gloo on one host, or ``torchrun`` / CUDA when launched that way).
 On a CPU host the numbers are only good for ratios between the two paths.
 """
 
@@ -77,36 +77,45 @@ def run_rank(cfg: dict) -> list[dict] | None:
             mine = slice(rank * n, (rank + 1) * n)
             x, idx, w = x_all[mine].to(device), idx_all[mine], w_all[mine].to(device)
             outs = {}
-            for name, path in paths.items():
+            for path in paths.values():
                 for _ in range(cfg["warmup"]):
                     path(x, idx, w)
-                lat = []
-                for _ in range(cfg["iters"]):
+            # the paths alternate call by call (and block by block), so both see the same host load
+            lat = {name: [] for name in paths}
+            for _ in range(cfg["iters"]):
+                for name, path in paths.items():
                     dist.barrier()
                     sync()
                     t0 = time.perf_counter()
                     outs[name] = path(x, idx, w)
                     sync()
-                    lat.append(time.perf_counter() - t0)
-                lat_t = torch.tensor(lat, dtype=torch.float64)
+                    lat[name].append(time.perf_counter() - t0)
+            busy = {name: 0.0 for name in paths}
+            blocks = max(1, min(4, cfg["iters"]))
+            for b in range(blocks):
+                for name, path in paths.items():
+                    dist.barrier()
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(cfg["iters"] // blocks):
+                        path(x, idx, w)
+                    sync()
+                    busy[name] += time.perf_counter() - t0
+            calls = blocks * (cfg["iters"] // blocks)
+            for name, path in paths.items():
+                lat_t = torch.tensor(lat[name], dtype=torch.float64)
                 dist.all_reduce(lat_t, op=dist.ReduceOp.MAX)
                 remote = (path.last.remote_rows if name == "megamoe" else path.last_remote_rows)
                 remote_t = torch.tensor([remote], dtype=torch.float64)
                 dist.all_reduce(remote_t)
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(cfg["iters"]):
-                    path(x, idx, w)
-                sync()
-                total = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                total = torch.tensor([busy[name]], dtype=torch.float64)
                 dist.all_reduce(total, op=dist.ReduceOp.MAX)
                 lat_ms = [v * 1e3 for v in lat_t.tolist()]
                 p50 = _pct(lat_ms, 0.5)
                 link_bytes = float(remote_t) * (h * elem + 4)
                 rows.append(dict(routing=kind, tokens_per_rank=n, path=name, p50_ms=p50,
                                  p99_ms=_pct(lat_ms, 0.99), mean_ms=statistics.fmean(lat_ms),
-                                 throughput_tok_s=world * n * cfg["iters"] / float(total),
+                                 throughput_tok_s=world * n * calls / float(total),
                                  remote_rows=int(remote_t), link_GB_s=link_bytes / (p50 * 1e-3) / 1e9))
             same = torch.tensor([int(torch.equal(outs["megamoe"], outs["baseline"]))])
             dist.all_reduce(same, op=dist.ReduceOp.MIN)
