@@ -101,7 +101,7 @@ def compare(ref: dict[int, list], got: dict[int, list]) -> dict:
 
 def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invariant", seed: int = 0,
                      batch_sizes: tuple[int, ...] = (3, 8, 32), dtype: str = "float32",
-                     max_prompt: int = 24, decode: int = 4) -> dict:
+                     max_prompt: int = 24, decode: int = 4, device: str = "cpu") -> dict:
     """Run ``prompts`` requests alone and batched under ops mode ``mode``; compare bitwise."""
     import torch
 
@@ -118,8 +118,10 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch_sizes must be non-empty and >= 1, got {list(batch_sizes)}")
     cfg = get_preset(preset)
-    model = V4Model(cfg, seed=seed).cast(getattr(torch, dtype)).eval()
+    model = V4Model(cfg, seed=seed).cast(getattr(torch, dtype)).eval().to(device)
     reqs = make_requests(prompts, seed, cfg.vocab_size, max_prompt, decode)
+    for r in reqs:
+        r.chunks = [c.to(device) for c in r.chunks]
     runs = []
     with torch.no_grad(), ops.mode(mode):
         ref = run_alone(model, reqs)
@@ -133,6 +135,7 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
     total = {k: sum(r[k] for r in runs) for k in ("steps", "steps_differ", "rows_differ")}
     return {
         "preset": preset, "mode": mode, "dtype": dtype, "prompts": prompts, "seed": seed,
+        "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
         "steps_per_request": [len(r.chunks) for r in reqs],
         "runs": runs,
         "steps_compared": total["steps"], "steps_differ": total["steps_differ"],
@@ -161,6 +164,7 @@ def invariance_command(
     mode: str = typer.Option("invariant", help="ops mode: invariant or fast."),
     seed: int = typer.Option(0, help="Seed for weights, prompts and batch orders."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float64."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print the full JSON report."),
 ):
     """Run prompts alone and in shuffled batches; compare logits bitwise at every step.
@@ -168,7 +172,7 @@ def invariance_command(
     Exits 1 if any step differs (or a repeat is not bit-identical) in invariant mode.
     """
     try:
-        rep = check_invariance(preset, prompts, mode, seed=seed, dtype=dtype)
+        rep = check_invariance(preset, prompts, mode, seed=seed, dtype=dtype, device=device)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

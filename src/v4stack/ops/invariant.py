@@ -157,6 +157,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight has in_features {weight.shape[-1]}, input has {K}")
     if x.is_cuda and (k := _kernels()) is not None and k.supports_linear(x, weight):
         return k.linear(x, weight)
+    return _linear_tree(x, weight)
+
+
+def _linear_tree(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    K, N = x.shape[-1], weight.shape[0]
     acc = acc_dtype(x.dtype, weight.dtype)
     lead = x.shape[:-1]
     M = lead.numel()
@@ -204,7 +209,7 @@ def weighted_pool(kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tens
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    dots = linear(q, k).clamp_min(0)  # [T, h, S]
+    dots = _linear_tree(q, k).clamp_min(0)  # [T, h, S]; S grows with history: no per-S kernel
     return tree_sum(dots * w.unsqueeze(-1), 1)
 
 

@@ -1,0 +1,70 @@
+"""On a CUDA GPU: the invariant GEMM / RMSNorm rows never change with M; cuBLAS rows do.
+
+Needs CUDA (marker ``gpu``) and TileLang for the kernel path; the model-level check runs the
+same 32-prompt workload as the CPU test, in bf16 on the GPU.
+"""
+
+import pytest
+import torch
+
+from v4stack import check, ops
+from v4stack.ops import invariant
+
+pytestmark = pytest.mark.gpu
+
+MS = (1, 8, 64, 128, 256, 1024, 4096)
+
+
+def _rows_stable(fn, x, w, ms=MS, probe=8):
+    """For each M: are the first rows of an M-row call bit-identical to those rows alone?"""
+    alone = torch.cat([fn(x[i : i + 1], w) for i in range(probe)])
+    out = {}
+    for m in ms:
+        n = min(m, probe)
+        out[m] = torch.equal(fn(x[:m], w)[:n].view(torch.int16), alone[:n].view(torch.int16))
+    return out
+
+
+def _data(K=4096, N=4096, M=max(MS)):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return (torch.randn(M, K, device="cuda", generator=g).bfloat16(),
+            torch.randn(N, K, device="cuda", generator=g).bfloat16() / 64)
+
+
+def test_tilelang_gemm_rows_do_not_depend_on_m_but_cublas_rows_do():
+    pytest.importorskip("tilelang")
+    x, w = _data()
+    assert invariant._kernels() is not None and invariant._kernels().supports_linear(x, w)
+    with ops.mode("invariant"):
+        inv = _rows_stable(ops.linear, x, w)
+        y = ops.linear(x[:256], w)
+    with ops.mode("fast"):
+        fast = _rows_stable(ops.linear, x, w)
+        ref = ops.linear(x[:256].double(), w.double())
+    assert all(inv.values()), inv
+    assert not all(fast.values()), fast  # inverse control: cuBLAS changes a row's bits with M
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+
+
+def test_tilelang_rms_norm_rows_do_not_depend_on_m():
+    pytest.importorskip("tilelang")
+    x, _ = _data()
+    w = torch.rand(4096, device="cuda").bfloat16() + 0.5
+    f = lambda a, b: ops.rms_norm(a, b, 1e-6)  # noqa: E731
+    with ops.mode("invariant"):
+        assert all(_rows_stable(f, x, w).values())
+        y = f(x[:64], w)
+    with ops.mode("fast"):
+        z = f(x[:64], w)
+    torch.testing.assert_close(y.float(), z.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_model_check_on_gpu_both_modes():
+    work = dict(preset="tiny", prompts=32, batch_sizes=(4, 32), max_prompt=12, decode=3, dtype="bfloat16",
+                device="cuda")
+    inv = check.check_invariance(mode="invariant", **work)
+    assert inv["steps_differ"] == 0 and inv["deterministic"], inv
+    fast = check.check_invariance(mode="fast", **work)
+    assert fast["deterministic"]
+    assert fast["steps_differ"] > 0, "inverse control found no difference on this GPU"
