@@ -96,9 +96,12 @@ def bench_density(rt, sub: str, n: int) -> dict:
         time.sleep(0.5)
         used = max(0, before - _mem_available())
         cg = sum(s.handle.cgroup.memory_usage() for s in held if s.handle.cgroup)
+        per = max(used, cg) / len(held)  # MemAvailable moves with everything else on the host too
         return {"sandboxes": len(held), "seconds_to_fill": round(elapsed, 3),
-                "host_mem_per_sandbox_mib": round(used / len(held) / 2**20, 3),
-                "cgroup_mem_per_sandbox_mib": round(cg / len(held) / 2**20, 3)}
+                "host_mem_per_sandbox_mib": round(per / 2**20, 3),
+                "cgroup_mem_per_sandbox_mib": round(cg / len(held) / 2**20, 3),
+                "mem_available_before_mib": round(before / 2**20, 1),
+                "estimated_idle_fit": int(before // per) if per > 0 else None}
     finally:
         for s in held:
             rt.kill(s.id)
@@ -121,7 +124,8 @@ def bench_dsec(out: str | None = "bench/results/dsec.json", iters: int = 30, den
         t = time.perf_counter()
         rt.images.build("busybox")
         image_build = time.perf_counter() - t
-        result = {"bench": "dsec", "host": {"cpus": os.cpu_count(), "kernel": platform.release()},
+        result = {"bench": "dsec", "host": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                                            "loadavg_at_start": os.getloadavg()},
                   "iters": iters, "image_build_s": round(image_build, 3), "anchors_ms": ANCHORS_MS,
                   "goals_ms": GOALS_MS, "substrates": {}}
         for sub in substrates:
