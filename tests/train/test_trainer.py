@@ -122,3 +122,22 @@ def test_tiny_training_goes_well_below_the_unigram_baseline(tmp_path):
     summary = train(TrainConfig(**{**SMALL, "out": str(tmp_path), "steps": 60, "batch_size": 4,
                                    "seq_len": 64, "ckpt_every": 60, "warmup": 10, "eval_batches": 4}))
     assert summary["val_loss"] < summary["unigram_nats"] - 0.5
+
+
+def test_mtp_loss_is_logged_and_trains_the_mtp_block(tmp_path):
+    from v4stack.config import preset
+    from v4stack.model import V4Model
+
+    init = V4Model(preset("tiny"), seed=0).state_dict()
+    key = "mtp.0.enorm.weight"  # AdamW, no weight decay: it moves only if the MTP loss reaches it
+    for weight in (0.0, 0.3):
+        out = tmp_path / f"w{weight}"
+        train(TrainConfig(**{**SMALL, "out": str(out), "steps": 2, "mtp_weight": weight}))
+        doc = json.loads((out / "loss.json").read_text())
+        trained = torch.load(out / "ckpt" / "step_000002" / "model.pt")["model"]
+        if weight:
+            assert all(0 < r["mtp_loss"] < 10 for r in doc["records"])
+            assert not torch.equal(trained[key], init[key])
+        else:
+            assert all("mtp_loss" not in r for r in doc["records"])
+            assert torch.equal(trained[key], init[key])
