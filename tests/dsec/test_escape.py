@@ -124,3 +124,17 @@ def test_files_api_path_traversal_stays_in_root(sbx, tmp_path):
     assert not os.path.exists(f"/tmp/{name}") and not os.path.exists(f"/tmp/{name}.2")
     assert sbx.exec(f"ls /tmp/{name} /tmp/{name}.2")["exit_code"] == 0
     assert host.read_text() == "host data"
+
+
+def test_cpu_quota_throttles(runtime):
+    s = runtime.create("busybox", "process", Limits(cpu_quota=0.05))
+    try:
+        s.exec("i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done", timeout=60)
+        cg = s.handle.cgroup
+        if cg.mode == "v1":
+            stat = dict(line.split() for line in (cg.dirs["cpu"] / "cpu.stat").read_text().splitlines())
+        else:
+            stat = dict(line.split() for line in (cg.dirs["unified"] / "cpu.stat").read_text().splitlines())
+        assert int(stat["nr_throttled"]) > 0, stat
+    finally:
+        runtime.kill(s.id)

@@ -98,6 +98,10 @@ def test_auth_missing_or_wrong_token_is_401_and_changes_nothing(cluster):
             assert c.get("/v1/sandboxes").status_code == 401
             assert c.post("/v1/edges/register", json={"edge_id": "evil", "url": "http://127.0.0.1:1"}).status_code == 401
     assert cluster.api().get("/v1/sandboxes").json() == before
+    edge_url = cluster.api().get("/v1/edges").json()[0]["url"]  # the edge's own API is guarded too
+    assert httpx.post(f"{edge_url}/edge/v1/sandboxes", json={}, timeout=10).status_code == 401
+    assert httpx.get(f"{edge_url}/edge/v1/sandboxes", headers={"Authorization": "Bearer nope"},
+                     timeout=10).status_code == 401
     assert all(e["id"] != "evil" for e in cluster.api().get("/v1/edges").json())
     r = cluster.api().post("/v1/sandboxes", json={"substrate": "vm"})
     assert r.status_code == 400 and r.json()["field"] == "substrate"
