@@ -58,8 +58,9 @@ def _inputs(case: Case, seed: int):
 
 
 def _cases_world(rank, world, cases):
-    if world == 2:
+    if world == 2:  # one set of processes also runs the layer and error checks (spawns are slow)
         _errors(rank, world)
+        _layer_world(rank, world)
     for ci, case in enumerate(cases):
         moe = make_moe(topk=case.topk, seed=ci)
         off = offsets(list(case.counts))
@@ -98,7 +99,8 @@ def _layer_world(rank, world):
 
 
 def _layer_path(rank, world, path):
-    """The model's layer (gate on local tokens + shared expert) expert-parallel vs one process."""
+    """The model's layer (gate on local tokens + shared expert) expert-parallel vs one process
+    (runs inside test_megamoe_bit_identical[ep2])."""
     moe = make_moe(topk=2, seed=7)
     counts = [5, 0, 8, 3][:world] if world > 2 else [5, 0]
     off = offsets(counts)
@@ -119,10 +121,6 @@ def _layer_path(rank, world, path):
     # same math as the model's own layer (in fast mode its GEMMs batch differently: close, not bitwise)
     model = moe.combine(x_all, idx_all, w_all)
     torch.testing.assert_close(ref.float(), model.float(), rtol=1e-2, atol=1e-2)
-
-
-def test_model_layer_expert_parallel():
-    run_world(_layer_world, 2)
 
 
 def _invariant_world(rank, world):
@@ -165,7 +163,7 @@ def _errors(rank, world):
     mega.close()
 
 
-def test_errors_name_the_field():  # the distributed ones run inside the EP2 world above
+def test_errors_name_the_field():  # the distributed ones run inside test_megamoe_bit_identical[ep2]
     with pytest.raises(ValueError, match="n_routed_experts"):
         ExpertShard.from_moe(make_moe(), 0, 3)
     with pytest.raises(ValueError, match="gemm"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import tempfile
 from typing import Mapping
 
 import torch
@@ -78,8 +79,9 @@ class SymmetricBuffer:
 class ShmSymmetric(SymmetricBuffer):
     """CPU backend: one shared-memory file per rank, mapped by every rank of the (one-host) group."""
 
-    def __init__(self, layout: Layout, group=None, root: str = "/dev/shm"):
+    def __init__(self, layout: Layout, group=None, root: str | None = None):
         super().__init__(layout, group)
+        root = root or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         tag = [secrets.token_hex(8) if self.rank == 0 else None]
         dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         paths = [os.path.join(root, f"v4stack-megamoe-{tag[0]}-{r}") for r in range(self.world)]
