@@ -21,9 +21,9 @@ import torch
 
 from v4stack.config import ModelConfig
 from v4stack.model import V4Model
-from v4stack.serve.api import build_app
 from v4stack.serve.engine import Engine, EngineConfig
 from v4stack.serve.runner import EngineRunner
+from v4stack.serve.sampling import SamplingParams
 
 
 def _q(xs: list[float], q: float) -> float | None:
@@ -77,6 +77,8 @@ def bench_serve(cfg: ModelConfig, *, clients: int = 16, requests: int = 64, pref
                 dtype: torch.dtype = torch.float32, ops_mode: str = "invariant", n_blocks: int = 512,
                 seed: int = 0, out: str | None = None, label: str = "") -> dict:
     import uvicorn
+
+    from v4stack.serve.api import build_app
 
     model = V4Model(cfg, seed=seed).cast(dtype).to(device)
     engine = Engine(model, EngineConfig(n_blocks=n_blocks, n_slots=clients, max_running=clients,
@@ -141,20 +143,71 @@ def bench_serve(cfg: ModelConfig, *, clients: int = 16, requests: int = 64, pref
         "state_bytes_per_request": cs["state_bytes_per_request"],
         "preemptions": engine.scheduler.preemptions,
     }
-    bw = copy_bandwidth(device)
-    if bw is not None:
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        ctx = prefix_len + suffix_len / 2 + max_tokens / 2
-        cache_read = clients * (engine.cache.spec.slot_bytes() +
-                                ctx * sum(engine.cache.spec.bytes_per_token().values()))
-        step_floor = (weight_bytes + cache_read) / bw
-        res["roofline"] = {
-            "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "cache_bytes_per_step": cache_read,
-            "decode_step_floor_s": step_floor, "decode_tokens_per_s_roofline": clients / step_floor,
-            "decode_tokens_per_s_measured": clients / _q(itl_server, .5) if itl_server else None,
-        }
+    if device == "cuda":
+        res["roofline"] = _roofline(model, engine, clients, prefix_len + suffix_len / 2 + max_tokens / 2,
+                                    _q(itl_server, .5))
     if out:
         p = Path(out)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+def _roofline(model, engine: Engine, batch: int, ctx: float, step_s: float | None) -> dict:
+    """Bytes one decode step must read (every weight, as a batch touches all experts, plus each
+    request's state slot and compressed cache) over the measured copy bandwidth."""
+    bw = copy_bandwidth("cuda")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    spec = engine.cache.spec
+    cache_read = batch * (spec.slot_bytes() + ctx * sum(spec.bytes_per_token().values()))
+    floor = (weight_bytes + cache_read) / bw
+    return {"copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "cache_bytes_per_step": cache_read,
+            "decode_step_floor_s": floor, "decode_tokens_per_s_roofline": batch / floor,
+            "decode_step_measured_s": step_s,
+            "decode_tokens_per_s_measured": batch / step_s if step_s else None,
+            "fraction_of_roofline": (floor / step_s) if step_s else None}
+
+
+def bench_engine(cfg: ModelConfig, *, batch: int = 16, prefixes: int = 4, prefix_len: int = 64,
+                 suffix_len: int = 16, max_tokens: int = 32, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, ops_mode: str = "fast", seed: int = 0,
+                 n_blocks: int = 512) -> dict:
+    """The engine alone (no HTTP): ``batch`` requests decoded together; decode-only steps timed
+    with device synchronisation, against the decode roofline on CUDA."""
+    model = V4Model(cfg, seed=seed).cast(dtype).to(device)
+    engine = Engine(model, EngineConfig(n_blocks=n_blocks, n_slots=batch, max_running=batch,
+                                        token_budget=max(512, batch * (prefix_len + suffix_len)), ops_mode=ops_mode))
+    rng = random.Random(seed)
+    heads = [[rng.randrange(256) for _ in range(prefix_len)] for _ in range(prefixes)]
+    sp = SamplingParams(max_tokens=max_tokens)
+
+    def run_once() -> tuple[list[float], float]:
+        for _ in range(batch):
+            engine.add_request(rng.choice(heads) + [rng.randrange(256) for _ in range(rng.randrange(1, suffix_len + 1))], sp)
+        decode, t_all = [], time.perf_counter()
+        while engine.has_work():
+            plan_is_decode = all(r.pending <= 1 and r.cache is not None for r in engine.scheduler.running) \
+                and not engine.scheduler.waiting
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if plan_is_decode:
+                decode.append(time.perf_counter() - t0)
+        return decode, time.perf_counter() - t_all
+
+    run_once()  # warm-up: allocator, kernels, first-call costs
+    decode, wall = run_once()
+    step = _q(decode, 0.5)
+    res = {"device": device, "dtype": str(dtype).replace("torch.", ""), "ops_mode": ops_mode, "batch": batch,
+           "config": {"hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+                      "experts": cfg.n_routed_experts, "vocab": cfg.vocab_size},
+           "params": sum(p.numel() for p in model.parameters()),
+           "decode_steps": len(decode), "decode_step_s_p50": step, "decode_step_s_p99": _q(decode, 0.99),
+           "decode_tokens_per_s": batch / step if step else None, "wall_s": wall,
+           "prefix_hit_rate": engine.cache.stats()["prefix_hit_rate"]}
+    if device == "cuda":
+        res["roofline"] = _roofline(model, engine, batch, prefix_len + suffix_len / 2 + max_tokens / 2, step)
     return res
