@@ -149,6 +149,26 @@ def bench_serve_cmd(
     typer.echo(json.dumps(res, indent=2))
 
 
+@bench_app.command("megamoe")
+def bench_megamoe_cmd(
+    world: int = typer.Option(2, help="Expert-parallel ranks (one process each)."),
+    tokens: list[int] = typer.Option([1, 16, 128, 512], help="Tokens per rank; repeat the option."),
+    iters: int = typer.Option(20, help="Timed calls per path and size."),
+    device: str = typer.Option("cpu", help="cpu, or cuda under torchrun."),
+    out: str = typer.Option("bench/results/megamoe.json", help="JSON report; the PNG goes next to it."),
+):
+    """MegaMoE vs the all_to_all baseline: p50/p99 per layer call, throughput, link bandwidth, uniform vs Zipf."""
+    from v4stack.megamoe.bench import bench_megamoe
+
+    try:
+        report = bench_megamoe(out=out, world=world, tokens=tokens, iters=iters, device=device)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    if report:
+        typer.echo(json.dumps(report["summary"], indent=2))
+
+
 def main() -> None:  # console entry point
     try:
         app()
