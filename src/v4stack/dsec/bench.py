@@ -125,7 +125,7 @@ def bench_dsec(out: str | None = "bench/results/dsec.json", iters: int = 30, den
         rt.images.build("busybox")
         image_build = time.perf_counter() - t
         result = {"bench": "dsec", "host": {"cpus": os.cpu_count(), "kernel": platform.release(),
-                                            "loadavg_at_start": os.getloadavg()},
+                                            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
                   "iters": iters, "image_build_s": round(image_build, 3), "anchors_ms": ANCHORS_MS,
                   "goals_ms": GOALS_MS, "substrates": {}}
         for sub in substrates:

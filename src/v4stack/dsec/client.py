@@ -137,10 +137,14 @@ class Sandbox:
     def create(cls, image: str = "busybox", substrate: str = "container", limits: dict | None = None,
                timeout: float | None = None, idle_timeout: float | None = None, snapshot_id: str | None = None,
                replay_from: str | None = None, api_url: str | None = None, token: str | None = None,
-               request_timeout: float = 120, edge: str | None = None) -> "Sandbox":
+               request_timeout: float = 120, edge: str | None = None,
+               allow_egress: list[str] | None = None) -> "Sandbox":
+        """``allow_egress``: CIDRs the sandbox may reach (container substrate); default none."""
         c = _Conn(api_url, token, request_timeout)
         body = {"image": image, "substrate": substrate, "limits": limits or {}, "snapshot_id": snapshot_id,
                 "replay_from": replay_from, "edge": edge}
+        if allow_egress is not None:
+            body["network"] = {"allow": allow_egress}
         if timeout is not None:
             body["timeout"] = timeout
         if idle_timeout is not None:

@@ -40,6 +40,15 @@ def limits_from(body: dict) -> Limits:
         raise BadRequest(f"limits: {e}", "limits") from None
 
 
+def network_allow(body: dict) -> list | None:
+    net = body.get("network")
+    if net is None:
+        return None
+    if not isinstance(net, dict) or set(net) - {"allow"}:
+        raise BadRequest("network: expected {\"allow\": [CIDR, ...]}", "network")
+    return net.get("allow")
+
+
 def make_app(rt: Runtime, token: str) -> FastAPI:
     app = FastAPI(title="dsec edge")
     auth = Depends(bearer(token))
@@ -60,7 +69,7 @@ def make_app(rt: Runtime, token: str) -> FastAPI:
     def create(body: dict = Body(...)):
         s = rt.create(image=body.get("image", "busybox"), substrate=body.get("substrate", "container"),
                       limits=limits_from(body), sid=body.get("sandbox_id"), snapshot=body.get("snapshot_id"),
-                      replay_from=body.get("replay_from"))
+                      replay_from=body.get("replay_from"), allow=network_allow(body))
         return {**s.info(), "restore": s.restore_info}
 
     @app.delete("/edge/v1/sandboxes/{sid}", dependencies=[auth])

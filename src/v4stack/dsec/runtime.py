@@ -262,6 +262,10 @@ class Runtime:
                 Cgroup(f"dsec-{d.name}").destroy()
             for c in Path("/run/crun").glob(f"dsec-{d.name}-*") if Path("/run/crun").is_dir() else []:
                 subprocess.run(["crun", "delete", "-f", c.name], capture_output=True)
+            if Path(f"/run/netns/dsec-{d.name}"[:51]).exists():
+                from v4stack.dsec.netns import SandboxNet
+
+                SandboxNet(self.home, d.name).destroy()
             Rootfs(self.home, d.name, Path("/"), self.layers, 0).destroy()
             gone.append(d.name)
         if mode() == "v1":
@@ -293,8 +297,15 @@ class Runtime:
             raise NotFound(f"sandbox_id={sid!r}: no such sandbox on this edge", "sandbox_id") from None
 
     def create(self, image: str = "busybox", substrate: str = "container", limits: Limits | None = None,
-               sid: str | None = None, snapshot: str | None = None, replay_from: str | None = None) -> Sandbox:
+               sid: str | None = None, snapshot: str | None = None, replay_from: str | None = None,
+               allow: list[str] | None = None) -> Sandbox:
+        """A new sandbox; ``allow`` (CIDRs) gives it egress to those networks only (container substrate)."""
+        from v4stack.dsec.netns import parse_allow
+
         limits = (limits or Limits()).validate()
+        allow = parse_allow(allow) if allow is not None else None
+        if allow is not None and substrate != "container":
+            raise BadRequest("network.allow: only the container substrate takes an egress allow-list", "network.allow")
         sub = self.substrate(substrate)
         snap = read_snapshot(self.home, snapshot) if snapshot else None
         image_id = snap["image"] if snap else self.images.resolve(image)
@@ -302,6 +313,7 @@ class Runtime:
         if sid in self.sandboxes or (self.home / "logs" / sid).exists():
             raise Conflict(f"sandbox_id={sid!r}: already exists", "sandbox_id")
         sbx = Sandbox(self, sid, image_id, sub, limits)
+        sbx.handle.state["allow"] = allow
         try:
             sbx.log.mark("create", image=image_id, substrate=substrate, snapshot=snapshot,
                          seq_base=(snap["seq"] + 1) if snap else 0)

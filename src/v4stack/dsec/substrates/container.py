@@ -58,6 +58,16 @@ class ContainerSubstrate(Substrate):
 
     def create(self, handle: Handle) -> None:
         handle.cgroup = Cgroup(f"dsec-{handle.sandbox}").create(handle.limits)
+        if handle.state.get("allow") is not None:
+            from v4stack.dsec.netns import SandboxNet
+
+            net = SandboxNet(self.home, handle.sandbox)
+            try:
+                net.create(handle.state["allow"])
+            except BaseException:
+                handle.cgroup.destroy()
+                raise
+            handle.state["net"] = net
         handle.state["n"] = 0
         handle.state["bundle"] = handle.rootfs.base / "bundle"
         handle.state["bundle"].mkdir(exist_ok=True)
@@ -70,6 +80,9 @@ class ContainerSubstrate(Substrate):
         spec["process"]["args"] = list(argv)
         spec["process"]["env"] = [f"{k}={v}" for k, v in env.items()]
         spec["process"]["cwd"] = cwd or "/"
+        if handle.state.get("net") is not None:  # join the sandbox's persistent namespace with its routes
+            spec["linux"]["namespaces"] = [{"type": t} for t in _NS if t != "network"] + [
+                {"type": "network", "path": handle.state["net"].path}]
         bundle: Path = handle.state["bundle"]
         cfg = bundle / "config.json"
         cfg.write_text(json.dumps(spec))
@@ -94,3 +107,5 @@ class ContainerSubstrate(Substrate):
     def destroy(self, handle: Handle) -> None:
         if handle.cgroup is not None:
             handle.cgroup.destroy()
+        if handle.state.get("net") is not None:
+            handle.state.pop("net").destroy()
