@@ -52,12 +52,13 @@ def test_no_privileges_mount_modules_raw_sockets(sbx):
                  "mount -t tmpfs none /tmp; echo mount=$?; "
                  "head -c 64 /dev/zero > /tmp/x.ko; insmod /tmp/x.ko; echo insmod=$?; "
                  "ping -c 1 -W 1 127.0.0.1; echo ping=$?; "
-                 "echo 1 > /proc/sys/kernel/sysrq; echo sysrq=$?")
+                 "echo 1 > /proc/sys/kernel/sysrq; echo sysrq=$?; "
+                 "unshare -U true; echo userns=$?; unshare -r -m true; echo userns_mnt=$?")
     out = r["stdout"]
     for line in out.splitlines():
         if line.startswith("Cap"):
             assert line.split()[1] == "0000000000000000", line
-    for verb in ("mount", "insmod", "ping", "sysrq"):
+    for verb in ("mount", "insmod", "ping", "sysrq", "userns", "userns_mnt"):
         assert f"{verb}=0" not in out, f"{verb} succeeded inside the sandbox:\n{out}\n{r['stderr']}"
     assert "tmpfs on /tmp" not in sbx.exec("mount")["stdout"]
 

@@ -16,26 +16,43 @@ import subprocess
 import time
 from pathlib import Path
 
-from v4stack.dsec.cas import atomic_write
 from v4stack.dsec.cgroups import Cgroup
 from v4stack.dsec.mounts import need
 from v4stack.dsec.substrates.base import Collector, ExecResult, Handle, OnOutput, Substrate, pump
 
 UNIFIED = "/sys/fs/cgroup/unified"
+# Defence in depth on top of "no capabilities": syscalls a sandboxed command never needs, which
+# widen the kernel surface (new user namespaces, keyrings, bpf, module and mount families).
+_DENY = ["unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "swapon", "swapoff", "reboot",
+         "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "bpf", "perf_event_open",
+         "userfaultfd", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev",
+         "open_by_handle_at", "name_to_handle_at", "syslog", "acct", "quotactl", "settimeofday", "clock_settime",
+         "adjtimex", "iopl", "ioperm", "fanotify_init", "move_mount", "open_tree", "fsopen", "fsmount", "fspick",
+         "mount_setattr"]
+_CLONE_NEWUSER = 0x10000000
+SECCOMP = {
+    "defaultAction": "SCMP_ACT_ALLOW",
+    "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+    "syscalls": [
+        {"names": _DENY, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
+        {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+         "args": [{"index": 0, "value": _CLONE_NEWUSER, "valueTwo": _CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]},
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},  # ENOSYS: libc falls back to clone
+    ],
+}
 _NS = ["pid", "network", "ipc", "uts", "mount"]
 
 
 def _base_spec(home: Path) -> dict:
-    cached = home / "crun-spec.json"
-    if cached.exists():
-        return json.loads(cached.read_text())
-    tmp = home / f".spec-{os.getpid()}"
+    """crun's default spec (masked / read-only /proc paths, default mounts and devices), tightened."""
+    tmp = home / f".spec-{os.getpid()}-{os.urandom(3).hex()}"
     tmp.mkdir(parents=True, exist_ok=True)
     subprocess.run([need("crun"), "spec"], cwd=tmp, check=True, capture_output=True)
     spec = json.loads((tmp / "config.json").read_text())
     (tmp / "config.json").unlink()
     tmp.rmdir()
     spec["linux"].pop("resources", None)
+    spec["linux"]["seccomp"] = SECCOMP
     spec["linux"]["namespaces"] = [{"type": t} for t in _NS]
     spec["hostname"] = "sandbox"
     p = spec["process"]
@@ -43,7 +60,6 @@ def _base_spec(home: Path) -> dict:
     p["noNewPrivileges"] = True
     p["capabilities"] = {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")}
     p["rlimits"] = [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]
-    atomic_write(cached, json.dumps(spec).encode())
     return spec
 
 
