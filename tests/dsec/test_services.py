@@ -138,8 +138,14 @@ def test_sdk_end_to_end(cluster, sub):
         with pytest.raises(SandboxError) as e:
             sbx.commands.run("true")
         assert e.value.status == 409
+        with pytest.raises(SandboxError) as e:  # the streamed form keeps the status too
+            sbx.commands.run("true", on_stdout=print)
+        assert e.value.status == 409 and e.value.field == "sandbox_id"
         sbx.resume()
         sbx.resume()  # a second resume is not an error
+        with pytest.raises(SandboxError) as e:
+            sbx.commands.run("true", seq=10_000, on_stdout=print)
+        assert e.value.status == 409 and e.value.field == "seq"
         assert sbx.commands.run("cat /workspace/after").stdout == "after\n"
         log = sbx.log(path="workspace/after")
         assert log["provenance"] and log["unknown_outcome"] == []

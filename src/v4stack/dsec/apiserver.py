@@ -181,12 +181,24 @@ def make_app(home: str | Path, token: str, db_path: str | Path | None = None) ->
         store.touch(sid)
         if body.get("stream"):
             url = f"{edge_url(row)}/edge/v1/sandboxes/{sid}/exec"
+            try:
+                r = http.send(http.build_request("POST", url, json=body), stream=True)
+            except httpx.HTTPError as e:
+                raise Unavailable(f"sandbox_id={sid!r}: edge unreachable ({type(e).__name__})", "sandbox_id") from None
+            if r.status_code >= 400:  # refused before it ran: keep the status
+                r.read()
+                r.close()
+                return relay(r)
 
             def gen():
-                with http.stream("POST", url, json=body) as r:
+                try:
                     for line in r.iter_lines():
                         yield line + "\n"
-                store.touch(sid)
+                except httpx.HTTPError as e:
+                    yield json.dumps({"error": f"edge connection lost: {type(e).__name__}", "status": 503}) + "\n"
+                finally:
+                    r.close()
+                    store.touch(sid)
 
             return StreamingResponse(gen(), media_type="application/x-ndjson")
         r = forward(row, "POST", "/exec", json=body)

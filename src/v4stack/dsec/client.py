@@ -76,7 +76,11 @@ class Commands:
             with self.sbx._c.http.stream("POST", path, json=body, timeout=timeout + 30) as r:
                 if r.status_code >= 400:
                     r.read()
-                    raise SandboxError(r.status_code, r.text)
+                    try:
+                        err = r.json()
+                    except ValueError:
+                        err = {}
+                    raise SandboxError(r.status_code, err.get("error") or err.get("detail") or r.text, err.get("field"))
                 for line in r.iter_lines():
                     if not line:
                         continue
