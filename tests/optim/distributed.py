@@ -1,4 +1,4 @@
-"""Real gloo process groups for tests: spawn ``world`` processes on a free loopback port."""
+"""Real process groups for tests (gloo, or NCCL one GPU a rank): ``world`` processes, free port."""
 
 import os
 import socket
@@ -14,11 +14,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args):
+def _entry(rank, world, port, fn, args, backend):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -26,6 +28,6 @@ def _entry(rank, world, port, fn, args):
         dist.destroy_process_group()
 
 
-def run_world(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; a failing rank fails the call."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+def run_world(fn, world: int, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; a failing rank fails the call."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args, backend), nprocs=world, join=True)

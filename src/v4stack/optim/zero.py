@@ -4,6 +4,8 @@ World = R replicated groups x G ranks (G = the ZeRO group size from the knapsack
 given). Inside a ZeRO group each Muon item (a whole matrix or an expert stack) has one owner, and
 the AdamW parameters are one flat vector cut into G equal element shards. One step:
 
+Buffers live on the parameters' device: gloo on CPU, NCCL on CUDA.
+
 1. every rank lays its gradients out per peer: chunk j = the Muon items rank j owns (at their
    offsets, padded to the uniform ``max_load``) followed by AdamW shard j;
 2. the buffer is rounded to bf16 (stochastically by default; ``stochastic=False`` sends fp32 so the
@@ -56,6 +58,7 @@ class ZeroMuonAdamW:
         if not dist.is_initialized():
             raise RuntimeError("ZeroMuonAdamW needs torch.distributed initialised (use MuonAdamW on one process)")
         self.params = params
+        self.device = next(iter(params.values())).device if params else torch.device("cpu")
         self.muon_hp = (muon or MuonHyper()).validate()
         self.adamw_hp = (adamw or AdamWHyper()).validate()
         self.stochastic = stochastic
@@ -96,13 +99,14 @@ class ZeroMuonAdamW:
         mask = torch.cat([torch.full((params[n].numel(),), not no_decay(n, tuple(params[n].shape)))
                           for n in self.adam_names]) if self.adam_names else torch.zeros(0, dtype=torch.bool)
         mask = torch.cat([mask, torch.zeros(g * self.S - self.N, dtype=torch.bool)])
-        self.decay_mask = mask[self.local * self.S:(self.local + 1) * self.S].clone()
+        self.decay_mask = mask[self.local * self.S:(self.local + 1) * self.S].clone().to(self.device)
 
         self.steps = 0
-        self.momentum = {i: torch.zeros(self.items[i].k, *self.items[i].shape) for i in self.mine}
-        self.exp_avg = torch.zeros(self.S)
-        self.exp_avg_sq = torch.zeros(self.S)
-        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + self.rank)
+        dev = self.device
+        self.momentum = {i: torch.zeros(self.items[i].k, *self.items[i].shape, device=dev) for i in self.mine}
+        self.exp_avg = torch.zeros(self.S, device=dev)
+        self.exp_avg_sq = torch.zeros(self.S, device=dev)
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + self.rank)  # CPU: noise is drawn there
         self.last_reduced: torch.Tensor | None = None
 
     def _make_groups(self) -> None:
@@ -122,13 +126,13 @@ class ZeroMuonAdamW:
 
     def _send_buffer(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         chunk = self.L + self.S
-        send = torch.zeros(self.G, chunk)
+        send = torch.zeros(self.G, chunk, device=self.device)
         for i, it in enumerate(self.items):
             o = self.offsets[i]
             send[self.owners[i], o:o + it.numel] = stack_of(grads, it).flatten()
         if self.N:
             flat = torch.cat([grads[n].detach().float().flatten() for n in self.adam_names])
-            pad = torch.zeros(self.G * self.S)
+            pad = torch.zeros(self.G * self.S, device=self.device)
             pad[:self.N] = flat
             send[:, self.L:] = pad.view(self.G, self.S)
         return send
@@ -169,7 +173,7 @@ class ZeroMuonAdamW:
                 grads[n] = torch.zeros_like(self.params[n])
         self.steps += 1
         acc = self.reduce(grads)
-        out = torch.zeros(self.L + self.S)
+        out = torch.zeros(self.L + self.S, device=self.device)
         for i in self.mine:
             it, o = self.items[i], self.offsets[i]
             p = stack_of(self.params, it)
@@ -185,7 +189,7 @@ class ZeroMuonAdamW:
         self._scatter_back(gathered)
 
     def _flat_params(self) -> torch.Tensor:
-        flat = torch.zeros(self.G * self.S)
+        flat = torch.zeros(self.G * self.S, device=self.device)
         if self.N:
             flat[:self.N] = torch.cat([self.params[n].detach().float().flatten() for n in self.adam_names])
         return flat

@@ -1,6 +1,7 @@
 """The trainer: byte-level language modelling of a V4 preset on one process or under torchrun.
 
-One process runs ``MuonAdamW``; under ``torchrun`` (``WORLD_SIZE`` > 1, gloo on CPU) the ranks run
+One process runs ``MuonAdamW``; under ``torchrun`` (``WORLD_SIZE`` > 1; gloo on CPU, NCCL with
+``device="cuda"``, one GPU per rank) the ranks run
 ``ZeroMuonAdamW``: each computes gradients on its own micro-batches, scaled by 1 / (world *
 grad_accum), and the sharded step sums them on the owners. The data order is a pure function of
 (seed, step, micro-batch) and every piece of state that changes (weights, optimizer shards, the
@@ -60,7 +61,7 @@ class TrainConfig:
     stochastic_bf16: bool = True
     max_minutes: float = 0.0  # 0 = no wall-clock limit
     threads: int = 0  # 0 = torch default
-    device: str = "cpu"  # one process may run on "cuda"; the sharded step runs on CPU (gloo)
+    device: str = "cpu"  # "cuda": one GPU per rank (NCCL under torchrun)
     progress: bool = True
 
     def validate(self) -> "TrainConfig":
@@ -112,12 +113,14 @@ def eval_loss(model: V4Model, batches: ByteBatches, n: int) -> float:
     return sum(losses) / len(losses)
 
 
-def _dist_setup() -> tuple[int, int, bool]:
-    """(rank, world, whether this call created the process group)."""
+def _dist_setup(device: str) -> tuple[int, int, bool]:
+    """(rank, world, whether this call created the process group): gloo on CPU, NCCL on CUDA."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     created = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
         created = True
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), created
@@ -139,15 +142,13 @@ def _train(cfg: TrainConfig) -> dict:
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    rank, world, created = _dist_setup()
+    rank, world, created = _dist_setup(cfg.device)
     mcfg = get_preset(cfg.preset)
     data, source = load_text(cfg.data, cfg.corpus_bytes, cfg.seed)
     batches = ByteBatches(data, cfg.seq_len, cfg.batch_size, cfg.seed)
     unigram = unigram_entropy(bytes(batches.train.to(torch.uint8).tolist()))
     model = V4Model(mcfg, seed=cfg.seed)
-    dev = torch.device(cfg.device)
-    if dev.type == "cuda" and world > 1:
-        raise ValueError("train field 'device': the sharded step runs over gloo on CPU; use 'cpu' under torchrun")
+    dev = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     model.to(dev)
     muon_hp = MuonHyper(lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
     adamw_hp = AdamWHyper(lr=cfg.adamw_lr, weight_decay=cfg.weight_decay)
@@ -188,7 +189,7 @@ def _train(cfg: TrainConfig) -> dict:
     step = start
     for step in range(start + 1, cfg.steps + 1):
         ts = time.perf_counter()
-        sums = torch.zeros(2)
+        sums = torch.zeros(2, device=dev)
         for micro in range(cfg.grad_accum):
             tokens = batches.batch(step, rank * cfg.grad_accum + micro).to(dev)
             main, extra = lm_losses(model, tokens, use_mtp)
@@ -211,7 +212,7 @@ def _train(cfg: TrainConfig) -> dict:
         log.add(**rec)
         if progress:
             progress.update(step, rec["loss"], tokens_per_step / max(now - ts, 1e-9))
-        stop = torch.tensor([float(cfg.max_minutes > 0 and now - t0 > 60 * cfg.max_minutes)])
+        stop = torch.tensor([float(cfg.max_minutes > 0 and now - t0 > 60 * cfg.max_minutes)], device=dev)
         if world > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if step % cfg.ckpt_every == 0 or step == cfg.steps or stop.item():
