@@ -116,3 +116,35 @@ def test_timeouts_and_bad_input_name_the_field(runtime):
     with pytest.raises(NotFound) as e:
         runtime.create("no-such-image", "process")
     assert e.value.field == "image"
+
+
+_CRASH = r"""
+import os, sys
+from v4stack.dsec.runtime import Runtime
+rt = Runtime(sys.argv[1], pool_size=0)
+s = rt.create("busybox", "container", allow=[])
+s.exec("echo x > /workspace/x")
+print(s.id, flush=True)
+os._exit(0)  # an edge that dies without cleaning up
+"""
+
+
+def test_orphans_of_a_crashed_edge_are_reclaimed_and_live_ones_kept(runtime, dsec_home):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from v4stack.dsec.runtime import reclaim_orphans
+
+    live = runtime.create("busybox", "container")
+    try:
+        sid = subprocess.run([sys.executable, "-c", _CRASH, str(dsec_home)], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert (dsec_home / "run" / sid / "root").is_dir() and Path(f"/run/netns/dsec-{sid}").exists()
+        gone = reclaim_orphans(dsec_home)
+        assert sid in gone and live.id not in gone
+        assert not (dsec_home / "run" / sid).exists() and not Path(f"/run/netns/dsec-{sid}").exists()
+        assert runtime.log(sid)["entries"][0]["status"] == "done"  # the log stays for recovery
+        assert live.exec("echo still")["stdout"] == "still\n"
+    finally:
+        runtime.kill(live.id)

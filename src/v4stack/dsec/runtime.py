@@ -233,48 +233,7 @@ class Runtime:
         self._substrates: dict[str, object] = {}
         self._lock = threading.Lock()
         self.last_active: dict[str, float] = {}
-        self.reclaimed = self.reclaim_orphans()
-
-    def reclaim_orphans(self) -> list[str]:
-        """Tear down what a dead edge left on this host: sandboxes whose log no live process holds
-        (the journal's flock dies with its owner) and worker groups of processes that are gone.
-        Logs, layers and snapshots stay: they are what recovery restores from."""
-        import fcntl
-        import subprocess
-
-        from v4stack.dsec.cgroups import ROOT, Cgroup, mode
-
-        gone = []
-        run_dir = self.home / "run"
-        for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
-            if not d.is_dir():
-                continue
-            lock = self.home / "logs" / d.name / "LOCK"
-            if lock.exists():
-                fd = os.open(lock, os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live edge runs it
-                finally:
-                    os.close(fd)
-            if mode() != "none":
-                Cgroup(f"dsec-{d.name}").destroy()
-            for c in Path("/run/crun").glob(f"dsec-{d.name}-*") if Path("/run/crun").is_dir() else []:
-                subprocess.run(["crun", "delete", "-f", c.name], capture_output=True)
-            if Path(f"/run/netns/dsec-{d.name}"[:51]).exists():
-                from v4stack.dsec.netns import SandboxNet
-
-                SandboxNet(self.home, d.name).destroy()
-            Rootfs(self.home, d.name, Path("/"), self.layers, 0).destroy()
-            gone.append(d.name)
-        if mode() == "v1":
-            for g in (ROOT / "pids").glob("dsec-w*-*"):
-                pid = g.name[len("dsec-w"):].split("-")[0]
-                if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                    Cgroup(g.name).destroy()
-                    gone.append(g.name)
-        return gone
+        self.reclaimed = reclaim_orphans(self.home)
 
     def substrate(self, name: str):
         with self._lock:
@@ -348,6 +307,48 @@ class Runtime:
                 pass
         for s in self._substrates.values():
             s.close()
+
+
+def reclaim_orphans(home: Path) -> list[str]:
+    """Tear down what a dead edge left on this host: sandboxes whose log no live process holds
+    (the journal's flock dies with its owner) and worker groups of processes that are gone.
+    Logs, layers and snapshots stay: they are what recovery restores from."""
+    import fcntl
+    import subprocess
+
+    from v4stack.dsec.cgroups import ROOT, Cgroup, mode
+
+    gone = []
+    run_dir = home / "run"
+    for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if not d.is_dir():
+            continue
+        lock = home / "logs" / d.name / "LOCK"
+        if lock.exists():
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live edge runs it
+            finally:
+                os.close(fd)
+        if mode() != "none":
+            Cgroup(f"dsec-{d.name}").destroy()
+        for c in Path("/run/crun").glob(f"dsec-{d.name}-*") if Path("/run/crun").is_dir() else []:
+            subprocess.run(["crun", "delete", "-f", c.name], capture_output=True)
+        if Path(f"/run/netns/dsec-{d.name}"[:51]).exists():
+            from v4stack.dsec.netns import SandboxNet
+
+            SandboxNet(home, d.name).destroy()
+        Rootfs(home, d.name, Path("/"), LayerStore(home), 0).destroy()
+        gone.append(d.name)
+    if mode() == "v1":
+        for g in (ROOT / "pids").glob("dsec-w*-*"):
+            pid = g.name[len("dsec-w"):].split("-")[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                Cgroup(g.name).destroy()
+                gone.append(g.name)
+    return gone
 
 
 def snapshot_doc(home: Path, snapshot_id: str) -> dict:

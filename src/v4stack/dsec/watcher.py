@@ -20,8 +20,9 @@ from v4stack.dsec.store import Store
 
 class Watcher:
     def __init__(self, home: str | Path, token: str, db_path: str | Path | None = None, dead_after: float = 3.0,
-                 layer_grace: float = 60.0):
+                 layer_grace: float = 60.0, reclaim_local: bool = True):
         self.home = Path(home)
+        self.reclaim_local = reclaim_local  # also tear down a dead edge's leftovers on this host
         self.store = Store(db_path or self.home / "dsec.sqlite")
         self.layers = LayerStore(self.home)
         self.dead_after, self.layer_grace = dead_after, layer_grace
@@ -40,6 +41,10 @@ class Watcher:
                                   e["id"]):
                 self.store.set_state(s["id"], "lost", f"edge {e['id']} stopped heartbeating")
                 report["lost"].append(s["id"])
+        if report["dead_edges"] and self.reclaim_local:
+            from v4stack.dsec.runtime import reclaim_orphans
+
+            report["reclaimed"] = reclaim_orphans(self.home)
         for s in self.store.q("SELECT * FROM sandboxes WHERE state IN ('running','paused')"):
             why = None
             if self.store.active_seconds(s, now) > s["timeout"]:
