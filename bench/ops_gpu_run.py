@@ -33,7 +33,7 @@ def rows_stable(fn, x, w, probe=8):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
-    p.add_argument("--skip", default="", help="comma list of phases to skip: inv,check,bench")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: inv,check,bench,tiles")
     a = p.parse_args()
     skip = set(a.skip.split(","))
     os.makedirs(a.out_dir, exist_ok=True)
@@ -66,6 +66,54 @@ def main():
                         plot=os.path.join(a.out_dir, "ops_h200.png"))
         print(format_table(rep), flush=True)
         print("phase bench done", round(time.time() - t0), flush=True)
+    if "tiles" not in skip:
+        tiles(a.out_dir)
+        print("phase tiles done", round(time.time() - t0), flush=True)
+
+
+TILES = ((64, 128, 64, 3, 128), (128, 128, 64, 3, 128), (128, 256, 64, 3, 256), (64, 256, 64, 3, 128))
+
+
+def tiles(out_dir):
+    """Candidate fixed GEMM tiles at K = N = 4096 bf16: time vs cuBLAS and row stability over M."""
+    import tilelang
+
+    from v4stack.kernels import tilelang_ops as k
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 4096, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(4096, 4096, device="cuda", generator=g) / 64).bfloat16()
+
+    def med(fn, n=30):
+        for _ in range(3):
+            fn()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return sorted(s.elapsed_time(e) for s, e in ev)[n // 2]
+
+    rows = []
+    for bM, bN, bK, st, th in TILES:
+        try:
+            kern = tilelang.compile(k.gemm_nt(4096, 4096, block_M=bM, block_N=bN, block_K=bK, stages=st, threads=th),
+                                    out_idx=[2], target="cuda", pass_configs=k.pass_configs())
+        except Exception as e:  # a tile that does not compile is recorded, not fatal
+            rows.append({"tile": [bM, bN, bK, st, th], "error": str(e)[:300]})
+            continue
+        alone = kern(x[:8].contiguous()[:1].contiguous(), w)
+        r = {"tile": [bM, bN, bK, st, th], "stable": {}, "ms": {}, "cublas_ms": {}}
+        for m in (1, 8, 64, 256, 1024, 4096):
+            xm = x[:m].contiguous()
+            r["stable"][m] = bool(torch.equal(kern(xm, w)[:1].view(torch.int16), alone.view(torch.int16)))
+            r["ms"][m] = med(lambda: kern(xm, w))
+            r["cublas_ms"][m] = med(lambda: torch.nn.functional.linear(xm, w))
+        r["ratio"] = {m: r["ms"][m] / r["cublas_ms"][m] for m in r["ms"]}
+        print(r, flush=True)
+        rows.append(r)
+    json.dump(rows, open(os.path.join(out_dir, "ops_gemm_tiles_h200.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,28 @@ def test_tilelang_rms_norm_rows_do_not_depend_on_m():
     torch.testing.assert_close(y.float(), z.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_tilelang_attention_rows_do_not_depend_on_t():
+    pytest.importorskip("tilelang")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    T, H, C, K = 64, 64, 512, 640
+    q = torch.randn(T, H, C, device="cuda", generator=g).bfloat16()
+    keys = torch.randn(T, K, C, device="cuda", generator=g).bfloat16()
+    mask = torch.rand(T, K, device="cuda", generator=g) > 0.3
+    sink = torch.randn(H, device="cuda", generator=g)
+    assert invariant._kernels().supports_attention(q, keys)
+    f = lambda i: ops.attention_with_sink(q[i], keys[i], mask[i], sink, C ** -0.5)  # noqa: E731
+    with ops.mode("invariant"):
+        full = f(slice(None))
+        alone = torch.cat([f(slice(i, i + 1)) for i in range(8)])
+        part = f(slice(0, 5))
+    assert torch.equal(full[:8].view(torch.int16), alone.view(torch.int16))
+    assert torch.equal(part.view(torch.int16), alone[:5].view(torch.int16))
+    with ops.mode("fast"):
+        ref = ops.attention_with_sink(q.double(), keys.double(), mask, sink.double(), C ** -0.5)
+    rel = ((full.double() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, rel
+
+
 def test_model_check_on_gpu_both_modes():
     work = dict(preset="tiny", prompts=32, batch_sizes=(4, 32), max_prompt=12, decode=3, dtype="bfloat16",
                 device="cuda")

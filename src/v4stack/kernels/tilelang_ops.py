@@ -85,6 +85,70 @@ def rms_norm(D: int, eps: float, dtype: str = "bfloat16", threads: int = NORM_TH
     return norm
 
 
+ATTN_TILE = dict(block_H=16, block_K=64, threads=128)
+
+
+def attention_sink(H: int, C: int, scale: float, dtype: str = "bfloat16", **tile):
+    """The TileLang program for shared-KV attention with a sink, one block per (row, head group).
+
+    Q ``[T, H, C]``, Kv ``[T, K, C]`` (key == value, each query row with its own candidates),
+    Bias ``[T, K]`` fp32 (0 visible, -inf hidden), Sink ``[H]`` fp32 -> O ``[T, H, C]``. T and K
+    are dynamic. The candidates are visited in blocks of ``block_K`` in order, with an online
+    softmax whose running max starts at the sink logit (so the sink joins the denominator
+    only); nothing is split across blocks, so a row's order depends on its own K alone.
+    """
+    import tilelang.language as T
+
+    t = {**ATTN_TILE, **tile}
+    bH, bK = min(t["block_H"], H), t["block_K"]
+    NT, NK = T.dynamic("t"), T.dynamic("k")
+    f32 = "float32"
+
+    @T.prim_func
+    def attn(Q: T.Tensor((NT, H, C), dtype), Kv: T.Tensor((NT, NK, C), dtype), Bias: T.Tensor((NT, NK), f32),
+             Sink: T.Tensor((H,), f32), O: T.Tensor((NT, H, C), dtype)):
+        with T.Kernel(T.ceildiv(H, bH), NT, threads=t["threads"]) as (bx, by):
+            Qs = T.alloc_shared((bH, C), dtype)
+            Ks = T.alloc_shared((bK, C), dtype)
+            Ps = T.alloc_shared((bH, bK), dtype)
+            S = T.alloc_fragment((bH, bK), f32)
+            acc = T.alloc_fragment((bH, C), f32)
+            m = T.alloc_fragment((bH,), f32)
+            m_prev = T.alloc_fragment((bH,), f32)
+            lsum = T.alloc_fragment((bH,), f32)
+            rs = T.alloc_fragment((bH,), f32)
+            T.copy(Q[by, bx * bH, 0], Qs)
+            T.fill(acc, 0)
+            for i in T.Parallel(bH):
+                m[i] = Sink[bx * bH + i]
+                lsum[i] = T.float32(1.0)
+            for kb in T.serial(T.ceildiv(NK, bK)):
+                T.copy(Kv[by, kb * bK, 0], Ks)
+                T.clear(S)
+                T.gemm(Qs, Ks, S, transpose_B=True)
+                for i, j in T.Parallel(bH, bK):
+                    S[i, j] = T.if_then_else(kb * bK + j < NK, S[i, j] * T.float32(scale) + Bias[by, kb * bK + j],
+                                             -T.infinity(f32))
+                T.copy(m, m_prev)
+                T.reduce_max(S, m, dim=1, clear=False)
+                for i in T.Parallel(bH):
+                    lsum[i] = lsum[i] * T.exp(m_prev[i] - m[i])
+                for i, j in T.Parallel(bH, C):
+                    acc[i, j] = acc[i, j] * T.exp(m_prev[i] - m[i])
+                for i, j in T.Parallel(bH, bK):
+                    S[i, j] = T.exp(S[i, j] - m[i])
+                T.reduce_sum(S, rs, dim=1)
+                for i in T.Parallel(bH):
+                    lsum[i] = lsum[i] + rs[i]
+                T.copy(S, Ps)
+                T.gemm(Ps, Ks, acc)
+            for i, j in T.Parallel(bH, C):
+                acc[i, j] = acc[i, j] / lsum[i]
+            T.copy(acc, O[by, bx * bH, 0])
+
+    return attn
+
+
 def pass_configs(fast_math: bool = False) -> dict:
     from tilelang.transform import PassConfigKey
 
@@ -111,6 +175,7 @@ def programs(widths=((4096, 4096), (1024, 4096))) -> dict:
     for N, K in widths:
         out[f"gemm_nt_bf16_{N}x{K}"] = gemm_nt(N, K)
     out["rms_norm_bf16_4096"] = rms_norm(4096, 1e-6)
+    out["attention_sink_bf16_64x512"] = attention_sink(64, 512, 512 ** -0.5)
     return out
 
 
@@ -124,6 +189,9 @@ def _compiled(kind: str, key: tuple, fast_math: bool):
     if kind == "gemm":
         N, K, dtype = key
         prog, out_idx = gemm_nt(N, K, dtype), [2]
+    elif kind == "attn":
+        H, C, scale, dtype = key
+        prog, out_idx = attention_sink(H, C, scale, dtype), [4]
     else:
         D, eps, dtype = key
         prog, out_idx = rms_norm(D, eps, dtype), [2]
@@ -161,3 +229,23 @@ def rms_norm_cuda(x, weight, eps: float, fast_math: bool = False):
         return x.clone()
     y = _compiled("norm", (D, float(eps), _name(x.dtype)), fast_math)(a, weight.contiguous())
     return y.view(x.shape)
+
+
+def supports_attention(q, keys) -> bool:
+    """bf16 / fp16 on CUDA; heads a multiple of 16 and width a multiple of 64 (MMA tiles)."""
+    H, C = q.shape[1], q.shape[2]
+    return (q.is_cuda and keys.dtype == q.dtype and _name(q.dtype) is not None and H % 16 == 0
+            and C % 64 == 0 and C <= 512)
+
+
+def attention(q, keys, mask, sink, scale: float, fast_math: bool = False):
+    import torch
+
+    T_, H, C = q.shape
+    if T_ == 0:
+        return q.clone()
+    if keys.shape[1] == 0:  # only the sink: every weight is 0
+        return torch.zeros_like(q)
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill(~mask, float("-inf"))
+    fn = _compiled("attn", (H, C, float(scale), _name(q.dtype)), fast_math)
+    return fn(q.contiguous(), keys.contiguous(), bias, sink.float().contiguous())

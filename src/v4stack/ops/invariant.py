@@ -217,8 +217,11 @@ def attention_with_sink(q, keys, mask, sink, scale: float) -> torch.Tensor:
     """Per query row: scores over its own candidates, sink in the denominator, weighted sum.
 
     Query rows never mix: each row's dot products (tree over ``c``) and its sums over candidates
-    (trees over ``K``) depend on that row alone; rows are chunked only to bound memory.
+    (trees over ``K``) depend on that row alone; rows are chunked only to bound memory. On CUDA,
+    bf16 / fp16 with heads % 16 == 0 run the TileLang kernel (one block per row and head group).
     """
+    if q.is_cuda and (k := _kernels()) is not None and k.supports_attention(q, keys):
+        return k.attention(q, keys, mask, sink, scale)
     T, H, c = q.shape
     K = keys.shape[1]
     out = torch.empty_like(q)
