@@ -144,6 +144,7 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
