@@ -37,6 +37,8 @@ def _cases():
         lambda R, S, p: ((R[0][:, p],), (S[0][p],), lambda y: y[:, p.argsort()]), 72
     yield "softmax", (r(M, 50) * 3,), (), lambda x: ops.softmax(x, -1), \
         lambda R, S, p: ((R[0][:, p],), (), lambda y: y[:, p.argsort()]), 50
+    yield "log_softmax", (r(M, 50) * 3,), (), lambda x: ops.log_softmax(x, -1), \
+        lambda R, S, p: ((R[0][:, p],), (), lambda y: y[:, p.argsort()]), 50
     yield "sum", (r(M, 45),), (), lambda x: ops.sum(x, -1), \
         lambda R, S, p: ((R[0][:, p],), (), ident), 45
     yield "hc_mix", (r(M, 256),), (r(24, 256),), lambda x, fn: ops.hc_mix(x, fn, 1e-6), \

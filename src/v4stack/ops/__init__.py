@@ -82,6 +82,11 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _impl().softmax(x, dim)
 
 
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Log-probabilities over ``dim`` (for logprob comparisons and RL losses)."""
+    return _impl().log_softmax(x, dim)
+
+
 def weighted_pool(kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tensor:
     """Gated pooling: ``sum_j softmax_j(score) * kv_j`` along ``dim`` (per channel)."""
     return _impl().weighted_pool(kv, score, dim)
@@ -137,7 +142,7 @@ def sin(x):
 
 __all__ = [
     "IEEE", "MODES", "FloatSemantics", "FloatSemanticsError", "attention_with_sink", "cos", "exp",
-    "get_mode", "hc_mix", "hc_read", "hc_write", "indexer_scores", "linear", "mode", "moe_combine",
+    "get_mode", "hc_mix", "hc_read", "hc_write", "indexer_scores", "linear", "log_softmax", "mode", "moe_combine",
     "opt_in", "recorded", "rms_norm", "set_mode", "sigmoid", "silu", "sin", "softmax", "softplus",
     "sum", "topk", "weighted_pool",
 ]

@@ -29,6 +29,10 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(x, dim=dim)
 
 
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.log_softmax(x, dim=dim)
+
+
 def hc_mix(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """mHC projection: ``(flat @ fn.T) * rsqrt(mean(flat^2) + eps)`` (weightless RMS)."""
     rs = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)

@@ -198,6 +198,11 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return e / tree_sum(e, dim, keepdim=True)
 
 
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    z = x - tree_max(x, dim, keepdim=True)
+    return z - pointwise(torch.log, tree_sum(exp(z), dim, keepdim=True))
+
+
 def hc_mix(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """mHC projection; the 24-wide GEMM and the RMS reduce in fixed trees over ``n * d``."""
     rs = _inv_sqrt(tree_sum(flat * flat, -1, keepdim=True) / flat.shape[-1] + eps)
