@@ -107,10 +107,11 @@ class ContainerSubstrate(Substrate):
         t0 = time.monotonic()
         # crun sees this host's cgroup layout through a private mount namespace with the v2 tree
         # (which carries only hugetlb here) unmounted, so it takes the host for plain cgroup v1
-        inner = f"umount -l {UNIFIED} 2>/dev/null; exec {self.crun} --cgroup-manager=disabled run --no-new-keyring -b {bundle} {cid}"
-        wrapper = f"{cg.join_script()}; exec {self.unshare} --mount --propagation private sh -c '{inner}'"
-        proc = subprocess.Popen(["sh", "-c", wrapper], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        script = (f"{cg.join_script()}; umount -l {UNIFIED} 2>/dev/null; "
+                  f"exec {self.crun} --cgroup-manager=disabled run --no-new-keyring -b {bundle} {cid}")
+        proc = subprocess.Popen([self.unshare, "--mount", "--propagation", "private", "sh", "-c", script],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
         col = Collector(on_output)
         timed_out = pump(proc, col, timeout, lambda: cg.kill_all(timeout=2))
         code = proc.wait()

@@ -46,9 +46,15 @@ def drop_privileges() -> None:
         raise OSError(ctypes.get_errno(), "capset")
 
 
+_MS = {"nosuid": 2, "nodev": 4, "noexec": 8}
+
+
 def _mount(fstype: str, target: str, opts: str = "") -> None:
-    argv = ["mount", "-t", fstype] + (["-o", opts] if opts else []) + [fstype, target]
-    subprocess.run(argv, check=True, capture_output=True)
+    flags = sum(_MS.get(o, 0) for o in opts.split(","))
+    data = ",".join(o for o in opts.split(",") if o and o not in _MS)
+    if _libc.mount(fstype.encode(), target.encode(), fstype.encode(), flags, data.encode() or None) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount {fstype} on {target}: {os.strerror(e)}")
 
 
 def prepare(root: str) -> None:
@@ -140,7 +146,7 @@ def main() -> None:
         elif req.get("op") == "release":
             # the host is about to unmount this root: drop our copy (with our /proc and /dev on it),
             # so the fresh mount that replaces it propagates in cleanly
-            subprocess.run(["umount", "-l", req["root"]], capture_output=True)
+            _libc.umount2(req["root"].encode(), 2)  # MNT_DETACH
             send({"released": True})
         elif req.get("op") == "ping":
             send({"pong": True})
