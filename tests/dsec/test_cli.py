@@ -42,6 +42,22 @@ def test_dsec_up_serves_and_stops(dsec_home, unmount, tmp_path):
         with Sandbox.create(substrate="process", api_url=url, token=TOKEN) as sbx:
             assert sbx.commands.run("echo up").stdout == "up\n"
         assert httpx.get(f"{url}/v1/sandboxes", timeout=5).status_code == 401
+
+        # the client verbs, as a user types them
+        cenv = {**env, "DSEC_API_URL": url}
+
+        def cli(*args):
+            return subprocess.run([sys.executable, "-m", "v4stack.dsec.cli", *args], env=cenv, capture_output=True,
+                                  text=True, timeout=60)
+
+        sid = cli("create", "--substrate", "process").stdout.strip()
+        assert sid.startswith("sbx-")
+        r = cli("exec", sid, "echo hi; echo oops >&2; exit 3")
+        assert (r.returncode, r.stdout, r.stderr) == (3, "hi\n", "oops\n")
+        assert '"seq": 0' in cli("log", sid).stdout
+        assert cli("kill", sid).returncode == 0
+        bad = cli("exec", sid, "true")
+        assert bad.returncode == 1 and "409" in bad.stderr
     finally:
         p.send_signal(signal.SIGTERM)
         try:
