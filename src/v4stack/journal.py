@@ -141,7 +141,11 @@ class Journal:
         self._wlock = threading.Lock()
         self._cond = threading.Condition()
         self._syncing = False
-        self.recovery = self._recover()
+        try:
+            self.recovery = self._recover()
+        except BaseException:
+            os.close(self._lockfd)
+            raise
         self._durable = self._end
         self._closed = False
 
