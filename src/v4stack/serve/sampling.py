@@ -39,6 +39,15 @@ class Sampler:
         self.params = params.validate()
         self.gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
 
+    def advance(self, n: int) -> None:
+        """Skip the draws of ``n`` tokens already sampled (one uniform each unless greedy), so a
+        request resumed from ``n`` durable tokens continues the same random stream."""
+        if n < 0:
+            raise ValueError(f"advance: n must be >= 0, got {n}")
+        if self.params.temperature > 0:
+            for _ in range(n):  # the same calls as sampling makes, so the stream matches exactly
+                torch.rand((), generator=self.gen, dtype=torch.float64)
+
     def __call__(self, logits: torch.Tensor) -> int:
         """``logits [V]`` -> token id."""
         p = self.params

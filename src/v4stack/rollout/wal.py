@@ -1,0 +1,172 @@
+"""The token write-ahead log: every generated token of every trajectory, durable before it is seen.
+
+A ``TokenWAL`` is a ``Journal`` (``v4stack/journal.py``: CRC per record, group commit, torn-tail
+cut on open) whose payloads are the records of ``rollout/records.py``. Opening it replays the log
+into one ``Trajectory`` per id: its prompt and sampling params, every durable token, whether it is
+running, preempted (with the saved-KV handle) or ended, its reward and the trainer step that
+consumed it. Each record is checked against that state before it is written (a TOKENS offset
+must equal the durable length, a trajectory is consumed at most once, ...), so the log never holds
+a record that contradicts the ones before it.
+
+Writing: ``append(recs)`` returns once the records are durable (one fsync for the batch, shared
+with concurrent appenders); ``write`` + ``sync`` split the two so a caller can overlap the fsync
+with the next decode step. ``durable_lsn`` says how far the log is on disk; the rollout worker
+exposes a token only when the record that carries it ends at or before ``durable_lsn``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from v4stack.journal import Journal, Recovery
+from v4stack.rollout import records as R
+from v4stack.serve.sampling import SamplingParams
+
+
+class WALInconsistent(RuntimeError):
+    """A record that contradicts the trajectory's state (names the trajectory and the field)."""
+
+
+@dataclass
+class Trajectory:
+    traj: str
+    group: str
+    prompt: list[int]
+    params: SamplingParams
+    version: int = 0
+    sandbox: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    status: str = "running"  # running | preempted | ended
+    end_reason: str | None = None
+    kv: dict | None = None  # saved-KV handle of the open preemption
+    reward: float | None = None
+    consumed: int | None = None
+    preemptions: int = 0
+    resumes: list[str] = field(default_factory=list)  # 'reused' / 'reprefilled', in order
+    token_versions: list[tuple[int, int]] = field(default_factory=list)  # (offset, policy version)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "ended"
+
+
+def _check(trajs: dict[str, Trajectory], rec: dict) -> None:
+    kind, tid = rec["t"], rec["traj"]
+    tr = trajs.get(tid)
+    if kind == "BEGIN":
+        if tr is not None:
+            raise WALInconsistent(f"BEGIN for trajectory {tid!r}: field 'traj' is already in the log")
+        R.params_from_dict(rec["params"])
+        return
+    if tr is None:
+        raise WALInconsistent(f"{kind} for trajectory {tid!r}: field 'traj' has no BEGIN")
+    if "off" in rec and rec["off"] != len(tr.tokens):
+        raise WALInconsistent(f"{kind} for trajectory {tid!r}: field 'off' is {rec['off']}, "
+                              f"the log holds {len(tr.tokens)} tokens")
+    allowed = {"TOKENS": ("running",), "PREEMPT": ("running",), "RESUME": ("running", "preempted"),
+               "END": ("running", "preempted"), "REWARD": ("ended",), "CONSUMED": ("ended",)}[kind]
+    if tr.status not in allowed:
+        raise WALInconsistent(f"{kind} for trajectory {tid!r}: it is {tr.status}, expected {' or '.join(allowed)}")
+    if kind == "TOKENS" and len(tr.tokens) + len(rec["ids"]) > tr.params.max_tokens:
+        raise WALInconsistent(f"TOKENS for trajectory {tid!r}: field 'ids' goes past max_tokens={tr.params.max_tokens}")
+    if kind == "CONSUMED" and tr.consumed is not None:
+        raise WALInconsistent(f"CONSUMED for trajectory {tid!r}: field 'step' - already consumed at step {tr.consumed}")
+
+
+def _apply(trajs: dict[str, Trajectory], rec: dict) -> None:
+    kind, tid = rec["t"], rec["traj"]
+    if kind == "BEGIN":
+        trajs[tid] = Trajectory(tid, rec["group"], list(rec["prompt"]), R.params_from_dict(rec["params"]),
+                                rec["version"], rec["sandbox"])
+        return
+    tr = trajs[tid]
+    if kind == "TOKENS":
+        if not tr.token_versions or tr.token_versions[-1][1] != rec["version"]:
+            tr.token_versions.append((len(tr.tokens), rec["version"]))
+        tr.tokens.extend(rec["ids"])
+    elif kind == "PREEMPT":
+        tr.status, tr.kv = "preempted", rec["kv"]
+        tr.preemptions += 1
+    elif kind == "RESUME":
+        tr.status, tr.kv = "running", None
+        tr.resumes.append(rec["kv"])
+    elif kind == "END":
+        tr.status, tr.end_reason, tr.kv = "ended", rec["reason"], None
+    elif kind == "REWARD":
+        tr.reward = float(rec["value"])
+    elif kind == "CONSUMED":
+        tr.consumed = rec["step"]
+
+
+class TokenWAL:
+    """The durable token log of a rollout worker, in directory ``path`` (one writer at a time)."""
+
+    def __init__(self, path: str | os.PathLike, segment_bytes: int = 64 << 20):
+        self.journal = Journal(path, segment_bytes=segment_bytes)
+        self.path = self.journal.path
+        self.trajectories: dict[str, Trajectory] = {}
+        self.records = 0
+        try:
+            for lsn, payload in self.journal.iter():
+                try:
+                    rec = R.decode(payload)
+                    _check(self.trajectories, rec)
+                except (R.RecordError, WALInconsistent) as e:
+                    raise WALInconsistent(f"{self.path}: record at lsn {lsn}: {e}") from None
+                _apply(self.trajectories, rec)
+                self.records += 1
+        except BaseException:
+            self.journal.close()
+            raise
+
+    @property
+    def recovery(self) -> Recovery:
+        """What opening the journal cut (``cut_bytes`` > 0: a torn or corrupt tail was removed)."""
+        return self.journal.recovery
+
+    @property
+    def durable_lsn(self) -> int:
+        return self.journal.durable_lsn
+
+    def write(self, recs: list[dict]) -> tuple[list[int], int]:
+        """Check and write ``recs`` in order without waiting: ``(lsn of each, end)``. Not durable
+        until ``sync(end)`` returns; the in-memory trajectories already include them."""
+        payloads = []
+        pending: dict[str, Trajectory] = {}
+        for rec in recs:  # check the whole batch against the state it will meet, before writing any
+            payloads.append(R.encode(rec))
+            tid = rec["traj"]
+            if tid not in pending and tid in self.trajectories:
+                t = self.trajectories[tid]
+                pending[tid] = Trajectory(t.traj, t.group, t.prompt, t.params, t.version, t.sandbox,
+                                          list(t.tokens), t.status, t.end_reason, t.kv, t.reward, t.consumed)
+            _check(pending, rec)
+            _apply(pending, rec)
+        lsns, end = self.journal.write(payloads)
+        for rec in recs:
+            _apply(self.trajectories, rec)
+        self.records += len(recs)
+        return lsns, end
+
+    def sync(self, upto: int | None = None) -> None:
+        self.journal.sync(upto)
+
+    def append(self, recs: list[dict]) -> int:
+        """Write ``recs`` and return the log position after them, once they are durable."""
+        _, end = self.write(recs)
+        self.sync(end)
+        return end
+
+    def unfinished(self) -> list[Trajectory]:
+        return [t for t in self.trajectories.values() if not t.finished]
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def __enter__(self) -> "TokenWAL":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
