@@ -169,12 +169,13 @@ def test_ttl_and_idle_leave_paused_time_out(cluster):
     assert a.info()["state"] == "expired"
 
 
-def test_parallel_create_of_32_never_hangs(cluster):
+@pytest.mark.parametrize("sub", ["container", "process"])
+def test_parallel_create_of_32_never_hangs(cluster, sub):
     from v4stack.dsec.client import Sandbox, SandboxError
 
     def one(i):
         try:
-            s = Sandbox.create(substrate="container", request_timeout=90)
+            s = Sandbox.create(substrate=sub, request_timeout=90)
             out = s.commands.run(f"echo {i}").stdout
             s.kill()
             return out == f"{i}\n"
