@@ -1,0 +1,147 @@
+"""Preemption with saved KV, resume, and recovery in one process (tiny model): every path continues
+bit-identically to the uninterrupted run, seeded sampling included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4stack.config import preset
+from v4stack.model import V4Model
+from v4stack.rollout import NotDurable, RolloutWorker, TokenWAL
+from v4stack.rollout import records as R
+from v4stack.serve.engine import Engine, EngineConfig
+from v4stack.serve.sampling import SamplingParams
+
+TRAJ = {
+    "s": ([7, 3, 99, 41, 12, 250, 8, 8, 1, 17, 64, 5, 33, 2, 90, 71, 6, 6, 18, 40, 9],
+          SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=11)),
+    "g": ([200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=14)),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return V4Model(preset("tiny"), seed=0).cast(torch.float32).eval()
+
+
+def make(model, path, pipeline=False):
+    seen: dict[str, list[int]] = {}
+
+    def expose(e):
+        assert e.durable_lsn >= e.record_end
+        s = seen.setdefault(e.traj, [])
+        assert e.off == len(s)
+        s.extend(e.ids)
+
+    w = RolloutWorker(Engine(model, EngineConfig(n_blocks=64, n_slots=8)), TokenWAL(path), expose, pipeline=pipeline)
+    return w, seen
+
+
+def start(w):
+    for tid, (p, sp) in TRAJ.items():
+        w.submit(tid, p, sp)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    w, seen = make(model, tmp_path_factory.mktemp("ref") / "wal")
+    start(w)
+    w.run()
+    w.close()
+    assert all(len(v) == 14 for v in seen.values())
+    return seen
+
+
+@pytest.mark.parametrize("damage", [None, "delete", "flip", "wrong-file"])
+def test_preempt_resume(model, tmp_path, reference, damage):
+    w, seen = make(model, tmp_path / "wal", pipeline=damage == "flip")
+    start(w)
+    w.run(max_steps=6)
+    h = w.preempt("s", save_kv=True)
+    assert h is not None and (w.kv_dir / h["file"]).exists() and h["pos"] > len(TRAJ["s"][0])
+    path = w.kv_dir / h["file"]
+    if damage == "delete":
+        path.unlink()
+    elif damage == "flip":
+        b = bytearray(path.read_bytes())
+        b[len(b) // 2] ^= 1
+        path.write_bytes(bytes(b))
+    elif damage == "wrong-file":
+        w.preempt("g", save_kv=True)  # g's file under s's name: right format, wrong digest
+        path.write_bytes((w.kv_dir / w.wal.trajectories["g"].kv["file"]).read_bytes())
+        assert w.resume("g") == "reused"
+    w.run(max_steps=2)  # the other trajectory keeps going meanwhile
+    before = w.engine.stats.tokens_computed
+    mode = w.resume("s")
+    rq = w.live["s"]
+    w.step()
+    fed = w.engine.stats.tokens_computed - before
+    hit = rq.cache.hit_tokens
+    w.run()
+    w.close()
+    assert seen == reference
+    t = TokenWAL(tmp_path / "wal")
+    tr = t.trajectories["s"]
+    t.close()
+    assert tr.finished and tr.preemptions == 1
+    if damage is None:
+        assert mode == "reused" and tr.resumes == ["reused"] and not path.exists()
+        assert fed <= 2  # the pending token (plus g's decode token), not the whole history
+    else:
+        assert mode == "reprefilled" and tr.resumes == ["reprefilled"]
+        assert fed > 2 and fed + hit >= h["pos"]  # the durable tokens were fed again (less any prefix hit)
+
+
+def test_recover_after_close_and_cut_tail(model, tmp_path, reference):
+    w, seen = make(model, tmp_path / "wal")
+    start(w)
+    w.run(max_steps=5)
+    w.close()  # as if the process died here (tokens durable, requests gone)
+    seg = sorted((tmp_path / "wal").glob("seg-*.log"))[-1]
+    with open(seg, "ab") as f:
+        f.write(b"\x40\x00\x00\x00garbage")  # a torn record at the tail
+    w2, seen2 = make(model, tmp_path / "wal")
+    assert w2.wal.recovery.cut_bytes == 11
+    durable = {k: list(v.tokens) for k, v in w2.wal.trajectories.items()}
+    assert all(seen[k] == durable[k] for k in durable)
+    assert w2.recover() == {"s": "reprefilled", "g": "reprefilled"}
+    for k, v in seen.items():
+        seen2[k] = list(v)
+    w2.run()
+    w2.close()
+    assert seen2 == reference
+
+
+def test_recover_ends_complete_trajectory_without_end(model, tmp_path):
+    p, sp = TRAJ["g"]
+    with TokenWAL(tmp_path / "wal") as wal:
+        wal.append([R.begin("g", p, sp), R.tokens("g", 0, list(range(14)))])
+    w, seen = make(model, tmp_path / "wal")
+    ends = []
+    w.expose = lambda e: ends.append(e)
+    assert w.recover() == {"g": "ended"}
+    assert ends[0].finished and ends[0].reason == "length" and not w.engine.has_work()
+    assert w.wal.trajectories["g"].status == "ended"
+    w.close()
+
+
+def test_exposure_refused_before_durable(model, tmp_path):
+    w, _ = make(model, tmp_path / "wal")
+    with pytest.raises(NotDurable):
+        w._expose([("x", 0, (1,), False, None)], w.wal.durable_lsn + 1)
+    w.close()
+
+
+def test_reward_and_consumed_once(model, tmp_path):
+    p, sp = TRAJ["g"]
+    with TokenWAL(tmp_path / "wal") as wal:
+        wal.append([R.begin("g", p, sp), R.tokens("g", 0, [1, 2]), R.end("g", 2, "stop")])
+    w, _ = make(model, tmp_path / "wal")
+    w.reward("g", 1.0)
+    w.consume("g", 3)
+    with pytest.raises(Exception, match="already consumed at step 3"):
+        w.consume("g", 4)
+    w.close()
+    with TokenWAL(tmp_path / "wal") as wal:
+        assert (wal.trajectories["g"].reward, wal.trajectories["g"].consumed) == (1.0, 3)
