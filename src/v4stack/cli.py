@@ -114,6 +114,13 @@ def serve(
     run_server(cfg, model, name, host, port, ecfg, seed=seed, dtype=dt, device=device)
 
 
+from v4stack.train.cli import muon_plan_command, train_command  # noqa: E402 (typer only; torch loads per command)
+
+plan_app = typer.Typer(help="Plans: how the model's work maps onto ranks.", no_args_is_help=True)
+plan_app.command("muon")(muon_plan_command)
+app.add_typer(plan_app, name="plan")
+app.command("train")(train_command)
+
 bench_app = typer.Typer(help="Benchmarks that write JSON.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
