@@ -51,27 +51,48 @@ class Trajectory:
         return self.status == "ended"
 
 
-def _check(trajs: dict[str, Trajectory], rec: dict) -> None:
+@dataclass
+class _Head:
+    """What checking the next record of a trajectory needs (O(1) to copy, whatever its length)."""
+
+    status: str
+    n: int
+    consumed: int | None
+    max_tokens: int
+
+
+def _head(tr: Trajectory) -> _Head:
+    return _Head(tr.status, len(tr.tokens), tr.consumed, tr.params.max_tokens)
+
+
+def _check(heads: dict[str, _Head | None], rec: dict) -> None:
+    """Refuse ``rec`` if it contradicts its trajectory's head; otherwise advance the head."""
     kind, tid = rec["t"], rec["traj"]
-    tr = trajs.get(tid)
+    h = heads.get(tid)
     if kind == "BEGIN":
-        if tr is not None:
+        if h is not None:
             raise WALInconsistent(f"BEGIN for trajectory {tid!r}: field 'traj' is already in the log")
-        R.params_from_dict(rec["params"])
+        heads[tid] = _Head("running", 0, None, R.params_from_dict(rec["params"]).max_tokens)
         return
-    if tr is None:
+    if h is None:
         raise WALInconsistent(f"{kind} for trajectory {tid!r}: field 'traj' has no BEGIN")
-    if "off" in rec and rec["off"] != len(tr.tokens):
+    if "off" in rec and rec["off"] != h.n:
         raise WALInconsistent(f"{kind} for trajectory {tid!r}: field 'off' is {rec['off']}, "
-                              f"the log holds {len(tr.tokens)} tokens")
+                              f"the log holds {h.n} tokens")
     allowed = {"TOKENS": ("running",), "PREEMPT": ("running",), "RESUME": ("running", "preempted"),
                "END": ("running", "preempted"), "REWARD": ("ended",), "CONSUMED": ("ended",)}[kind]
-    if tr.status not in allowed:
-        raise WALInconsistent(f"{kind} for trajectory {tid!r}: it is {tr.status}, expected {' or '.join(allowed)}")
-    if kind == "TOKENS" and len(tr.tokens) + len(rec["ids"]) > tr.params.max_tokens:
-        raise WALInconsistent(f"TOKENS for trajectory {tid!r}: field 'ids' goes past max_tokens={tr.params.max_tokens}")
-    if kind == "CONSUMED" and tr.consumed is not None:
-        raise WALInconsistent(f"CONSUMED for trajectory {tid!r}: field 'step' - already consumed at step {tr.consumed}")
+    if h.status not in allowed:
+        raise WALInconsistent(f"{kind} for trajectory {tid!r}: it is {h.status}, expected {' or '.join(allowed)}")
+    if kind == "TOKENS":
+        if h.n + len(rec["ids"]) > h.max_tokens:
+            raise WALInconsistent(f"TOKENS for trajectory {tid!r}: field 'ids' goes past max_tokens={h.max_tokens}")
+        h.n += len(rec["ids"])
+    elif kind == "CONSUMED":
+        if h.consumed is not None:
+            raise WALInconsistent(f"CONSUMED for trajectory {tid!r}: field 'step' - already consumed at step {h.consumed}")
+        h.consumed = rec["step"]
+    else:
+        h.status = {"PREEMPT": "preempted", "RESUME": "running", "END": "ended"}.get(kind, h.status)
 
 
 def _apply(trajs: dict[str, Trajectory], rec: dict) -> None:
@@ -111,7 +132,8 @@ class TokenWAL:
             for lsn, payload in self.journal.iter():
                 try:
                     rec = R.decode(payload)
-                    _check(self.trajectories, rec)
+                    tr = self.trajectories.get(rec["traj"])
+                    _check({rec["traj"]: _head(tr) if tr is not None else None}, rec)
                 except (R.RecordError, WALInconsistent) as e:
                     raise WALInconsistent(f"{self.path}: record at lsn {lsn}: {e}") from None
                 _apply(self.trajectories, rec)
@@ -133,16 +155,14 @@ class TokenWAL:
         """Check and write ``recs`` in order without waiting: ``(lsn of each, end)``. Not durable
         until ``sync(end)`` returns; the in-memory trajectories already include them."""
         payloads = []
-        pending: dict[str, Trajectory] = {}
+        heads: dict[str, _Head | None] = {}
         for rec in recs:  # check the whole batch against the state it will meet, before writing any
             payloads.append(R.encode(rec))
             tid = rec["traj"]
-            if tid not in pending and tid in self.trajectories:
-                t = self.trajectories[tid]
-                pending[tid] = Trajectory(t.traj, t.group, t.prompt, t.params, t.version, t.sandbox,
-                                          list(t.tokens), t.status, t.end_reason, t.kv, t.reward, t.consumed)
-            _check(pending, rec)
-            _apply(pending, rec)
+            if tid not in heads:
+                tr = self.trajectories.get(tid)
+                heads[tid] = _head(tr) if tr is not None else None
+            _check(heads, rec)
         lsns, end = self.journal.write(payloads)
         for rec in recs:
             _apply(self.trajectories, rec)
