@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from v4stack.serve.cache.disk import atomic_write
 from v4stack.serve.cache.manager import CacheFull, CacheManager, RequestCache
 
 MAGIC = b"V4KVSAV1"
@@ -42,29 +43,6 @@ class SavedCache:
 def _layout(cache: CacheManager) -> list:
     return [cache.spec.block_tokens] + [[g.kind, g.layer, g.ratio, g.rows, g.width, str(g.dtype), g.paged]
                                         for g in cache.spec.groups]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def save(cache: CacheManager, rc: RequestCache, path: str | os.PathLike) -> dict:

@@ -1,0 +1,248 @@
+"""The on-disk prefix store: closed blocks (compressed entries, indexer keys) and boundary states,
+content-addressed by the token-hash chain, so an evicted or restarted cache can take a prefix back.
+
+Files (one per block, one per kept boundary state), each ``MAGIC | blake2b-256(payload) | payload``
+with a ``torch.save`` payload, written temp + fsync + rename; a file whose digest fails is removed
+and counts as absent:
+
+- ``b-<hash>``: the paged groups of the full block whose chain value is ``hash``;
+- ``s-<hash>``: the fixed-size state (SWA window, compressor tails) at that block's end.
+
+The SWA strategy says which boundary states are kept (``cache.md`` s3):
+
+- ``full``: the state at every block end (with ``n_win <= B`` that is the SWA rows of every token);
+- ``periodic:p``: the state every ``p`` tokens (``p`` a multiple of the block size);
+- ``none``: no state. Restoring exactly from entries alone means recomputing the last
+  ``n_win * L`` tokens with the stored entries held fixed inside that cone; the model's step does
+  not take stored entries for positions it recomputes yet, so this strategy is refused for now.
+
+``restore(tokens)`` puts the longest stored prefix that ends at a kept state back into the block
+pool (registered under its hashes, unreferenced, like any cached prefix) and the state into a
+boundary snapshot; the engine's ordinary admission then hits it and computes only the rest (the
+tokens after that boundary - the incomplete tail and, under ``periodic``, the blocks after the
+last checkpoint). What it loads is bit-for-bit what was computed, so the logits are those of a
+cache that never evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from v4stack.model.state import CompressorTail, LayerState
+from v4stack.serve.cache.manager import ROOT, CacheFull, CacheManager, chain_hash
+
+MAGIC = b"V4PFX001"
+_DIGEST = 32
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so a crash leaves no file or the whole file (temp, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def pack(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    payload = buf.getvalue()
+    return MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload
+
+
+def unpack(data: bytes):
+    """The object in ``data``, or ``None`` if the magic or the digest is wrong."""
+    head, digest, payload = data[: len(MAGIC)], data[len(MAGIC) : len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST :]
+    if head != MAGIC or hashlib.blake2b(payload, digest_size=_DIGEST).digest() != digest:
+        return None
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+@dataclass(frozen=True)
+class SWAStrategy:
+    kind: str  # full | periodic
+    period: int = 0
+
+    @classmethod
+    def parse(cls, text: str, block_tokens: int) -> "SWAStrategy":
+        if text == "full":
+            return cls("full", block_tokens)
+        if text.startswith("periodic:"):
+            try:
+                p = int(text.split(":", 1)[1])
+            except ValueError:
+                p = -1
+            if p < block_tokens or p % block_tokens:
+                raise ValueError(f"strategy {text!r}: the period must be a positive multiple of the "
+                                 f"block size {block_tokens}")
+            return cls("periodic", p)
+        if text == "none":
+            raise ValueError("strategy 'none' is not available yet: exact restore recomputes the last "
+                             "n_win * L tokens with the stored compressed entries held fixed, which the "
+                             "model step does not support")
+        raise ValueError(f"strategy {text!r}: expected 'full', 'periodic:<tokens>' or 'none'")
+
+    def keeps(self, boundary: int) -> bool:
+        return boundary > 0 and boundary % self.period == 0
+
+
+@dataclass
+class RestoreInfo:
+    hit_tokens: int = 0  # prefix tokens the engine will not compute
+    blocks_loaded: int = 0  # read from disk (the rest were still in memory)
+    state_loaded: bool = False
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+class DiskPrefixStore:
+    def __init__(self, root: str | os.PathLike, cache: CacheManager, strategy: str = "full"):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cache = cache
+        self.strategy = SWAStrategy.parse(strategy, cache.B)
+        self.bytes_written = 0
+
+    def _path(self, kind: str, h: bytes) -> Path:
+        return self.root / f"{kind}-{h.hex()}"
+
+    def _hashes(self, tokens: list[int], limit: int) -> list[bytes]:
+        out, prev, B = [], ROOT, self.cache.B
+        for j in range(limit):
+            prev = chain_hash(prev, tokens[j * B : (j + 1) * B])
+            out.append(prev)
+        return out
+
+    # ---- saving --------------------------------------------------------------------------
+
+    def save(self, tokens: list[int]) -> int:
+        """Store the full blocks of ``tokens`` still in memory (and the states the strategy keeps);
+        returns the bytes written. Blocks already on disk are not rewritten."""
+        c, B, written = self.cache, self.cache.B, 0
+        for j, h in enumerate(self._hashes(tokens, len(tokens) // B)):
+            bid = c.blocks.lookup(h)
+            if bid is None:
+                break
+            bp = self._path("b", h)
+            if not bp.exists():
+                data = pack({f"{k}/{layer}": t[bid].clone() for (k, layer), t in c.blocks.storage.items()})
+                atomic_write(bp, data)
+                written += len(data)
+            sp = self._path("s", h)
+            if self.strategy.keeps((j + 1) * B) and not sp.exists() and bid in c.snap_of:
+                s = c.snap_of[bid]
+                data = pack({f"{k}/{layer}": [t[s].clone() for t in ts] for (k, layer), ts in c.snap.tensors.items()})
+                atomic_write(sp, data)
+                written += len(data)
+        self.bytes_written += written
+        return written
+
+    # ---- restoring -----------------------------------------------------------------------
+
+    def _read(self, path: Path, info: RestoreInfo):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        obj = unpack(data)
+        if obj is None:
+            path.unlink(missing_ok=True)  # corrupt: as good as absent
+            return None
+        info.bytes_read += len(data)
+        return obj
+
+    def restore(self, tokens: list[int]) -> RestoreInfo:
+        """Make the longest restorable prefix of ``tokens`` (never all of it) a cached prefix."""
+        t0 = time.perf_counter()
+        c, B, info = self.cache, self.cache.B, RestoreInfo()
+        hashes = self._hashes(tokens, (len(tokens) - 1) // B)
+        run = 0
+        for h in hashes:  # blocks present in memory or on disk
+            if c.blocks.lookup(h) is None and not self._path("b", h).exists():
+                break
+            run += 1
+        end = 0  # blocks up to the last boundary whose state is in memory or on disk
+        for j in range(run, 0, -1):
+            bid = c.blocks.lookup(hashes[j - 1])
+            if (bid is not None and bid in c.snap_of) or self._path("s", hashes[j - 1]).exists():
+                end = j
+                break
+        if end == 0:
+            info.seconds = time.perf_counter() - t0
+            return info
+        missing = [j for j in range(end) if c.blocks.lookup(hashes[j]) is None]
+        if c.blocks.n_free - sum(1 for j in range(end) if j not in missing and c.blocks.meta[c.blocks.lookup(hashes[j])].ref == 0) < len(missing):
+            raise CacheFull(f"restore needs {len(missing)} free blocks; {c.blocks.n_free} free")
+        held = []
+        try:
+            for j in range(end):
+                bid = c.blocks.lookup(hashes[j])
+                if bid is not None:
+                    c.blocks.incref(bid)  # keep it while the rest loads
+                    held.append(bid)
+                    continue
+                obj = self._read(self._path("b", hashes[j]), info)
+                if obj is None:
+                    end = j
+                    break
+                bid = c.blocks.allocate(start=j * B)
+                for (k, layer), t in c.blocks.storage.items():
+                    t[bid].copy_(obj[f"{k}/{layer}"])
+                c.blocks.meta[bid].filled = B
+                c.blocks.register(bid, hashes[j])
+                held.append(bid)
+                info.blocks_loaded += 1
+            while end > 0:  # the state at the last boundary, from memory or disk
+                bid = c.blocks.lookup(hashes[end - 1])
+                if bid in c.snap_of:
+                    break
+                obj = self._read(self._path("s", hashes[end - 1]), info)
+                if obj is not None:
+                    c._take_snapshot(bid, self._layers(obj))
+                    info.state_loaded = True
+                    break
+                end -= 1
+        finally:
+            for bid in held:
+                c.blocks.decref(bid)
+        info.hit_tokens = end * B if end and c.blocks.lookup(hashes[end - 1]) in c.snap_of else 0
+        info.seconds = time.perf_counter() - t0
+        return info
+
+    def _layers(self, obj: dict) -> list[LayerState]:
+        layers = []
+        for i in range(self.cache.cfg.num_hidden_layers):
+            ls = LayerState(swa_kv=obj[f"swa_kv/{i}"][0])
+            if f"compressor_tail/{i}" in obj:
+                ls.tail = CompressorTail(*obj[f"compressor_tail/{i}"])
+            if f"index_tail/{i}" in obj:
+                ls.index_tail = CompressorTail(*obj[f"index_tail/{i}"])
+            layers.append(ls)
+        return layers
+
+    def disk_bytes(self) -> dict[str, int]:
+        out = {"blocks": 0, "states": 0}
+        for p in self.root.iterdir():
+            if p.name.startswith("b-"):
+                out["blocks"] += p.stat().st_size
+            elif p.name.startswith("s-"):
+                out["states"] += p.stat().st_size
+        return out
