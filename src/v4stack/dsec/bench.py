@@ -97,11 +97,18 @@ def bench_density(rt, sub: str, n: int) -> dict:
         used = max(0, before - _mem_available())
         cg = sum(s.handle.cgroup.memory_usage() for s in held if s.handle.cgroup)
         per = max(used, cg) / len(held)  # MemAvailable moves with everything else on the host too
+        try:
+            mount_max = int(Path("/proc/sys/fs/mount-max").read_text())
+        except (OSError, ValueError):
+            mount_max = 100_000
+        by_mem = int(before // per) if per > 0 else None
+        by_mounts = mount_max // 2  # a tmpfs upper and an overlay root per sandbox
         return {"sandboxes": len(held), "seconds_to_fill": round(elapsed, 3),
                 "host_mem_per_sandbox_mib": round(per / 2**20, 3),
                 "cgroup_mem_per_sandbox_mib": round(cg / len(held) / 2**20, 3),
                 "mem_available_before_mib": round(before / 2**20, 1),
-                "estimated_idle_fit": int(before // per) if per > 0 else None}
+                "fit_by_memory": by_mem, "fit_by_mount_limit": by_mounts,
+                "estimated_idle_fit": min(x for x in (by_mem, by_mounts) if x is not None)}
     finally:
         for s in held:
             rt.kill(s.id)
