@@ -145,7 +145,10 @@ def bench_dsec(out: str | None = "bench/results/dsec.json", iters: int = 30, den
     finally:
         rt.close()
         if tmp:
+            import shutil
+
             _unmount_under(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
     if out:
         p = Path(out)
         atomic_write(p, (json.dumps(result, indent=2) + "\n").encode())
