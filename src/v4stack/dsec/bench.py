@@ -147,28 +147,30 @@ def bench_dsec(out: str | None = "bench/results/dsec.json", iters: int = 30, den
         if tmp:
             import shutil
 
-            _unmount_under(tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if _unmount_under(tmp):  # never delete through a mount that is still there
+                shutil.rmtree(tmp, ignore_errors=True)
     if out:
         p = Path(out)
         atomic_write(p, (json.dumps(result, indent=2) + "\n").encode())
     return result
 
 
-def _unmount_under(home: str) -> None:
+def _unmount_under(home: str) -> bool:
+    """Unmount everything under ``home``; True once nothing is mounted there."""
     from v4stack.dsec.mounts import umount
 
     prefix = home.rstrip("/") + "/"
-    for _ in range(4):
+    for _ in range(5):
         with open("/proc/self/mountinfo") as f:
             pts = sorted({ln.split()[4] for ln in f if ln.split()[4].startswith(prefix)}, key=len, reverse=True)
         if not pts:
-            return
+            return True
         for p in pts:
             try:
                 umount(p)
             except OSError:
                 pass
+    return False
 
 
 if __name__ == "__main__":
