@@ -4,7 +4,9 @@ Random prompts (mixed lengths, each prefilled in its own random chunks, then dec
 token on fixed random tokens) run first one request at a time, then through several batch sizes
 in shuffled orders: a request joins as soon as a slot frees up, so some prefill while others
 decode, and the row order is reshuffled every step. Each request's logits from every step are
-compared bitwise with its solo run. The first batched schedule is also run twice (determinism).
+compared bitwise with its solo run. The first batched schedule is also run twice (determinism),
+and every request is fed once more in a single step (as recovery re-prefills a request), whose
+rows must equal the chunked run's.
 
 This module imports torch lazily so the CLI stays light.
 """
@@ -73,6 +75,33 @@ def run_batched(model, reqs: list[Request], batch: int, seed: int) -> dict[int, 
     return out
 
 
+def run_one_chunk(model, reqs: list[Request]) -> dict[int, "torch.Tensor"]:
+    """Each request alone, all its tokens in one step (what recovery does when it re-prefills)."""
+    import torch
+
+    out = {}
+    for r in reqs:
+        st = model.new_state()
+        out[r.rid] = model.step([(torch.cat(r.chunks), st)])[0].clone()
+    return out
+
+
+def compare_rows(ref: dict[int, list], whole: dict) -> dict:
+    """Rows of the chunked solo run vs the one-chunk run, bitwise."""
+    import torch
+
+    rows = differ = 0
+    reqs_differ = set()
+    for rid, steps in ref.items():
+        a, b = torch.cat(steps), whole[rid]
+        rows += a.shape[0]
+        bad = ~(_bits(a).view(a.shape[0], -1) == _bits(b).view(b.shape[0], -1)).all(-1)
+        if bad.any():
+            differ += int(bad.sum())
+            reqs_differ.add(rid)
+    return {"rows": rows, "rows_differ": differ, "requests_differ": len(reqs_differ)}
+
+
 def _bits(t):
     import torch
 
@@ -132,6 +161,7 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
             runs.append({"batch_size": b, "order_seed": seed * 1000 + i, **compare(ref, got)})
         b, s, got = first
         again = compare(got, run_batched(model, reqs, b, seed=s))
+        rechunk = compare_rows(ref, run_one_chunk(model, reqs))
     total = {k: sum(r[k] for r in runs) for k in ("steps", "steps_differ", "rows_differ")}
     return {
         "preset": preset, "mode": mode, "dtype": dtype, "prompts": prompts, "seed": seed,
@@ -144,6 +174,8 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
         "max_abs_diff": max((r["max_abs_diff"] for r in runs), default=0.0),
         "deterministic": again["steps_differ"] == 0,
         "invariant": total["steps_differ"] == 0,
+        "one_chunk": rechunk,
+        "chunking_invariant": rechunk["rows_differ"] == 0,
     }
 
 
@@ -169,7 +201,8 @@ def invariance_command(
 ):
     """Run prompts alone and in shuffled batches; compare logits bitwise at every step.
 
-    Exits 1 if any step differs (or a repeat is not bit-identical) in invariant mode.
+    Also feeds each request in one step and compares its rows with the chunked run. Exits 1 in
+    invariant mode if any step differs, a repeat is not bit-identical, or chunking changes a row.
     """
     try:
         rep = check_invariance(preset, prompts, mode, seed=seed, dtype=dtype, device=device)
@@ -184,6 +217,8 @@ def invariance_command(
             typer.echo(f"  batch {r['batch_size']:>3}: {r['steps_differ']}/{r['steps']} steps differ "
                        f"({r['requests_differ']} requests, max |diff| {r['max_abs_diff']:.3g})")
         typer.echo(f"  same batch twice bit-identical: {rep['deterministic']}")
+        oc = rep["one_chunk"]
+        typer.echo(f"  whole request in one step vs its chunks: {oc['rows_differ']}/{oc['rows']} rows differ")
         typer.echo("invariant" if rep["invariant"] else f"NOT invariant: {rep['steps_differ']} steps differ")
-    if mode == "invariant" and not (rep["invariant"] and rep["deterministic"]):
+    if mode == "invariant" and not (rep["invariant"] and rep["deterministic"] and rep["chunking_invariant"]):
         raise typer.Exit(1)

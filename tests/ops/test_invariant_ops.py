@@ -195,3 +195,18 @@ def test_empty_reductions():
         assert ops.linear(torch.randn(3, 0), torch.randn(4, 0)).abs().sum() == 0
         assert ops.sum(torch.randn(3, 0), -1).tolist() == [0.0, 0.0, 0.0]
         assert ops.linear(torch.randn(0, 5), torch.randn(4, 5)).shape == (0, 4)
+
+
+def test_trailing_hidden_candidates_leave_attention_bits_unchanged():
+    """A row's candidate list grows with hidden entries when its prompt is chunked differently
+    (entries that close later in the same step). Invariant mode: the same bits; fast: not."""
+    g = _g(11)
+    q, k = torch.randn(M, 4, 32, generator=g), torch.randn(M, 20, 32, generator=g)
+    mask, sink = torch.rand(M, 20, generator=g) > 0.2, torch.randn(4, generator=g)
+    k2 = torch.cat((k, torch.randn(M, 50, 32, generator=g)), 1)  # crosses a 64-candidate block
+    m2 = torch.cat((mask, torch.zeros(M, 50, dtype=torch.bool)), 1)
+    with ops.mode("invariant"):
+        assert _same_bits(ops.attention_with_sink(q, k2, m2, sink, 0.2), ops.attention_with_sink(q, k, mask, sink, 0.2))
+    with ops.mode("fast"):
+        assert not _same_bits(ops.attention_with_sink(q, k2, m2, sink, 0.2),
+                              ops.attention_with_sink(q, k, mask, sink, 0.2))

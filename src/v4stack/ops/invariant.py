@@ -239,20 +239,42 @@ def attention_with_sink(q, keys, mask, sink, scale: float) -> torch.Tensor:
     return out
 
 
+_CAND_BLOCK = 64  # candidates per block: a tree inside a block, blocks added in order
+
+
+def _blocked_sum0(t: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 (a multiple of ``_CAND_BLOCK`` long): a tree per block, blocks in order.
+
+    Hidden candidates contribute exact zeros, so trailing hidden ones (a block's padding or whole
+    blocks) leave every bit unchanged: the result depends on the visible candidates' slots only,
+    not on how many hidden ones follow (which changes with how a prompt was chunked).
+    """
+    nb = t.shape[0] // _CAND_BLOCK
+    acc = _tree(t[:_CAND_BLOCK].contiguous(), torch.add)
+    for b in range(1, nb):
+        acc = acc + _tree(t[b * _CAND_BLOCK : (b + 1) * _CAND_BLOCK].contiguous(), torch.add)
+    return acc
+
+
 def _attend(q, keys, mask, sink, scale):
+    K = keys.shape[1]
+    pad = (-K) % _CAND_BLOCK if K else _CAND_BLOCK
+    if pad:
+        keys = torch.cat((keys, keys.new_zeros(keys.shape[0], pad, keys.shape[2])), 1)
+        mask = torch.cat((mask, mask.new_zeros(mask.shape[0], pad)), 1)
     qc = q.permute(2, 0, 1).unsqueeze(-1)  # [c, t, H, 1]
     kc = keys.permute(2, 0, 1).unsqueeze(2)  # [c, t, 1, K]
     scores = _tree((qc * kc).contiguous(), torch.add) * scale  # [t, H, K]
-    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    hidden = ~mask.unsqueeze(1)
+    scores = scores.masked_fill(hidden, float("-inf"))
     sink = sink.to(scores.dtype).view(1, -1, 1)
     m = torch.maximum(tree_max(scores, -1, keepdim=True), sink)
-    p = exp(scores - m)
-    denom = tree_sum(p, -1, keepdim=True) + exp(sink - m)
+    p = exp(scores - m).masked_fill(hidden, 0.0)
+    denom = _blocked_sum0(p.permute(2, 0, 1)).unsqueeze(-1) + exp(sink - m)  # [t, H, 1]
     w = p / denom
     prod = w.permute(2, 0, 1).unsqueeze(-1) * keys.permute(1, 0, 2).unsqueeze(2)  # [K, t, H, c]
-    if prod.shape[0] == 0:
-        return torch.zeros_like(q)
-    return _tree(prod.contiguous(), torch.add)
+    prod = prod.masked_fill(~mask.t().view(*mask.t().shape, 1, 1), 0.0)  # +0, whatever the key's sign
+    return _blocked_sum0(prod)
 
 
 def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
