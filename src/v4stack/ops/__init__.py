@@ -1,7 +1,14 @@
 """Every reduction the model does goes through this package, in one of two modes.
 
 - ``fast`` (the process default): framework defaults, ``core.py``;
-- ``invariant``: a fixed reduction order per row that never depends on the batch, ``invariant.py``.
+- ``invariant``: a fixed reduction order per row that never depends on the batch, ``invariant.py``
+  (plain torch, CPU or GPU; on CUDA the GEMM, RMSNorm and attention use the TileLang kernels of
+  ``v4stack.kernels`` when TileLang is installed).
+
+What invariant mode promises, and the tests show bitwise: a request's logits are the same alone
+or in any batch, at any position in it; the same batch twice gives the same bits; and a prompt
+fed in one step, in chunks, or token by token gives the same bits (hidden trailing attention
+candidates add exact zeros). The fast mode keeps only determinism.
 
 Pick one with ``ops.set_mode("invariant")`` or ``with ops.mode("invariant"): ...``. GEMM-like ops
 take ``fp=``, a ``FloatSemantics`` from ``ops.opt_in(site, tf32=..., fast_math=...)``; without it
