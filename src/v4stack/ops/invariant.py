@@ -2,11 +2,11 @@
 
 Invariant by construction:
 
-- every reduction is a pairwise tree of elementwise IEEE adds over the reduced axis, whose shape
-  depends only on the reduced width ``L`` (level by level, element ``i`` is added to element
-  ``i + L // 2``; an odd last element is carried up). An elementwise add rounds each element once,
-  the same way in a vector lane or in scalar code, so an output row depends on its own inputs and
-  ``L`` only - never on how many rows share the call, where the row sits, or the thread count;
+- every reduction is a pairwise tree of elementwise IEEE adds over the reduced axis, padded with
+  the identity to a power of two ``P``; level by level, element ``i`` meets element ``i + P / 2``,
+  so trailing identity elements never change a result. An elementwise add rounds each element
+  once, the same way in a vector lane or in scalar code, so an output row depends on its own
+  inputs only - never on how many rows share the call, where the row sits, or the thread count;
 - products are elementwise multiplies in the accumulation dtype (fp32 for bf16/fp16/fp32 inputs,
   whose products are then exact for 16-bit inputs; fp64 for fp64);
 - maxima use ``torch.maximum`` trees (exact);
