@@ -29,7 +29,9 @@ class Worker:
         self.name = name
         self.cgroup = Cgroup(f"dsec-{name}").create(Limits())
         unshare = need("unshare")
-        cmd = (f"{self.cgroup.join_script()}; exec {unshare} --pid --fork --kill-child --mount --propagation slave "
+        # the worker itself stays outside the sandbox's cgroup (a memory or fork bomb inside must hit
+        # the bomb, not the process that serves the sandbox); each command joins it before exec
+        cmd = (f"exec {unshare} --pid --fork --kill-child --mount --propagation slave "
                f"--net --ipc --uts {sys.executable} -m v4stack.dsec.substrates.worker")
         self.proc = subprocess.Popen(["sh", "-c", cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                      stderr=open(logdir / f"{name}.log", "ab"), start_new_session=True)
@@ -116,7 +118,7 @@ class ProcessSubstrate(Substrate):
             if w.proc.poll() is not None:
                 raise Unavailable(f"sandbox {handle.sandbox}: its worker has exited")
             req = {"op": "exec", "root": str(handle.rootfs.root), "argv": argv, "cwd": cwd, "env": env,
-                   "timeout": timeout}
+                   "timeout": timeout, "cgroups": [str(d / "cgroup.procs") for d in w.cgroup.dirs.values()]}
             w.proc.stdin.write((json.dumps(req) + "\n").encode())
             w.proc.stdin.flush()
             while True:

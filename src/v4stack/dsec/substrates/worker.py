@@ -96,6 +96,9 @@ def run(req: dict) -> None:
     cwd = req.get("cwd") or "/"
 
     def enter():
+        for procs in req.get("cgroups") or []:  # the command (not the worker) is what the limits bind
+            with open(procs, "w") as f:
+                f.write("0")
         os.chroot(root)
         os.chdir(cwd)
         os.setsid()
