@@ -26,13 +26,14 @@ def engine(model):
 
 
 def first_logits(eng, prompt, rid="r"):
-    """Logits of the step that samples the first token, and the tokens of a short decode."""
+    """Logits of every position computed in the step that samples the first token, and the tokens
+    of a short decode. Compare the last rows: a prefix hit computes fewer positions."""
     seen = []
     orig = eng.model.step
 
     def spy(inputs):
         out = orig(inputs)
-        seen.append([o[-1].clone() for o in out])
+        seen.append([o.clone() for o in out])
         return out
 
     eng.model.step = spy
@@ -50,24 +51,37 @@ def prompt(n, salt=0):
     return torch.randint(1, 256, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("strategy", ["full", "periodic:32"])
-@pytest.mark.parametrize("plen", [15, 16, 17, 31, 32, 33, 47, 70])
+CONE = 16 * 6  # n_win * L for tiny
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("strategy", ["full", "periodic:32", "none"])
+@pytest.mark.parametrize("plen", [15, 16, 17, pytest.param(31, marks=SLOW), pytest.param(32, marks=SLOW), 33,
+                                  pytest.param(47, marks=SLOW), pytest.param(70, marks=SLOW),
+                                  pytest.param(112, marks=SLOW), 127])
 def test_restore_equals_never_evicted(model, tmp_path, strategy, plen):
-    base = prompt(80)
+    base = prompt(130)
     full = base[:plen] + prompt(5, salt=plen)  # the shared prefix, then a new tail
     ref_logits, ref_out, _ = first_logits(engine(model), full)
     warm = engine(model)
     first_logits(warm, base[:plen] + [7, 7, 7])  # computes (and publishes) the prefix's blocks
-    store = DiskPrefixStore(tmp_path, warm.cache, strategy)
+    store = DiskPrefixStore(tmp_path, warm.cache, strategy, model=model)
     assert store.save(base[:plen]) > 0 or plen < B
     cold = engine(model)
-    store = DiskPrefixStore(tmp_path, cold.cache, strategy)
+    store = DiskPrefixStore(tmp_path, cold.cache, strategy, model=model)
     info = store.restore(full)
-    period = B if strategy == "full" else 32
+    period = 32 if strategy == "periodic:32" else B
     expect = (min(plen, len(full) - 1) // period) * period  # the last kept boundary inside the prefix
-    assert info.hit_tokens == expect and info.state_loaded == (expect > 0)
+    assert info.hit_tokens == expect
+    if strategy == "none":  # no state on disk: the window cone was recomputed, exactly n_win * L tokens
+        assert not info.state_loaded and info.cone_tokens == min(expect, CONE)
+    else:
+        assert info.state_loaded == (expect > 0) and info.cone_tokens == 0
     logits, out, _ = first_logits(cold, full)
-    assert torch.equal(logits, ref_logits) and out == ref_out
+    assert logits.shape[0] == len(full) - expect
+    assert torch.equal(logits, ref_logits[-logits.shape[0]:]) and out == ref_out
     hit = cold.cache.prefix_hit_tokens
     assert hit == expect  # the engine computed exactly len(full) - expect tokens
 
@@ -89,7 +103,7 @@ def test_corrupt_files_are_absent(model, tmp_path):
     assert info.hit_tokens == 48 and not p.exists()
     ref_logits, ref_out, _ = first_logits(engine(model), base + [1, 2])
     logits, out, _ = first_logits(cold, base + [1, 2])
-    assert torch.equal(logits, ref_logits) and out == ref_out
+    assert torch.equal(logits, ref_logits[-logits.shape[0]:]) and out == ref_out
 
 
 def test_strategy_errors_name_the_field():
@@ -97,5 +111,26 @@ def test_strategy_errors_name_the_field():
     for bad in ("periodic:40", "periodic:0", "periodic:x", "sometimes"):
         with pytest.raises(ValueError, match="strategy"):
             SWAStrategy.parse(bad, 16)
-    with pytest.raises(ValueError, match="'none' is not available"):
-        SWAStrategy.parse("none", 16)
+    assert SWAStrategy.parse("none", 16).keeps(16) is False
+
+
+
+def test_none_needs_a_model(tmp_path, model):
+    with pytest.raises(ValueError, match="'model'"):
+        DiskPrefixStore(tmp_path, engine(model).cache, "none")
+
+
+def test_none_with_a_short_cone_is_not_exact(model, tmp_path):
+    """Inverse control: recomputing one window fewer than n_win * L tokens changes the logits."""
+    base, plen = prompt(130), 127
+    full = base[:plen] + prompt(5, salt=plen)
+    ref_logits, _, _ = first_logits(engine(model), full)
+    warm = engine(model)
+    first_logits(warm, base[:plen] + [7, 7, 7])
+    DiskPrefixStore(tmp_path, warm.cache, "none", model=model).save(base[:plen])
+    cold = engine(model)
+    store = DiskPrefixStore(tmp_path, cold.cache, "none", model=model)
+    store.cone = CONE - 16
+    assert store.restore(full).cone_tokens == CONE - 16
+    logits, _, _ = first_logits(cold, full)
+    assert not torch.equal(logits, ref_logits[-logits.shape[0]:])

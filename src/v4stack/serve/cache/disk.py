@@ -12,9 +12,13 @@ The SWA strategy says which boundary states are kept (``cache.md`` s3):
 
 - ``full``: the state at every block end (with ``n_win <= B`` that is the SWA rows of every token);
 - ``periodic:p``: the state every ``p`` tokens (``p`` a multiple of the block size);
-- ``none``: no state. Restoring exactly from entries alone means recomputing the last
-  ``n_win * L`` tokens with the stored entries held fixed inside that cone; the model's step does
-  not take stored entries for positions it recomputes yet, so this strategy is refused for now.
+- ``none``: no state. The boundary state is rebuilt by recomputing the last ``n_win * L`` tokens
+  (the whole prefix if shorter) from a blank window, with every compressed entry and indexer key
+  of the prefix restored first. That is exact: layer l's window at the boundary depends only on
+  layer l-1's last ``n_win`` positions, so the exact region shrinks by ``n_win`` per layer and
+  ``n_win * L`` tokens cover it; the entries inside the cone are the stored ones (the model
+  appends the entries it recomputes after them, where they close past the boundary and no
+  position sees them), so no inexact early-cone value leaks through the compressed attention.
 
 ``restore(tokens)`` puts the longest stored prefix that ends at a kept state back into the block
 pool (registered under its hashes, unreferenced, like any cached prefix) and the state into a
@@ -78,7 +82,7 @@ def unpack(data: bytes):
 
 @dataclass(frozen=True)
 class SWAStrategy:
-    kind: str  # full | periodic
+    kind: str  # full | periodic | none
     period: int = 0
 
     @classmethod
@@ -95,13 +99,11 @@ class SWAStrategy:
                                  f"block size {block_tokens}")
             return cls("periodic", p)
         if text == "none":
-            raise ValueError("strategy 'none' is not available yet: exact restore recomputes the last "
-                             "n_win * L tokens with the stored compressed entries held fixed, which the "
-                             "model step does not support")
+            return cls("none", 0)
         raise ValueError(f"strategy {text!r}: expected 'full', 'periodic:<tokens>' or 'none'")
 
     def keeps(self, boundary: int) -> bool:
-        return boundary > 0 and boundary % self.period == 0
+        return self.period > 0 and boundary > 0 and boundary % self.period == 0
 
 
 @dataclass
@@ -109,16 +111,22 @@ class RestoreInfo:
     hit_tokens: int = 0  # prefix tokens the engine will not compute
     blocks_loaded: int = 0  # read from disk (the rest were still in memory)
     state_loaded: bool = False
+    cone_tokens: int = 0  # tokens recomputed to rebuild the boundary state (strategy none)
     bytes_read: int = 0
     seconds: float = 0.0
 
 
 class DiskPrefixStore:
-    def __init__(self, root: str | os.PathLike, cache: CacheManager, strategy: str = "full"):
+    def __init__(self, root: str | os.PathLike, cache: CacheManager, strategy: str = "full", model=None,
+                 ops_mode: str = "invariant"):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.cache = cache
         self.strategy = SWAStrategy.parse(strategy, cache.B)
+        if self.strategy.kind == "none" and model is None:
+            raise ValueError("strategy 'none': a 'model' is needed to recompute the window cone")
+        self.model, self.ops_mode = model, ops_mode
+        self.cone = cache.cfg.sliding_window * cache.cfg.num_hidden_layers if self.strategy.kind == "none" else 0
         self.bytes_written = 0
 
     def _path(self, kind: str, h: bytes) -> Path:
@@ -179,12 +187,13 @@ class DiskPrefixStore:
             if c.blocks.lookup(h) is None and not self._path("b", h).exists():
                 break
             run += 1
-        end = 0  # blocks up to the last boundary whose state is in memory or on disk
+        end = run if self.strategy.kind == "none" else 0  # none: any boundary, by recompute
         for j in range(run, 0, -1):
+            if end:
+                break
             bid = c.blocks.lookup(hashes[j - 1])
             if (bid is not None and bid in c.snap_of) or self._path("s", hashes[j - 1]).exists():
                 end = j
-                break
         if end == 0:
             info.seconds = time.perf_counter() - t0
             return info
@@ -214,6 +223,9 @@ class DiskPrefixStore:
                 bid = c.blocks.lookup(hashes[end - 1])
                 if bid in c.snap_of:
                     break
+                if self.strategy.kind == "none":
+                    info.cone_tokens = self._recompute_state(tokens, held[:end], bid, end * B)
+                    break
                 obj = self._read(self._path("s", hashes[end - 1]), info)
                 if obj is not None:
                     c._take_snapshot(bid, self._layers(obj))
@@ -226,6 +238,33 @@ class DiskPrefixStore:
         info.hit_tokens = end * B if end and c.blocks.lookup(hashes[end - 1]) in c.snap_of else 0
         info.seconds = time.perf_counter() - t0
         return info
+
+    @torch.no_grad()
+    def _recompute_state(self, tokens: list[int], blocks: list[int], last: int, P: int) -> int:
+        """Rebuild the state at boundary ``P`` (strategy none) into a snapshot of block ``last``;
+        returns the tokens recomputed."""
+        from v4stack.ops.mode import mode
+
+        c = self.cache
+        S = max(0, P - self.cone)
+        slot = c.slots.acquire()
+        if slot is None:
+            raise CacheFull("restore (strategy none) needs a free state slot")
+        try:
+            st = c.slots.view(slot, S)  # blank window and tails
+            for g in c.spec.paged:  # every entry of the prefix, the cone's included
+                ents = c.blocks.gather(g, blocks, P // g.ratio)
+                if g.kind == "compressed_kv":
+                    st.layers[g.layer].compressed_kv = ents
+                else:
+                    st.layers[g.layer].index_keys = ents
+            ids = torch.tensor(tokens[S:P], device=c.blocks.storage[next(iter(c.blocks.storage))].device)
+            with mode(self.ops_mode):
+                self.model.step([(ids, st)])
+            c._take_snapshot(last, st.layers)
+        finally:
+            c.slots.release(slot)
+        return P - S
 
     def _layers(self, obj: dict) -> list[LayerState]:
         layers = []
