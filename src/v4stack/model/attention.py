@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from v4stack import ops
@@ -25,6 +26,9 @@ from v4stack.model.linear import Linear
 from v4stack.model.norm import RMSNorm
 from v4stack.model.rope import Rotary
 from v4stack.model.state import LayerState
+
+
+_ATTN_BUDGET = 1 << 25  # elements of one padded key tensor [rows, K, c]
 
 
 @dataclass
@@ -85,15 +89,36 @@ class Attention(nn.Module):
         idx_proj = None
         if self.indexer is not None:
             idx_proj = self.indexer.project(qr, x, positions) + self.indexer.compressor.project(x, positions)
-        outs = [self._segment(q, kv, comp, idx_proj, positions, seg, layer) for seg in segments]
-        o = self.rotary.apply(torch.cat(outs), positions, inverse=True)
+        cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
+        o = self.rotary.apply(self._attend(q, segments, cands), positions, inverse=True)
         g = self.groups
         o = o.reshape(N, g, H * c // g)
         wa = self.wo_a.weight.view(g, self.group_rank, -1)
         o = torch.cat([ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
         return self.wo_b(o)
 
-    def _segment(self, q, kv, comp, idx_proj, positions, seg: Segment, layer: int) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, segments: list[Segment], cands) -> torch.Tensor:
+        """One attention call for many segments: each row's candidate list is padded with masked
+        entries to the group's longest (a masked entry adds nothing, and in invariant mode changes
+        no bit). Groups are cut so the padded key tensor stays within a memory budget."""
+        outs, i = [], 0
+        while i < len(cands):
+            j, rows, K = i, 0, 0
+            while j < len(cands):
+                k = cands[j][0]
+                K2, rows2 = max(K, k.shape[1]), rows + k.shape[0]
+                if j > i and rows2 * K2 * k.shape[2] > _ATTN_BUDGET:
+                    break
+                K, rows, j = K2, rows2, j + 1
+            keys = torch.cat([F.pad(k, (0, 0, 0, K - k.shape[1])) for k, _ in cands[i:j]])
+            mask = torch.cat([F.pad(m, (0, K - m.shape[1])) for _, m in cands[i:j]])
+            lo = segments[i].start
+            outs.append(ops.attention_with_sink(q[lo : lo + rows], keys, mask, self.attn_sink, self.scale))
+            i = j
+        return torch.cat(outs)
+
+    def _segment(self, kv, comp, idx_proj, positions, seg: Segment, layer: int):
+        """Update the segment's state and return its rows' candidates: keys ``[n, K, c]``, mask."""
         rows, p0, n = seg.rows, seg.pos0, seg.length
         st = seg.state[layer] if seg.state is not None else None
         pos = positions[rows]
@@ -140,4 +165,4 @@ class Attention(nn.Module):
         if st is not None:
             st.write_window(p0, kv[rows])
             st.captured.update(snaps)
-        return ops.attention_with_sink(q[rows], torch.cat(keys, 1), torch.cat(mask, 1), self.attn_sink, self.scale)
+        return torch.cat(keys, 1), torch.cat(mask, 1)
