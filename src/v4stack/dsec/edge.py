@@ -10,7 +10,6 @@ import base64
 import json
 import queue
 import threading
-import time
 
 import httpx
 from fastapi import Body, Depends, FastAPI, Query, Request
@@ -190,4 +189,3 @@ def serve(home: str, apiserver: str, token: str, edge_id: str, host: str = "127.
     finally:
         hb.stop.set()
         rt.close()
-        time.sleep(0)

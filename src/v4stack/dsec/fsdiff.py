@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import stat
-from pathlib import Path
 
 from v4stack.dsec.cas import BlobStore
 
