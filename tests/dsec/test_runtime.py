@@ -148,3 +148,49 @@ def test_orphans_of_a_crashed_edge_are_reclaimed_and_live_ones_kept(runtime, dse
         assert live.exec("echo still")["stdout"] == "still\n"
     finally:
         runtime.kill(live.id)
+
+
+_DIE_AFTER_INTENT = r"""
+import os, sys
+from v4stack.dsec.runtime import Runtime, DEFAULT_ENV
+rt = Runtime(sys.argv[1], pool_size=0)
+s = rt.create("busybox", "process")
+s.exec("echo base > /workspace/base")
+snap = s.snapshot()
+s.exec("echo one > /workspace/one")
+idem = sys.argv[2] == "1"
+request = {"op": "exec", "argv": ["/bin/sh", "-c", "echo two >> /workspace/two"], "cwd": "/",
+           "env": dict(DEFAULT_ENV), "timeout": 60.0}
+s.log.intent(request, idem, snap["id"])  # durable, then the edge dies before running it
+print(s.id, snap["id"], flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+def test_unknown_outcome_is_rerun_only_if_idempotent_and_asked(runtime, dsec_home, idempotent):
+    import subprocess
+    import sys
+
+    from v4stack.dsec.runtime import reclaim_orphans
+
+    out = subprocess.run([sys.executable, "-c", _DIE_AFTER_INTENT, str(dsec_home), "1" if idempotent else "0"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    dead, snap = out
+    reclaim_orphans(dsec_home)
+    assert runtime.log(dead)["unknown_outcome"] == [2]
+    plain = runtime.create(snapshot=snap, substrate="process", replay_from=dead)
+    again = runtime.create(snapshot=snap, substrate="process", replay_from=dead, rerun_idempotent=True)
+    try:
+        assert plain.restore_info["unknown_outcome"] == [2] and "rerun" not in plain.restore_info
+        assert plain.exec("ls /workspace")["stdout"] == "base\none\n"  # never re-run silently
+        if idempotent:
+            assert again.restore_info["rerun"]["exit_code"] == 0
+            assert again.files.read("/workspace/two") == b"two\n"
+            assert runtime.log(again.id)["entries"][-1]["status"] == "done"
+        else:
+            assert "rerun" not in again.restore_info
+            assert again.exec("ls /workspace")["stdout"] == "base\none\n"
+    finally:
+        runtime.kill(plain.id)
+        runtime.kill(again.id)

@@ -226,10 +226,11 @@ def test_edge_sigkill_mid_command_then_restore_and_fast_forward(cluster):
     assert log["unknown_outcome"] == [4]
     assert [e["status"] for e in log["entries"]] == ["done"] * 4 + ["unknown_outcome"]
 
-    again = Sandbox.restore(snap["id"], replay_from=sbx.id, substrate="container")
+    again = Sandbox.restore(snap["id"], replay_from=sbx.id, substrate="container", rerun_idempotent=True)
     try:
         info = again.info_at_create["restore"]
         assert info["replayed"] == [1, 2, 3] and info["unknown_outcome"] == [4] and info["state_matches"]
+        assert "rerun" not in info  # the doomed command was not idempotent: reported, never re-run
         assert again.commands.run("cat /workspace/nonidem; ls -R /workspace").stdout == want
         assert not again.files.list("/workspace") or "doomed" not in [e["name"] for e in again.files.list("/workspace")]
         # the replayed entries answer a re-issued request from the log (fast-forward)

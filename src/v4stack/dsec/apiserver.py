@@ -123,7 +123,8 @@ def make_app(home: str | Path, token: str, db_path: str | Path | None = None) ->
         sid = new_id("sbx")
         edge = edges_[0]
         store.add_sandbox(sid, edge["id"], image, substrate, timeout, idle, body.get("limits") or {}, snap)
-        payload = {k: body.get(k) for k in ("image", "substrate", "limits", "snapshot_id", "replay_from", "network")}
+        payload = {k: body.get(k) for k in ("image", "substrate", "limits", "snapshot_id", "replay_from", "network",
+                                        "rerun_idempotent")}
         payload.update(sandbox_id=sid, substrate=substrate, image=image)
         try:
             r = http.post(f"{edge['url']}/edge/v1/sandboxes", json=payload)

@@ -142,13 +142,15 @@ class Sandbox:
                timeout: float | None = None, idle_timeout: float | None = None, snapshot_id: str | None = None,
                replay_from: str | None = None, api_url: str | None = None, token: str | None = None,
                request_timeout: float = 120, edge: str | None = None,
-               allow_egress: list[str] | None = None) -> "Sandbox":
+               allow_egress: list[str] | None = None, rerun_idempotent: bool = False) -> "Sandbox":
         """``allow_egress``: CIDRs the sandbox may reach (container substrate); default none."""
         c = _Conn(api_url, token, request_timeout)
         body = {"image": image, "substrate": substrate, "limits": limits or {}, "snapshot_id": snapshot_id,
                 "replay_from": replay_from, "edge": edge}
         if allow_egress is not None:
             body["network"] = {"allow": allow_egress}
+        if rerun_idempotent:
+            body["rerun_idempotent"] = True
         if timeout is not None:
             body["timeout"] = timeout
         if idle_timeout is not None:
@@ -157,10 +159,12 @@ class Sandbox:
 
     @classmethod
     def restore(cls, snapshot_id: str, replay_from: str | None = None, substrate: str = "container",
-                **kw) -> "Sandbox":
+                rerun_idempotent: bool = False, **kw) -> "Sandbox":
         """A new sandbox from ``snapshot_id``; with ``replay_from`` it also re-applies that sandbox's
-        logged changes after the snapshot (fast-forward, nothing re-run)."""
-        return cls.create(snapshot_id=snapshot_id, replay_from=replay_from, substrate=substrate, **kw)
+        logged changes after the snapshot (fast-forward, nothing re-run). An unknown outcome stops
+        the replay; ``rerun_idempotent`` runs it again only if it was logged as idempotent."""
+        return cls.create(snapshot_id=snapshot_id, replay_from=replay_from, substrate=substrate,
+                          rerun_idempotent=rerun_idempotent, **kw)
 
     @classmethod
     def connect(cls, sandbox_id: str, api_url: str | None = None, token: str | None = None) -> "Sandbox":

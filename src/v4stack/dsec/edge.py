@@ -68,7 +68,8 @@ def make_app(rt: Runtime, token: str) -> FastAPI:
     def create(body: dict = Body(...)):
         s = rt.create(image=body.get("image", "busybox"), substrate=body.get("substrate", "container"),
                       limits=limits_from(body), sid=body.get("sandbox_id"), snapshot=body.get("snapshot_id"),
-                      replay_from=body.get("replay_from"), allow=network_allow(body))
+                      replay_from=body.get("replay_from"), allow=network_allow(body),
+                      rerun_idempotent=bool(body.get("rerun_idempotent", False)))
         return {**s.info(), "restore": s.restore_info}
 
     @app.delete("/edge/v1/sandboxes/{sid}", dependencies=[auth])
@@ -138,7 +139,7 @@ def make_app(rt: Runtime, token: str) -> FastAPI:
     @app.post("/edge/v1/sandboxes/{sid}/restore", dependencies=[auth])
     def restore(sid: str, body: dict = Body(...)):
         s = rt.get(sid)
-        out = s.restore(body.get("snapshot_id", ""), body.get("replay_from"))
+        out = s.restore(body.get("snapshot_id", ""), body.get("replay_from"), bool(body.get("rerun_idempotent")))
         return {**out, "chain": s.rootfs.chain}
 
     return app

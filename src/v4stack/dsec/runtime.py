@@ -159,9 +159,28 @@ class Sandbox:
             doc["duration"] = time.monotonic() - t0
             return doc
 
-    def restore(self, snapshot_id: str, replay_from: str | None = None) -> dict:
+    def restore(self, snapshot_id: str, replay_from: str | None = None, rerun_idempotent: bool = False) -> dict:
         """Put the sandbox back to ``snapshot_id``; with ``replay_from`` (a sandbox id, possibly dead)
-        also re-apply that sandbox's logged changes after the snapshot, without re-running them."""
+        also re-apply that sandbox's logged changes after the snapshot, without re-running them.
+        Replay stops at an unknown outcome; ``rerun_idempotent`` runs that one request again, and
+        only if it was logged as idempotent - a non-idempotent one is reported, never re-run."""
+        out = self._restore(snapshot_id, replay_from)
+        unknown = out.pop("_unknown_entries")
+        if rerun_idempotent and unknown and unknown[0].intent["idem"]:
+            out["rerun"] = self._rerun(unknown[0])
+        return out
+
+    def _rerun(self, e) -> dict:
+        req = e.intent["request"]
+        if req["op"] == "exec":
+            r = self.exec(req["argv"], req["cwd"], req["env"], req["timeout"], idempotent=True, seq=e.seq)
+        elif req["op"] == "write":
+            r = self.write_files([(p, self.rt.blobs.get(d), m) for p, d, m in req["files"]], seq=e.seq)
+        else:
+            r = self.remove_file(req["path"], seq=e.seq)
+        return {"seq": e.seq, "exit_code": r["exit_code"], "fs_digest": r["fs_digest"]}
+
+    def _restore(self, snapshot_id: str, replay_from: str | None) -> dict:
         snap = read_snapshot(self.rt.home, snapshot_id)
         if snap["image"] != self.image_id:
             raise BadRequest(f"snapshot_id={snapshot_id}: made from image {snap['image']}, not {self.image_id}",
@@ -169,6 +188,9 @@ class Sandbox:
         with self.lock:
             t0 = time.monotonic()
             plan = self._replay_plan(snap, replay_from) if replay_from else {"apply": [], "unknown": []}
+            if plan["apply"] and plan["apply"][0].seq < self.log.next_seq:
+                raise Conflict(f"replay_from={replay_from}: this sandbox's log is already past seq "
+                               f"{plan['apply'][0].seq}; replay into a new sandbox", "replay_from")
 
             def prepare(upper: Path):
                 for e in plan["apply"]:
@@ -189,6 +211,7 @@ class Sandbox:
                                     replayed_from=replay_from)
                 out["expected_fs_digest"] = plan["apply"][-1].result["fs"]
                 out["state_matches"] = out["expected_fs_digest"] == out["fs_digest"]
+            out["_unknown_entries"] = plan.get("unknown_entries", [])
             return out
 
     def _replay_plan(self, snap: dict, source: str) -> dict:
@@ -207,10 +230,10 @@ class Sandbox:
             if s <= snap["seq"] or e.intent["lsn"] < start:
                 continue
             if e.result is None:
-                unknown.append(s)
+                unknown.append(e)
                 break  # nothing after an unknown outcome can be trusted to follow from it
             apply.append(e)
-        return {"apply": apply, "unknown": unknown}
+        return {"apply": apply, "unknown": [e.seq for e in unknown], "unknown_entries": unknown}
 
     def destroy(self) -> None:
         with self.lock:
@@ -257,7 +280,7 @@ class Runtime:
 
     def create(self, image: str = "busybox", substrate: str = "container", limits: Limits | None = None,
                sid: str | None = None, snapshot: str | None = None, replay_from: str | None = None,
-               allow: list[str] | None = None) -> Sandbox:
+               allow: list[str] | None = None, rerun_idempotent: bool = False) -> Sandbox:
         """A new sandbox; ``allow`` (CIDRs) gives it egress to those networks only (container substrate)."""
         from v4stack.dsec.netns import parse_allow
 
@@ -286,7 +309,7 @@ class Runtime:
         sbx.parent = snapshot
         self.sandboxes[sid] = sbx
         self.touch(sid)
-        sbx.restore_info = sbx.restore(snapshot, replay_from) if snapshot and replay_from else None
+        sbx.restore_info = sbx.restore(snapshot, replay_from, rerun_idempotent) if snapshot and replay_from else None
         return sbx
 
     def kill(self, sid: str) -> None:
