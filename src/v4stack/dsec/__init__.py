@@ -28,8 +28,8 @@ Shared storage (``--home``, default /var/lib/v4stack-dsec):
 Public API (all under /v1, ``Authorization: Bearer <token>``; errors are JSON
 ``{"error", "field", "kind"}`` with 400 / 401 / 404 / 409 / 503):
 
-    POST   /sandboxes                      image, substrate, limits, timeout, idle_timeout,
-                                           snapshot_id, replay_from, network.allow, edge
+    POST   /sandboxes                      image, substrate, limits, timeout, idle_timeout, edge,
+                                           snapshot_id, replay_from, rerun_idempotent, network.allow
     GET    /sandboxes[?state=]             GET /sandboxes/{id}        DELETE /sandboxes/{id}
     POST   /sandboxes/{id}/exec            cmd, cwd, env, timeout, idempotent, seq, stream (NDJSON)
     GET    /sandboxes/{id}/files?path=     PUT (raw body, &mode=)     DELETE
