@@ -12,7 +12,7 @@ $(BIN)/python:
 # torch first, pinned to the local CPU wheel, so nothing pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,tilelang]'
 	touch $@
 
 install: $(VENV)/.installed

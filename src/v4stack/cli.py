@@ -121,8 +121,38 @@ plan_app.command("muon")(muon_plan_command)
 app.add_typer(plan_app, name="plan")
 app.command("train")(train_command)
 
-bench_app = typer.Typer(help="Benchmarks that write JSON.", no_args_is_help=True)
+from v4stack.check import app as check_app  # noqa: E402 (no torch at import)
+
+app.add_typer(check_app, name="check")
+
+bench_app = typer.Typer(help="Benchmarks that write JSON (and a PNG where a picture reads better).",
+                        no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("ops")
+def bench_ops_cmd(
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    widths: str = typer.Option("quarter", help="flash (V4-Flash widths) or quarter (every width / 4)."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
+    ms: str = typer.Option("1,4,16,64,256", help="Comma-separated row counts M."),
+    ops_: str = typer.Option("", "--ops", help="Comma-separated op names (default: all)."),
+    repeats: int = typer.Option(3, min=1),
+    budget_s: float = typer.Option(2.0, help="Stop an op/mode from growing M past this time per call."),
+    out: str = typer.Option("bench/results/ops_cpu.json", help="JSON output path."),
+    plot: Optional[str] = typer.Option(None, help="PNG path for the slowdown plot."),
+):
+    """Every op in fast and invariant mode over M; invariant/fast time ratios side by side."""
+    from v4stack.ops.bench import OPS, bench_ops, format_table
+
+    try:
+        rep = bench_ops(ms=[int(m) for m in ms.split(",")], widths=widths, dtype=dtype, device=device,
+                        repeats=repeats, budget_s=budget_s, op_names=ops_.split(",") if ops_ else OPS,
+                        out=out, plot=plot)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(format_table(rep))
 
 
 @bench_app.command("serve")
