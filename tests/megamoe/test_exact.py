@@ -88,9 +88,21 @@ def _cases_world(rank, world, cases):
         mega.close()
 
 
+EP8 = [  # one expert per rank: the EP8 layout of the multi-GPU runs, exact on CPU processes
+    Case((3, 0, 5, 2, 7, 1, 0, 4), "uniform"),
+    Case((6, 2, 0, 3, 5, 4, 1, 2), "zipf", topk=3, gemm="tile"),
+    Case((2, 2, 2, 2, 2, 2, 2, 2), "subset", subset=3),  # five ranks own only idle experts
+]
+
+
 @pytest.mark.parametrize("world, cases", [(2, EP2), (4, EP4)], ids=["ep2", "ep4"])
 def test_megamoe_bit_identical(world, cases):
     run_world(_cases_world, world, cases)
+
+
+@pytest.mark.slow
+def test_megamoe_bit_identical_ep8():
+    run_world(_cases_world, 8, EP8)
 
 
 def _layer_world(rank, world):
