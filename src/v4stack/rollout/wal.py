@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from v4stack.journal import Journal, Recovery
+from v4stack.journal import Journal, Recovery, read_records
 from v4stack.rollout import records as R
 from v4stack.serve.sampling import SamplingParams
 
@@ -120,6 +120,35 @@ def _apply(trajs: dict[str, Trajectory], rec: dict) -> None:
         tr.consumed = rec["step"]
 
 
+def _replay(records, trajs: dict[str, Trajectory], path) -> int:
+    n = 0
+    for lsn, payload in records:
+        try:
+            rec = R.decode(payload)
+            tr = trajs.get(rec["traj"])
+            _check({rec["traj"]: _head(tr) if tr is not None else None}, rec)
+        except (R.RecordError, WALInconsistent) as e:
+            raise WALInconsistent(f"{path}: record at lsn {lsn}: {e}") from None
+        _apply(trajs, rec)
+        n += 1
+    return n
+
+
+def inspect(path: str | os.PathLike) -> dict:
+    """A read-only summary of the WAL in ``path`` (no lock taken, nothing repaired; a torn tail
+    just ends the read): trajectories by status, tokens, preemptions and how they resumed."""
+    trajs: dict[str, Trajectory] = {}
+    n = _replay(read_records(path), trajs, path)
+    out = {"records": n, "trajectories": len(trajs), "tokens": sum(len(t.tokens) for t in trajs.values()),
+           "by_status": {}, "preemptions": sum(t.preemptions for t in trajs.values()),
+           "resumed": {"reused": 0, "reprefilled": 0}, "consumed": sum(t.consumed is not None for t in trajs.values())}
+    for t in trajs.values():
+        out["by_status"][t.status] = out["by_status"].get(t.status, 0) + 1
+        for m in t.resumes:
+            out["resumed"][m] += 1
+    return out
+
+
 class TokenWAL:
     """The durable token log of a rollout worker, in directory ``path`` (one writer at a time)."""
 
@@ -129,15 +158,7 @@ class TokenWAL:
         self.trajectories: dict[str, Trajectory] = {}
         self.records = 0
         try:
-            for lsn, payload in self.journal.iter():
-                try:
-                    rec = R.decode(payload)
-                    tr = self.trajectories.get(rec["traj"])
-                    _check({rec["traj"]: _head(tr) if tr is not None else None}, rec)
-                except (R.RecordError, WALInconsistent) as e:
-                    raise WALInconsistent(f"{self.path}: record at lsn {lsn}: {e}") from None
-                _apply(self.trajectories, rec)
-                self.records += 1
+            self.records = _replay(self.journal.iter(), self.trajectories, self.path)
         except BaseException:
             self.journal.close()
             raise
