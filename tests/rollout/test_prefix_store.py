@@ -134,3 +134,12 @@ def test_none_with_a_short_cone_is_not_exact(model, tmp_path):
     assert store.restore(full).cone_tokens == CONE - 16
     logits, _, _ = first_logits(cold, full)
     assert not torch.equal(logits, ref_logits[-logits.shape[0]:])
+
+
+def test_store_refuses_another_layout(model, tmp_path):
+    from v4stack.serve.cache.manager import CacheManager
+
+    DiskPrefixStore(tmp_path, engine(model).cache, "full")
+    other = CacheManager(model.cfg, model.dtype, 8, 2, block_multiple=2)
+    with pytest.raises(ValueError, match="another cache layout"):
+        DiskPrefixStore(tmp_path, other, "full")

@@ -2,8 +2,10 @@
 content-addressed by the token-hash chain, so an evicted or restarted cache can take a prefix back.
 
 Files (one per block, one per kept boundary state), each ``MAGIC | blake2b-256(payload) | payload``
-with a ``torch.save`` payload, written temp + fsync + rename; a file whose digest fails is removed
-and counts as absent:
+with the raw tensor bytes as payload, in the order and shapes of the cache layout, written temp +
+fsync + rename; a file whose digest or size is wrong is removed and counts as absent. The store
+directory also holds ``LAYOUT`` (the cache layout it was written with); opening it with another
+layout is refused.
 
 - ``b-<hash>``: the paged groups of the full block whose chain value is ``hash``;
 - ``s-<hash>``: the fixed-size state (SWA window, compressor tails) at that block's end.
@@ -31,7 +33,7 @@ cache that never evicted.
 from __future__ import annotations
 
 import hashlib
-import io
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -65,19 +67,26 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.close(dfd)
 
 
-def pack(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    payload = buf.getvalue()
+def pack(tensors: list[torch.Tensor]) -> bytes:
+    """Raw bytes of ``tensors`` in order, after the magic and a digest (the layout is the store's)."""
+    payload = b"".join(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors)
     return MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload
 
 
-def unpack(data: bytes):
-    """The object in ``data``, or ``None`` if the magic or the digest is wrong."""
+def unpack(data: bytes, layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+    """The tensors of ``layout`` from ``data``, or ``None`` if the magic, digest or size is wrong."""
     head, digest, payload = data[: len(MAGIC)], data[len(MAGIC) : len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST :]
     if head != MAGIC or hashlib.blake2b(payload, digest_size=_DIGEST).digest() != digest:
         return None
-    return torch.load(io.BytesIO(payload), weights_only=True)
+    sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in layout]
+    if sum(sizes) != len(payload):
+        return None
+    out, off = [], 0
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    for (shape, dt), n in zip(layout, sizes):
+        out.append(raw[off : off + n].view(dt).reshape(shape))
+        off += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,17 @@ class DiskPrefixStore:
         if self.strategy.kind == "none" and model is None:
             raise ValueError("strategy 'none': a 'model' is needed to recompute the window cone")
         self.model, self.ops_mode = model, ops_mode
+        self._bkeys = sorted(cache.blocks.storage)
+        self._blayout = [(tuple(cache.blocks.storage[k].shape[1:]), cache.blocks.storage[k].dtype) for k in self._bkeys]
+        self._skeys = sorted(cache.snap.tensors)
+        self._slayout = [(tuple(t.shape[1:]), t.dtype) for k in self._skeys for t in cache.snap.tensors[k]]
+        desc = repr((cache.B, self._bkeys, self._blayout, self._skeys, self._slayout)).encode()
+        lp = self.root / "LAYOUT"
+        if lp.exists():
+            if lp.read_bytes() != desc:
+                raise ValueError(f"prefix store {self.root}: written with another cache layout (field 'root')")
+        else:
+            atomic_write(lp, desc)
         self.cone = cache.cfg.sliding_window * cache.cfg.num_hidden_layers if self.strategy.kind == "none" else 0
         self.bytes_written = 0
 
@@ -151,13 +171,13 @@ class DiskPrefixStore:
                 break
             bp = self._path("b", h)
             if not bp.exists():
-                data = pack({f"{k}/{layer}": t[bid].clone() for (k, layer), t in c.blocks.storage.items()})
+                data = pack([c.blocks.storage[k][bid] for k in self._bkeys])
                 atomic_write(bp, data)
                 written += len(data)
             sp = self._path("s", h)
             if self.strategy.keeps((j + 1) * B) and not sp.exists() and bid in c.snap_of:
                 s = c.snap_of[bid]
-                data = pack({f"{k}/{layer}": [t[s].clone() for t in ts] for (k, layer), ts in c.snap.tensors.items()})
+                data = pack([t[s] for k in self._skeys for t in c.snap.tensors[k]])
                 atomic_write(sp, data)
                 written += len(data)
         self.bytes_written += written
@@ -165,12 +185,12 @@ class DiskPrefixStore:
 
     # ---- restoring -----------------------------------------------------------------------
 
-    def _read(self, path: Path, info: RestoreInfo):
+    def _read(self, path: Path, info: RestoreInfo, layout) -> list[torch.Tensor] | None:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        obj = unpack(data)
+        obj = unpack(data, layout)
         if obj is None:
             path.unlink(missing_ok=True)  # corrupt: as good as absent
             return None
@@ -208,13 +228,13 @@ class DiskPrefixStore:
                     c.blocks.incref(bid)  # keep it while the rest loads
                     held.append(bid)
                     continue
-                obj = self._read(self._path("b", hashes[j]), info)
+                obj = self._read(self._path("b", hashes[j]), info, self._blayout)
                 if obj is None:
                     end = j
                     break
                 bid = c.blocks.allocate(start=j * B)
-                for (k, layer), t in c.blocks.storage.items():
-                    t[bid].copy_(obj[f"{k}/{layer}"])
+                for k, t in zip(self._bkeys, obj):
+                    c.blocks.storage[k][bid].copy_(t)
                 c.blocks.meta[bid].filled = B
                 c.blocks.register(bid, hashes[j])
                 held.append(bid)
@@ -226,7 +246,7 @@ class DiskPrefixStore:
                 if self.strategy.kind == "none":
                     info.cone_tokens = self._recompute_state(tokens, held[:end], bid, end * B)
                     break
-                obj = self._read(self._path("s", hashes[end - 1]), info)
+                obj = self._read(self._path("s", hashes[end - 1]), info, self._slayout)
                 if obj is not None:
                     c._take_snapshot(bid, self._layers(obj))
                     info.state_loaded = True
@@ -266,7 +286,10 @@ class DiskPrefixStore:
             c.slots.release(slot)
         return P - S
 
-    def _layers(self, obj: dict) -> list[LayerState]:
+    def _layers(self, tensors: list[torch.Tensor]) -> list[LayerState]:
+        it, obj = iter(tensors), {}
+        for k in self._skeys:
+            obj[f"{k[0]}/{k[1]}"] = [next(it) for _ in self.cache.snap.tensors[k]]
         layers = []
         for i in range(self.cache.cfg.num_hidden_layers):
             ls = LayerState(swa_kv=obj[f"swa_kv/{i}"][0])
