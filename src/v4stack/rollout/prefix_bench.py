@@ -64,7 +64,7 @@ def bench_prefix(preset_name: str = "tiny", prefixes: int = 3, prefix_len: int =
         spec = warm.cache.spec
         res["tensor_bytes"] = {"blocks_per_token": sum(spec.bytes_per_token().values()),
                                "state_per_boundary": spec.slot_bytes(),
-                               "note": "raw tensor bytes; the files add a torch.save container and a digest"}
+                               "note": "raw tensor bytes; each file adds 40 bytes (magic + digest)"}
         for i, p in enumerate(shared):
             _first_token(warm, p + [1], f"warm{i}")
         stores = {}
