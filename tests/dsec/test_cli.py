@@ -66,7 +66,21 @@ def test_dsec_up_serves_and_stops(dsec_home, unmount, tmp_path):
             p.kill()
             p.wait()
         unmount(home)
-    assert p.returncode is not None
+    assert p.returncode == 0
+    out = (tmp_path / "up.out").read_text()
+    edge_pid = int(out.split("edge pid ")[1].split(",")[0])
+    deadline = time.time() + 20
+    while time.time() < deadline and _alive(edge_pid):
+        time.sleep(0.1)
+    assert not _alive(edge_pid), "dsec up left its edge running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_image_build_cli_is_content_addressed(dsec_home, tmp_path):

@@ -83,11 +83,21 @@ def up(home: str = HOME_OPT, token: Optional[str] = TOKEN_OPT, port: int = 8470,
     if image:
         typer.echo(f"image {image}: {ImageStore(Path(home)).build(image)}")
     env = {**os.environ, "DSEC_TOKEN": tok}
+
+    def die_with_parent():  # if `up` itself is killed outright, its edge goes too (main thread, no threads yet)
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
     edge_proc = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", home, "--apiserver",
-                                  f"http://127.0.0.1:{port}", "--pool", str(pool)], env=env)
+                                  f"http://127.0.0.1:{port}", "--pool", str(pool)], env=env,
+                                 preexec_fn=die_with_parent)
     w = Watcher(home, tok)
     threading.Thread(target=w.run, daemon=True).start()
     typer.echo(f"dsec up: apiserver http://127.0.0.1:{port}, edge pid {edge_proc.pid}, home {home}")
+    from v4stack.dsec.edge import quiet_after_shutdown
+
+    quiet_after_shutdown()
     try:
         uvicorn.run(make_app(home, tok), host="127.0.0.1", port=port, log_level="warning")
     finally:

@@ -171,6 +171,16 @@ class Heartbeat(threading.Thread):
                 self.stop.wait(self.every)
 
 
+def quiet_after_shutdown() -> None:
+    """uvicorn shuts down gracefully on SIGTERM / SIGINT and then raises the signal again with the
+    handlers it found installed; make those no-ops so our own cleanup (``finally``) still runs."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+
+
 def serve(home: str, apiserver: str, token: str, edge_id: str, host: str = "127.0.0.1", port: int = 0,
           pool_size: int = 2, heartbeat_s: float = 1.0) -> None:
     import socket
@@ -185,6 +195,7 @@ def serve(home: str, apiserver: str, token: str, edge_id: str, host: str = "127.
     hb = Heartbeat(apiserver, token, edge_id, url, heartbeat_s)
     hb.start()
     server = uvicorn.Server(uvicorn.Config(make_app(rt, token), log_level="warning", timeout_keep_alive=30))
+    quiet_after_shutdown()
     try:
         server.run(sockets=[sock])
     finally:
