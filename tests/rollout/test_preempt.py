@@ -145,3 +145,22 @@ def test_reward_and_consumed_once(model, tmp_path):
     w.close()
     with TokenWAL(tmp_path / "wal") as wal:
         assert (wal.trajectories["g"].reward, wal.trajectories["g"].consumed) == (1.0, 3)
+
+
+def test_cancel_running_and_preempted(model, tmp_path):
+    w, seen = make(model, tmp_path / "wal")
+    ends = []
+    inner = w.expose
+    w.expose = lambda e: (inner(e), ends.append((e.traj, e.finished, e.reason)))
+    start(w)
+    w.run(max_steps=3)
+    w.preempt("g", save_kv=True)
+    w.cancel("s")
+    w.cancel("g")
+    assert not w.engine.has_work() and not w.live and not list(w.kv_dir.glob("*.kv"))
+    assert ("s", True, "abort") in ends and ("g", True, "abort") in ends
+    with pytest.raises(ValueError, match="not an unfinished"):
+        w.cancel("s")
+    w.close()
+    with TokenWAL(tmp_path / "wal") as wal:
+        assert all(t.end_reason == "abort" and t.tokens == seen[t.traj] for t in wal.trajectories.values())

@@ -181,6 +181,23 @@ class RolloutWorker:
             raise
         self.live[traj] = req
 
+    def cancel(self, traj: str) -> None:
+        """End a running or preempted trajectory early (END with reason 'abort'), durably."""
+        self.flush()
+        tr = self.wal.trajectories.get(traj)
+        if tr is None or tr.finished:
+            raise ValueError(f"trajectory {traj!r} is not an unfinished trajectory")
+        saved = tr.kv
+        if traj in self.live:
+            self.engine.abort(traj)  # reports (req, [], finished) through _on_event
+        else:
+            self._new.append((traj, [], True, "abort"))
+        recs, items = self._records()
+        end = self.wal.append(recs)
+        self._expose(items, end)
+        if saved is not None:
+            (self.kv_dir / saved["file"]).unlink(missing_ok=True)
+
     def reward(self, traj: str, value: float) -> None:
         self.wal.append([R.reward(traj, value)])
 
