@@ -109,3 +109,15 @@ def test_valid_frame_with_bad_record_is_reported(tmp_path):
     with pytest.raises(WALInconsistent, match="field 'off' is 3"):
         TokenWAL(tmp_path / "w")
     Journal(tmp_path / "w").close()  # the refused open let go of the writer lock
+
+
+def test_replay_across_segments(tmp_path):
+    sp = SamplingParams(max_tokens=2000)
+    with TokenWAL(tmp_path / "w", segment_bytes=4096) as w:
+        w.append([R.begin("a", [1], sp), R.begin("b", [2], sp)])
+        for i in range(300):
+            w.append([R.tokens("a", i, [i % 256]), R.tokens("b", i, [(7 * i) % 256])])
+    assert len(list((tmp_path / "w").glob("seg-*.log"))) > 5
+    with TokenWAL(tmp_path / "w", segment_bytes=4096) as w:
+        assert w.trajectories["a"].tokens == [i % 256 for i in range(300)]
+        assert w.trajectories["b"].tokens == [(7 * i) % 256 for i in range(300)]
