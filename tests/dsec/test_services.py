@@ -168,6 +168,16 @@ def test_ttl_and_idle_leave_paused_time_out(cluster):
     assert a.id in rep["expired"] + rep["idle"]
     assert a.info()["state"] == "expired"
 
+    # a command running longer than the idle timeout keeps its sandbox: it is busy, not idle
+    b = Sandbox.create(substrate="process", timeout=600, idle_timeout=1)
+    t = threading.Thread(target=lambda: b.commands.run("sleep 3", timeout=30))
+    t.start()
+    time.sleep(2)
+    rep = cluster.watcher.tick()
+    assert b.id not in rep["idle"]
+    t.join()
+    assert cluster.watcher.tick(time.time() + 2)["idle"] == [b.id]
+
 
 @pytest.mark.parametrize("sub", ["container", "process"])
 def test_parallel_create_of_32_never_hangs(cluster, sub):

@@ -40,6 +40,7 @@ def make_app(home: str | Path, token: str, db_path: str | Path | None = None) ->
     home = Path(home)
     home.mkdir(parents=True, exist_ok=True)
     store = Store(db_path or home / "dsec.sqlite")
+    store.x("UPDATE sandboxes SET busy=0")  # requests in flight died with the previous apiserver
     app = FastAPI(title="dsec apiserver")
     app.state.store = store
     auth = Depends(bearer(token))
@@ -192,6 +193,7 @@ def make_app(home: str | Path, token: str, db_path: str | Path | None = None) ->
                 return relay(r)
 
             def gen():
+                store.busy(sid, +1)
                 try:
                     for line in r.iter_lines():
                         yield line + "\n"
@@ -199,12 +201,14 @@ def make_app(home: str | Path, token: str, db_path: str | Path | None = None) ->
                     yield json.dumps({"error": f"edge connection lost: {type(e).__name__}", "status": 503}) + "\n"
                 finally:
                     r.close()
-                    store.touch(sid)
+                    store.busy(sid, -1)
 
             return StreamingResponse(gen(), media_type="application/x-ndjson")
-        r = forward(row, "POST", "/exec", json=body)
-        store.touch(sid)
-        return relay(r)
+        store.busy(sid, +1)
+        try:
+            return relay(forward(row, "POST", "/exec", json=body))
+        finally:
+            store.busy(sid, -1)
 
     @app.get("/v1/sandboxes/{sid}/files", dependencies=[auth])
     def read(sid: str, path: str = Query(...)):

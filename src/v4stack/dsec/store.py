@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     state TEXT NOT NULL, reason TEXT, created REAL NOT NULL,
     timeout REAL NOT NULL, idle_timeout REAL NOT NULL,
     active_used REAL NOT NULL DEFAULT 0, resumed_at REAL, paused_at REAL, last_active REAL NOT NULL,
-    chain TEXT NOT NULL DEFAULT '[]', parent_snapshot TEXT, limits TEXT NOT NULL DEFAULT '{}'
+    chain TEXT NOT NULL DEFAULT '[]', parent_snapshot TEXT, limits TEXT NOT NULL DEFAULT '{}',
+    busy INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     id TEXT PRIMARY KEY, sandbox TEXT NOT NULL, image TEXT NOT NULL, layers TEXT NOT NULL,
@@ -93,6 +94,10 @@ class Store:
 
     def touch(self, sid: str) -> None:
         self.x("UPDATE sandboxes SET last_active=? WHERE id=?", time.time(), sid)
+
+    def busy(self, sid: str, delta: int) -> None:
+        """Requests in flight: a sandbox running a long command is not idle."""
+        self.x("UPDATE sandboxes SET busy=MAX(0, busy+?), last_active=? WHERE id=?", delta, time.time(), sid)
 
     def pause(self, sid: str) -> None:
         now = time.time()

@@ -49,7 +49,7 @@ class Watcher:
             why = None
             if self.store.active_seconds(s, now) > s["timeout"]:
                 why, key = f"timeout {s['timeout']:g}s of active time reached", "expired"
-            elif s["state"] == "running" and now - s["last_active"] > s["idle_timeout"]:
+            elif s["state"] == "running" and not s["busy"] and now - s["last_active"] > s["idle_timeout"]:
                 why, key = f"idle for more than {s['idle_timeout']:g}s", "idle"
             if why:
                 self._kill(s, why)
