@@ -122,8 +122,10 @@ app.add_typer(plan_app, name="plan")
 app.command("train")(train_command)
 
 from v4stack.check import app as check_app  # noqa: E402 (no torch at import)
+from v4stack.dsec.cli import app as dsec_app  # noqa: E402 (heavy imports live inside the commands)
 
 app.add_typer(check_app, name="check")
+app.add_typer(dsec_app, name="dsec")
 
 bench_app = typer.Typer(help="Benchmarks that write JSON (and a PNG where a picture reads better).",
                         no_args_is_help=True)
@@ -204,6 +206,18 @@ def bench_megamoe_cmd(
         raise typer.Exit(2)
     if report:
         typer.echo(json.dumps(report["summary"], indent=2))
+
+
+@bench_app.command("dsec")
+def bench_dsec_cmd(
+    iters: int = typer.Option(30, min=1, help="Repetitions per measured verb and substrate."),
+    density: int = typer.Option(64, min=1, help="Idle sandboxes to start for the density measurement."),
+    out: str = typer.Option("bench/results/dsec.json", help="JSON output path."),
+):
+    """Sandboxes: p50/p99 of create, first exec, snapshot, restore per substrate; density."""
+    from v4stack.dsec.bench import bench_dsec
+
+    typer.echo(json.dumps(bench_dsec(out=out, iters=iters, density=density), indent=2))
 
 
 def main() -> None:  # console entry point
