@@ -164,3 +164,20 @@ def test_cancel_running_and_preempted(model, tmp_path):
     w.close()
     with TokenWAL(tmp_path / "wal") as wal:
         assert all(t.end_reason == "abort" and t.tokens == seen[t.traj] for t in wal.trajectories.values())
+
+
+def test_sampler_advance_matches_the_draws_of_sampled_tokens():
+    from v4stack.serve.sampling import Sampler
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(256, generator=g) for _ in range(12)]
+    for sp in (SamplingParams(temperature=0.8, top_p=0.9, seed=4), SamplingParams(seed=4)):
+        a, b = Sampler(sp), Sampler(sp)
+        whole = [a(lg) for lg in logits]
+        b.advance(7)
+        assert [b(lg) for lg in logits[7:]] == whole[7:]
+    a, c = Sampler(SamplingParams(temperature=0.8, seed=4)), Sampler(SamplingParams(temperature=0.8, seed=4))
+    whole = [a(lg) for lg in logits]
+    assert [c(lg) for lg in logits[7:]] != whole[7:]  # without the advance the stream is off
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        c.advance(-1)
