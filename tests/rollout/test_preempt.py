@@ -10,6 +10,7 @@ from v4stack.config import preset
 from v4stack.model import V4Model
 from v4stack.rollout import NotDurable, RolloutWorker, TokenWAL
 from v4stack.rollout import records as R
+from v4stack.serve.cache.disk import DiskPrefixStore
 from v4stack.serve.engine import Engine, EngineConfig
 from v4stack.serve.sampling import SamplingParams
 
@@ -25,7 +26,7 @@ def model():
     return V4Model(preset("tiny"), seed=0).cast(torch.float32).eval()
 
 
-def make(model, path, pipeline=False):
+def make(model, path, pipeline=False, store_dir=None, save_every=0):
     seen: dict[str, list[int]] = {}
 
     def expose(e):
@@ -34,7 +35,9 @@ def make(model, path, pipeline=False):
         assert e.off == len(s)
         s.extend(e.ids)
 
-    w = RolloutWorker(Engine(model, EngineConfig(n_blocks=64, n_slots=8)), TokenWAL(path), expose, pipeline=pipeline)
+    eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8))
+    store = DiskPrefixStore(store_dir, eng.cache, "full") if store_dir is not None else None
+    w = RolloutWorker(eng, TokenWAL(path), expose, pipeline=pipeline, prefix_store=store, save_every=save_every)
     return w, seen
 
 
@@ -181,3 +184,21 @@ def test_sampler_advance_matches_the_draws_of_sampled_tokens():
     assert [c(lg) for lg in logits[7:]] != whole[7:]  # without the advance the stream is off
     with pytest.raises(ValueError, match="n must be >= 0"):
         c.advance(-1)
+
+
+def test_recover_restores_prefix_from_disk(model, tmp_path, reference):
+    w, seen = make(model, tmp_path / "wal", store_dir=tmp_path / "pfx", save_every=2)
+    start(w)
+    w.run(max_steps=6)
+    w.close()  # the process dies; the WAL and the prefix store survive
+    w2, seen2 = make(model, tmp_path / "wal", store_dir=tmp_path / "pfx")
+    for k, v in seen.items():
+        seen2[k] = list(v)
+    durable = sum(len(TRAJ[k][0]) + len(t.tokens) for k, t in w2.wal.trajectories.items())
+    assert w2.recover() == {"s": "reprefilled", "g": "reprefilled"}
+    w2.step()
+    hit = w2.engine.cache.prefix_hit_tokens
+    assert hit >= 16 and w2.engine.stats.tokens_computed == durable - hit  # only what the store lacked
+    w2.run()
+    w2.close()
+    assert seen2 == reference

@@ -20,6 +20,10 @@ sampler's generator is advanced past the draws those tokens took). ``recover`` d
 every unfinished trajectory after a restart. The engine runs its ops in invariant mode, so either
 path continues bit-identically to an uninterrupted run.
 
+With a ``prefix_store`` (``serve/cache/disk.py``) the worker saves the closed blocks of its live
+requests every ``save_every`` steps and restores a prompt's stored prefix before admitting it, so a
+re-prefill after a restart computes only what the store does not hold.
+
 The worker reaches into the engine in two places only (``_detach`` and ``_attach``): taking a
 request out of its scheduler without finishing it, and admitting one whose cache is already
 restored.
@@ -39,6 +43,7 @@ from typing import Callable
 from v4stack.rollout import kvsave
 from v4stack.rollout import records as R
 from v4stack.rollout.wal import TokenWAL, Trajectory
+from v4stack.serve.cache.disk import DiskPrefixStore
 from v4stack.serve.cache.manager import CacheFull
 from v4stack.serve.engine import Engine
 from v4stack.serve.request import Request, Status
@@ -79,8 +84,11 @@ def _kv_name(traj: str, off: int) -> str:
 class RolloutWorker:
     def __init__(self, engine: Engine, wal: TokenWAL, expose: Callable[[Exposure], None] | None = None,
                  kv_dir: str | os.PathLike | None = None, server: str | None = None, policy_version: int = 0,
-                 pipeline: bool = False):
+                 pipeline: bool = False, prefix_store: DiskPrefixStore | None = None, save_every: int = 0):
+        if save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {save_every}")
         self.engine, self.wal, self.expose = engine, wal, expose
+        self.prefix_store, self.save_every = prefix_store, save_every
         self.kv_dir = Path(kv_dir) if kv_dir is not None else wal.path / "kv"
         self.kv_dir.mkdir(parents=True, exist_ok=True)
         self.server = server or f"{socket.gethostname()}:{os.getpid()}"
@@ -153,6 +161,10 @@ class RolloutWorker:
         s.step_s.append(t1 - t0)
         s.wal_s.append(t2 - t1)
         s.records += len(recs)
+        if self.prefix_store is not None and self.save_every and s.steps % self.save_every == 0:
+            for req in self.live.values():  # the blocks this request has closed so far
+                if req.cache is not None:
+                    self.prefix_store.save(req.cache.tokens)
         return sum(len(i[2]) for i in items)
 
     def flush(self) -> None:
@@ -174,6 +186,7 @@ class RolloutWorker:
         if traj in self.wal.trajectories:
             raise ValueError(f"trajectory id {traj!r} is already in the WAL")
         req = self.engine.add_request(prompt, params, traj, self._on_event)
+        self._restore_prefix(prompt)
         try:
             self.wal.append([R.begin(traj, prompt, params, group, self.policy_version, sandbox)])
         except BaseException:
@@ -204,6 +217,15 @@ class RolloutWorker:
     def consume(self, traj: str, step: int) -> None:
         """Mark a finished trajectory as trained on at ``step`` (refused if it already was)."""
         self.wal.append([R.consumed(traj, step)])
+
+    def _restore_prefix(self, tokens: list[int]) -> None:
+        """Put what the on-disk prefix store has of ``tokens`` back into the cache before the
+        request is admitted (bit-identical to computing it, so this only saves time)."""
+        if self.prefix_store is not None:
+            try:
+                self.prefix_store.restore(tokens)
+            except CacheFull:
+                pass
 
     def _detach(self, req: Request) -> None:
         self.engine.scheduler.release(req)
@@ -251,6 +273,8 @@ class RolloutWorker:
                 mode, why, used = "reused", "", path
             except (kvsave.KVUnavailable, CacheFull) as e:
                 why = str(e)
+        if mode == "reprefilled":
+            self._restore_prefix(tr.prompt + tr.tokens)
         try:
             self.wal.append([R.resume(traj, len(tr.tokens), self.server, self.policy_version, mode, why)])
         except BaseException:
