@@ -57,10 +57,17 @@ CONE = 16 * 6  # n_win * L for tiny
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("strategy", ["full", "periodic:32", "none"])
-@pytest.mark.parametrize("plen", [15, 16, 17, pytest.param(31, marks=SLOW), pytest.param(32, marks=SLOW), 33,
-                                  pytest.param(47, marks=SLOW), pytest.param(70, marks=SLOW),
-                                  pytest.param(112, marks=SLOW), 127])
+def _cases():
+    """Every strategy at each length; the default run keeps a boundary, +1, a checkpoint +1 and a
+    block interior for periodic, and for none a prefix longer than the cone (the rest: -m slow)."""
+    for strategy in ("full", "periodic:32", "none"):
+        for plen in (15, 16, 17, 31, 32, 33, 47, 70, 112, 127):
+            fast = (plen, strategy) in {(16, "full"), (17, "full"), (33, "periodic:32"), (47, "periodic:32"),
+                                        (17, "none"), (127, "none")}
+            yield pytest.param(strategy, plen, marks=() if fast else SLOW, id=f"{plen}-{strategy}")
+
+
+@pytest.mark.parametrize("strategy,plen", list(_cases()))
 def test_restore_equals_never_evicted(model, tmp_path, strategy, plen):
     base = prompt(130)
     full = base[:plen] + prompt(5, salt=plen)  # the shared prefix, then a new tail
