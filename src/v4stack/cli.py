@@ -131,6 +131,10 @@ bench_app = typer.Typer(help="Benchmarks that write JSON (and a PNG where a pict
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
+from v4stack.rollout.cli import register as _register_rollout  # noqa: E402
+
+_register_rollout(app, bench_app)
+
 
 @bench_app.command("ops")
 def bench_ops_cmd(
