@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from v4stack.config import atomic_write_bytes
+from v4stack.atomic import atomic_write
 from v4stack.megamoe.compute_bench import bench_compute
 
 
@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/megamoe_compute_h200.json")
     a = ap.parse_args()
     report = bench_compute(tokens=a.tokens, reps=a.reps)
-    atomic_write_bytes(Path(a.out), (json.dumps(report, indent=2) + "\n").encode())
+    atomic_write(Path(a.out), (json.dumps(report, indent=2) + "\n").encode())
     print(json.dumps(report, indent=2))
 
 

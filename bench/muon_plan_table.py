@@ -12,7 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from v4stack.config import atomic_write_bytes, preset
+from v4stack.atomic import atomic_write
+from v4stack.config import preset
 from v4stack.optim.plan import DEFAULTS, model_items, plan_from_items
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,7 +47,7 @@ def main() -> None:
                 })
     doc = {"bench": "muon_plan_table", "cap": 5, "target_padding": 0.10, "defaults": DEFAULTS, "rows": rows,
            "command": "python bench/muon_plan_table.py"}
-    atomic_write_bytes(Path(args.out) / "muon_plan_table.json", (json.dumps(doc, indent=1) + "\n").encode())
+    atomic_write(Path(args.out) / "muon_plan_table.json", (json.dumps(doc, indent=1) + "\n").encode())
     if args.markdown:
         print("| preset | dp | pp | ep | padding (dense / expert) | max per rank | dense group sizes | meets |")
         print("|---|---|---|---|---|---|---|---|")

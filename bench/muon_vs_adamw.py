@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from v4stack.config import atomic_write_bytes
+from v4stack.atomic import atomic_write
 from v4stack.train.log import LossLog, plot_curves
 from v4stack.train.trainer import TrainConfig, train
 
@@ -108,7 +108,7 @@ def main() -> None:
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "single")),
     }
     out = Path(args.out)
-    atomic_write_bytes(out / "muon_vs_adamw.json", (json.dumps(doc, indent=1) + "\n").encode())
+    atomic_write(out / "muon_vs_adamw.json", (json.dumps(doc, indent=1) + "\n").encode())
     plot_curves(doc["curves"], out / "train_muon_vs_adamw.png",
                 f"tiny preset, {args.steps} steps x {args.batch_size}x{args.seq_len} bytes", baseline=unigram)
     print(json.dumps(doc["best"]))

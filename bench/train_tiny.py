@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from v4stack.config import atomic_write_bytes
+from v4stack.atomic import atomic_write
 from v4stack.train.log import LossLog
 from v4stack.train.trainer import TrainConfig, train
 
@@ -48,7 +48,7 @@ def main() -> None:
     doc["below_unigram_nats"] = summary["unigram_nats"] - summary["val_loss"]
     doc["command"] = "python bench/train_tiny.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")
-    atomic_write_bytes(out / "train_tiny.json", (json.dumps(doc, indent=1) + "\n").encode())
+    atomic_write(out / "train_tiny.json", (json.dumps(doc, indent=1) + "\n").encode())
     print(json.dumps(summary))
 
 

@@ -11,10 +11,11 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from v4stack.atomic import atomic_write
 
 MODEL_TYPE = "deepseek_v4"
 
@@ -189,7 +190,7 @@ class ModelConfig:
         if p.is_dir() or not p.suffix:
             p.mkdir(parents=True, exist_ok=True)
             p = p / "config.json"
-        atomic_write_bytes(p, (json.dumps(self.to_dict(), indent=2) + "\n").encode())
+        atomic_write(p, (json.dumps(self.to_dict(), indent=2) + "\n").encode())
         return p
 
     @classmethod
@@ -204,27 +205,6 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from e
         return cls.from_dict(raw)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so a crash leaves either the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ---- presets ---------------------------------------------------------------------------

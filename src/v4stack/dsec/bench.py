@@ -117,7 +117,7 @@ def bench_density(rt, sub: str, n: int) -> dict:
 def bench_dsec(out: str | None = "bench/results/dsec.json", iters: int = 30, density: int = 64,
                substrates: tuple[str, ...] = ("process", "container"), home: str | None = None) -> dict:
     """Run the dsec benchmark; writes JSON to ``out`` (temp + rename) and returns the result."""
-    from v4stack.dsec.cas import atomic_write
+    from v4stack.atomic import atomic_write
     from v4stack.dsec.runtime import Runtime
 
     if iters < 1 or density < 1:

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from v4stack.dsec.cas import atomic_write
+from v4stack.atomic import atomic_write
 from v4stack.dsec.errors import BadRequest, NotFound
 from v4stack.dsec.mounts import file_lock, is_mount, mount, need, run
 

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from v4stack.dsec import fsdiff
-from v4stack.dsec.cas import atomic_write
+from v4stack.atomic import atomic_write
 from v4stack.dsec.errors import NotFound
 from v4stack.dsec.mounts import is_mount, mount, run, umount
 

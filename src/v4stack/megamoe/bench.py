@@ -220,10 +220,10 @@ def bench_megamoe(out: str | None = "bench/results/megamoe.json", plot: bool = T
         "summary": summarize(rows),
     }
     if out:
-        from v4stack.config import atomic_write_bytes
+        from v4stack.atomic import atomic_write
 
         path = Path(out)
-        atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
+        atomic_write(path, (json.dumps(report, indent=2) + "\n").encode())
         if plot:
             _plot(report, path.with_suffix(".png"))
     return report

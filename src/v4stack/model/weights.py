@@ -17,7 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as st_save
 
-from v4stack.config import ModelConfig, atomic_write_bytes
+from v4stack.atomic import atomic_write
+from v4stack.config import ModelConfig
 from v4stack.model.model import V4Model
 
 WEIGHTS_FILE = "model.safetensors"
@@ -41,7 +42,7 @@ def save_model(model: V4Model, path: str | os.PathLike) -> Path:
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     meta = {"format": "pt", "producer": "v4stack"}
     meta.update({_CRC_PREFIX + k: _crc(v) for k, v in tensors.items()})
-    atomic_write_bytes(out / WEIGHTS_FILE, st_save(tensors, metadata=meta))
+    atomic_write(out / WEIGHTS_FILE, st_save(tensors, metadata=meta))
     model.cfg.save(out / "config.json")
     return out
 

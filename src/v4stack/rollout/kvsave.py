@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from v4stack.serve.cache.disk import atomic_write
+from v4stack.atomic import atomic_write
 from v4stack.serve.cache.manager import CacheFull, CacheManager, RequestCache
 
 MAGIC = b"V4KVSAV1"

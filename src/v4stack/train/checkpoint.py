@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from v4stack.config import atomic_write_bytes
+from v4stack.atomic import atomic_write
 
 KILL_ENV = "V4STACK_KILL_DURING_SAVE"  # fault injection for the crash tests: "<step>"
 
@@ -74,7 +74,7 @@ def commit(root: Path, step: int, model_state: dict, meta: dict, keep: int = 2) 
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    atomic_write_bytes(root / "latest", (final.name + "\n").encode())
+    atomic_write(root / "latest", (final.name + "\n").encode())
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

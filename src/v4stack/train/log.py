@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from v4stack.config import atomic_write_bytes
+from v4stack.atomic import atomic_write
 
 
 class LossLog:
@@ -25,7 +25,7 @@ class LossLog:
 
     def save(self) -> None:
         doc = {"meta": self.meta, "records": self.records}
-        atomic_write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())
+        atomic_write(self.path, (json.dumps(doc, indent=1) + "\n").encode())
 
     @staticmethod
     def read(path: Path) -> dict:
@@ -84,4 +84,4 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: Path, title: s
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
+    atomic_write(Path(path), buf.getvalue())

@@ -41,30 +41,12 @@ from pathlib import Path
 
 import torch
 
+from v4stack.atomic import atomic_write
 from v4stack.model.state import CompressorTail, LayerState
 from v4stack.serve.cache.manager import ROOT, CacheFull, CacheManager, chain_hash
 
 MAGIC = b"V4PFX001"
 _DIGEST = 32
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so a crash leaves no file or the whole file (temp, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def pack(tensors: list[torch.Tensor]) -> bytes:
