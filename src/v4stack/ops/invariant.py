@@ -39,22 +39,15 @@ def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
 # ---- reductions ----------------------------------------------------------------------------
 
 
-def _tree(t: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-          identity: float = 0.0) -> torch.Tensor:
-    """Reduce dim 0 of ``t`` with a pairwise tree over its width padded to a power of two.
-
-    The padding uses ``combine``'s identity, and at each level element ``i`` meets ``i + P/2``:
-    so appending identity elements (masked candidates, empty cache rows) never changes a result.
-    A query's attention over "its entries plus masked ones" is then the same however many masked
-    entries its batch, chunk or cache layout adds.
-    """
-    L = t.shape[0]
-    P = 1 << max(0, (L - 1).bit_length())
-    if P != L:
-        t = torch.cat((t, t.new_full((P - L, *t.shape[1:]), identity)))
+def _tree(t: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Reduce dim 0 of ``t`` with a pairwise tree fixed by ``t.shape[0]`` (an odd last element is
+    carried up). Widths that vary with the batch or the chunking (attention candidates) are cut into
+    fixed blocks by the caller (``_blocked_sum0``), so the tree's shape never depends on them."""
     while t.shape[0] > 1:
-        h = t.shape[0] // 2
-        t = combine(t[:h], t[h:])
+        L = t.shape[0]
+        h = L // 2
+        s = combine(t[:h], t[h : 2 * h])
+        t = torch.cat((s, t[2 * h :])) if L % 2 else s
     return t[0]
 
 
@@ -64,7 +57,7 @@ def _reduce(x: torch.Tensor, dim: int, keepdim: bool, combine, empty: float) -> 
     if t.shape[0] == 0:
         r = torch.full(t.shape[1:], empty, dtype=x.dtype, device=x.device)
     else:
-        r = _tree(t.contiguous(), combine, empty)
+        r = _tree(t.contiguous(), combine)
     return r.unsqueeze(dim) if keepdim else r
 
 
