@@ -77,6 +77,10 @@ def test_errors_name_the_field(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
     assert "exceeds" in str(e.value)
+    for prompt, msg in (([], "at least one token"), ([5, 300], "token ids must lie in")):
+        r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "prompt"
     r = httpx.post(server + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": []})

@@ -60,16 +60,11 @@ def build_app(runner: EngineRunner, model_name: str) -> FastAPI:
     async def _run(http: Request, body, prompt_ids: list[int], chat: bool):
         if body.model != model_name:
             return _error(400, f"model '{body.model}' is not served here (serving '{model_name}')", "model")
-        if not prompt_ids:
-            return _error(400, "prompt must not be empty", "prompt")
-        vocab = runner.engine.model.cfg.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            return _error(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
         params = body.sampling()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             events = runner.submit(prompt_ids, params, rid)
-        except ValueError as err:
+        except ValueError as err:  # the engine's own checks (Engine.validate)
             param = "max_tokens" if "max_tokens" in str(err) and "exceeds" not in str(err) else "prompt"
             return _error(400, str(err), param)
         created = int(time.time())

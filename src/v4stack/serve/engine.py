@@ -69,17 +69,21 @@ class Engine:
     def max_context(self) -> int:
         return min(self.model.cfg.max_position_embeddings, self.cache.blocks.n_blocks * self.cache.B - 1)
 
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    on_event=None) -> Request:
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Every check a new request must pass; reads only the config (safe from any thread)."""
         params.validate()
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if len(prompt) + params.max_tokens > self.max_context:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the context this engine can hold ({self.max_context} tokens)")
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    on_event=None) -> Request:
+        self.validate(prompt, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

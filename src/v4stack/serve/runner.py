@@ -51,11 +51,7 @@ class EngineRunner:
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str) -> asyncio.Queue:
         """Queue a request; validation errors are raised here, before anything is queued."""
-        params.validate()
-        e = self.engine
-        if len(prompt) + params.max_tokens > e.max_context:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the context this server can hold ({e.max_context} tokens)")
+        self.engine.validate(prompt, params)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
 
