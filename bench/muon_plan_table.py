@@ -1,6 +1,6 @@
 """The Muon ownership plan of V4-Flash and V4-Pro over a grid of (dp, pp), ep fixed per preset.
 
-    python bench/muon_plan_table.py [--markdown]
+    python -m bench.muon_plan_table [--markdown]
 
 Writes bench/results/muon_plan_table.json; ``--markdown`` also prints the table used in
 docs/training.md.
@@ -9,10 +9,9 @@ docs/training.md.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from v4stack.atomic import atomic_write
+from bench.runner import write_result
 from v4stack.config import preset
 from v4stack.optim.plan import DEFAULTS, model_items, plan_from_items
 
@@ -20,11 +19,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GRID = {"dp": [32, 64, 96, 128, 144, 192, 256], "pp": [4, 8, 16]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     for name in ("flash", "pro"):
         cfg = preset(name)
@@ -46,8 +45,8 @@ def main() -> None:
                     "why_not": None if p["feasible"] else (p["dense"].get("reason") or p["expert"].get("reason")),
                 })
     doc = {"bench": "muon_plan_table", "cap": 5, "target_padding": 0.10, "defaults": DEFAULTS, "rows": rows,
-           "command": "python bench/muon_plan_table.py"}
-    atomic_write(Path(args.out) / "muon_plan_table.json", (json.dumps(doc, indent=1) + "\n").encode())
+           "command": "python -m bench.muon_plan_table"}
+    write_result(Path(args.out) / "muon_plan_table.json", doc)
     if args.markdown:
         print("| preset | dp | pp | ep | padding (dense / expert) | max per rank | dense group sizes | meets |")
         print("|---|---|---|---|---|---|---|---|")

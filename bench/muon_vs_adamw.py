@@ -4,7 +4,7 @@ Both runs see the same byte batches in the same order for the same number of ste
 tokens); each optimizer gets a small learning-rate sweep and the best final validation loss is
 kept, so neither side is judged at a rate chosen for the other.
 
-    python bench/muon_vs_adamw.py [--steps 300] [--device cuda] [--jobs 6]
+    python -m bench.muon_vs_adamw [--steps 300] [--device cuda] [--jobs 6]
 
 ``--jobs N`` runs the sweep's configurations as N parallel processes (each one is a plain
 single-process training run; they share nothing but the machine).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from v4stack.atomic import atomic_write
+from bench.runner import write_result
 from v4stack.train.log import LossLog, plot_curves
 from v4stack.train.trainer import TrainConfig, train
 
@@ -46,7 +46,7 @@ def run(opt: str, lr: float, args, workdir: Path) -> dict:
             "curve": [(r["step"], r["loss"]) for r in doc["records"]]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--single", nargs=3, metavar=("OPT", "LR", "RESULT"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if args.single:  # one configuration, as a worker of --jobs
         opt, lr, result = args.single
@@ -77,12 +77,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         pending = list(enumerate(configs))
         live: list[tuple[subprocess.Popen, Path]] = []
-        passthrough = [a for a in sys.argv[1:]]
+        passthrough = list(sys.argv[1:] if argv is None else argv)
         while pending or live:
             while pending and len(live) < max(args.jobs, 1):
                 i, (opt, lr) = pending.pop(0)
                 res = Path(tmp) / f"run{i}.json"
-                cmd = [sys.executable, __file__, *passthrough, "--single", opt, str(lr), str(res)]
+                cmd = [sys.executable, "-m", "bench.muon_vs_adamw", *passthrough, "--single", opt, str(lr), str(res)]
                 live.append((subprocess.Popen(cmd), res))
             proc, res = live.pop(0)
             if proc.wait() != 0:
@@ -104,11 +104,11 @@ def main() -> None:
         "sweep": [{"optimizer": r["optimizer"], "lr": r["lr"], "final_loss": r["summary"]["final_loss"],
                    "val_loss": r["summary"]["val_loss"], "wall_s": r["wall_s"]} for r in runs],
         "curves": {f"{opt} lr={r['lr']:g}": r["curve"] for opt, r in best.items()},
-        "command": "python bench/muon_vs_adamw.py " + " ".join(
+        "command": "python -m bench.muon_vs_adamw " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "single")),
     }
     out = Path(args.out)
-    atomic_write(out / "muon_vs_adamw.json", (json.dumps(doc, indent=1) + "\n").encode())
+    write_result(out / "muon_vs_adamw.json", doc)
     plot_curves(doc["curves"], out / "train_muon_vs_adamw.png",
                 f"tiny preset, {args.steps} steps x {args.batch_size}x{args.seq_len} bytes", baseline=unigram)
     print(json.dumps(doc["best"]))

@@ -1,19 +1,18 @@
 """Run `check_invariance` in both ops modes and write one JSON (CPU by default).
 
-    python bench/ops_check.py --out bench/results/ops_check_cpu.json
+    python -m bench.ops_check --out bench/results/ops_check_cpu.json
 """
 
 import argparse
-import json
 import time
 
 import torch
 
 from v4stack.check import check_invariance
-from v4stack.ops.bench import _write_json
+from bench.runner import write_result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="tiny")
     p.add_argument("--prompts", type=int, default=32)
@@ -21,7 +20,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     p.add_argument("--out", default="bench/results/ops_check_cpu.json")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     rep = {}
@@ -33,7 +32,7 @@ def main() -> None:
         rep[mode] = r
         print(mode, {k: r[k] for k in ("steps_compared", "steps_differ", "requests_differ", "deterministic",
                                        "chunking_invariant", "wall_s")}, r["one_chunk"], flush=True)
-    _write_json(a.out, rep)
+    write_result(a.out, rep)
 
 
 if __name__ == "__main__":

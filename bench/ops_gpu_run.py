@@ -5,7 +5,7 @@
 - ops_check_gpu.json: ``check_invariance`` (tiny preset, 32 prompts, bf16) in both modes;
 - ops_h200.json / ops_h200.png: ``bench_ops`` at V4-Flash widths, M in {1, 8, 64, 256, 4096}.
 
-    python bench/ops_gpu_run.py --out-dir $OUT
+    python -m bench.ops_gpu_run --out-dir $OUT
 """
 
 import argparse
@@ -16,7 +16,8 @@ import time
 import torch
 
 from v4stack import check, ops
-from v4stack.ops.bench import bench_ops, format_table
+from bench.ops import bench_ops, format_table
+from bench.runner import write_result
 
 MS = (1, 8, 64, 128, 256, 1024, 4096)
 
@@ -30,11 +31,11 @@ def rows_stable(fn, x, w, probe=8):
     return out
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--skip", default="", help="comma list of phases to skip: inv,check,bench,tiles")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     skip = set(a.skip.split(","))
     os.makedirs(a.out_dir, exist_ok=True)
     t0 = time.time()
@@ -50,7 +51,7 @@ def main():
                 res[f"linear_{mode}"] = rows_stable(ops.linear, x, w)
                 res[f"rms_norm_{mode}"] = rows_stable(lambda a, b: ops.rms_norm(a, b, 1e-6), x, nw)
         print(json.dumps(res), flush=True)
-        json.dump(res, open(os.path.join(a.out_dir, "ops_gpu_invariance.json"), "w"), indent=1)
+        write_result(os.path.join(a.out_dir, "ops_gpu_invariance.json"), res)
         print("phase inv done", round(time.time() - t0), flush=True)
     if "check" not in skip:
         work = dict(preset="tiny", prompts=32, batch_sizes=(4, 32), max_prompt=12, decode=3, dtype="bfloat16",
@@ -58,7 +59,7 @@ def main():
         rep = {m: check.check_invariance(mode=m, **work) for m in ("invariant", "fast")}
         for m, r in rep.items():
             print(m, {k: r[k] for k in ("steps_compared", "steps_differ", "deterministic", "max_abs_diff")}, flush=True)
-        json.dump(rep, open(os.path.join(a.out_dir, "ops_check_gpu.json"), "w"), indent=1)
+        write_result(os.path.join(a.out_dir, "ops_check_gpu.json"), rep)
         print("phase check done", round(time.time() - t0), flush=True)
     if "bench" not in skip:
         rep = bench_ops(ms=(1, 8, 64, 256, 4096), widths="flash", dtype="bfloat16", device="cuda", repeats=20,
@@ -113,7 +114,7 @@ def tiles(out_dir):
         r["ratio"] = {m: r["ms"][m] / r["cublas_ms"][m] for m in r["ms"]}
         print(r, flush=True)
         rows.append(r)
-    json.dump(rows, open(os.path.join(out_dir, "ops_gemm_tiles_h200.json"), "w"), indent=1)
+    write_result(os.path.join(out_dir, "ops_gemm_tiles_h200.json"), {"rows": rows})
 
 
 if __name__ == "__main__":

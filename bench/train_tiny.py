@@ -1,6 +1,6 @@
 """`v4stack train --preset tiny` on the CPU for a few minutes: loss against the unigram baseline.
 
-    python bench/train_tiny.py [--minutes 5] [--threads 2]
+    python -m bench.train_tiny [--minutes 5] [--threads 2]
 
 Writes bench/results/train_tiny.json (the run's loss log plus a summary) and train_tiny.png.
 """
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from v4stack.atomic import atomic_write
+from bench.runner import write_result
 from v4stack.train.log import LossLog
 from v4stack.train.trainer import TrainConfig, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--steps", type=int, default=400)
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(preset="tiny", out=tmp, steps=args.steps, batch_size=args.batch_size,
                           seq_len=args.seq_len, max_minutes=args.minutes, threads=args.threads,
@@ -46,9 +46,9 @@ def main() -> None:
     doc["host"] = {"node": platform.node(), "torch": torch.__version__, "threads": args.threads,
                    "device": "cpu"}
     doc["below_unigram_nats"] = summary["unigram_nats"] - summary["val_loss"]
-    doc["command"] = "python bench/train_tiny.py " + " ".join(
+    doc["command"] = "python -m bench.train_tiny " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")
-    atomic_write(out / "train_tiny.json", (json.dumps(doc, indent=1) + "\n").encode())
+    write_result(out / "train_tiny.json", doc)
     print(json.dumps(summary))
 
 

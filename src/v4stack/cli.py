@@ -127,101 +127,13 @@ from v4stack.dsec.cli import app as dsec_app  # noqa: E402 (heavy imports live i
 app.add_typer(check_app, name="check")
 app.add_typer(dsec_app, name="dsec")
 
-bench_app = typer.Typer(help="Benchmarks that write JSON (and a PNG where a picture reads better).",
-                        no_args_is_help=True)
+from v4stack.rollout.cli import app as rollout_app  # noqa: E402
+
+app.add_typer(rollout_app, name="rollout")
+
+from v4stack.bench_cli import app as bench_app  # noqa: E402 (the benchmarks live in bench/, outside the library)
+
 app.add_typer(bench_app, name="bench")
-
-from v4stack.rollout.cli import register as _register_rollout  # noqa: E402
-
-_register_rollout(app, bench_app)
-
-
-@bench_app.command("ops")
-def bench_ops_cmd(
-    device: str = typer.Option("cpu", help="cpu or cuda."),
-    widths: str = typer.Option("quarter", help="flash (V4-Flash widths) or quarter (every width / 4)."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
-    ms: str = typer.Option("1,4,16,64,256", help="Comma-separated row counts M."),
-    ops_: str = typer.Option("", "--ops", help="Comma-separated op names (default: all)."),
-    repeats: int = typer.Option(3, min=1),
-    budget_s: float = typer.Option(2.0, help="Stop an op/mode from growing M past this time per call."),
-    out: str = typer.Option("bench/results/ops_cpu.json", help="JSON output path."),
-    plot: Optional[str] = typer.Option(None, help="PNG path for the slowdown plot."),
-):
-    """Every op in fast and invariant mode over M; invariant/fast time ratios side by side."""
-    from v4stack.ops.bench import OPS, bench_ops, format_table
-
-    try:
-        rep = bench_ops(ms=[int(m) for m in ms.split(",")], widths=widths, dtype=dtype, device=device,
-                        repeats=repeats, budget_s=budget_s, op_names=ops_.split(",") if ops_ else OPS,
-                        out=out, plot=plot)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    typer.echo(format_table(rep))
-
-
-@bench_app.command("serve")
-def bench_serve_cmd(
-    preset: str = typer.Option("tiny"),
-    clients: int = typer.Option(16, min=1, help="Concurrent streaming clients."),
-    requests: int = typer.Option(64, min=1),
-    prefixes: int = typer.Option(4, min=1, help="Distinct shared prefixes."),
-    prefix_len: int = typer.Option(64, min=1),
-    suffix_len: int = typer.Option(16, min=1, help="Max random suffix per request."),
-    max_tokens: int = typer.Option(16, min=1),
-    device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
-    ops_mode: str = typer.Option("invariant"),
-    n_blocks: int = typer.Option(512, min=1),
-    hidden: Optional[int] = typer.Option(None, help="Override hidden size (a wider model for GPU runs)."),
-    out: str = typer.Option("bench/results/serve_cpu_tiny.json", help="JSON output path."),
-):
-    """Concurrent shared-prefix workload against a real local server: throughput, TTFT, ITL, hits."""
-    import dataclasses
-
-    from v4stack.generate import parse_dtype
-    from v4stack.serve.bench import bench_serve
-
-    cfg = _config(preset, None)
-    if hidden:
-        cfg = dataclasses.replace(cfg, hidden_size=hidden).validate()
-    res = bench_serve(cfg, clients=clients, requests=requests, prefixes=prefixes, prefix_len=prefix_len,
-                      suffix_len=suffix_len, max_tokens=max_tokens, device=device, dtype=parse_dtype(dtype),
-                      ops_mode=ops_mode, n_blocks=n_blocks, out=out, label=f"{preset}/{device}/{ops_mode}")
-    typer.echo(json.dumps(res, indent=2))
-
-
-@bench_app.command("megamoe")
-def bench_megamoe_cmd(
-    world: int = typer.Option(2, help="Expert-parallel ranks (one process each)."),
-    tokens: list[int] = typer.Option([1, 16, 128, 512], help="Tokens per rank; repeat the option."),
-    iters: int = typer.Option(20, help="Timed calls per path and size."),
-    device: str = typer.Option("cpu", help="cpu, or cuda under torchrun."),
-    out: str = typer.Option("bench/results/megamoe.json", help="JSON report; the PNG goes next to it."),
-):
-    """MegaMoE vs the all_to_all baseline: p50/p99 per layer call, throughput, link bandwidth, uniform vs Zipf."""
-    from v4stack.megamoe.bench import bench_megamoe
-
-    try:
-        report = bench_megamoe(out=out, world=world, tokens=tokens, iters=iters, device=device)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    if report:
-        typer.echo(json.dumps(report["summary"], indent=2))
-
-
-@bench_app.command("dsec")
-def bench_dsec_cmd(
-    iters: int = typer.Option(30, min=1, help="Repetitions per measured verb and substrate."),
-    density: int = typer.Option(64, min=1, help="Idle sandboxes to start for the density measurement."),
-    out: str = typer.Option("bench/results/dsec.json", help="JSON output path."),
-):
-    """Sandboxes: p50/p99 of create, first exec, snapshot, restore per substrate; density."""
-    from v4stack.dsec.bench import bench_dsec
-
-    typer.echo(json.dumps(bench_dsec(out=out, iters=iters, density=density), indent=2))
 
 
 def main() -> None:  # console entry point

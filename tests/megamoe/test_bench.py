@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from v4stack.megamoe.bench import bench_megamoe, summarize
+from bench.megamoe import bench_megamoe, summarize
 
 
 def test_summary_pairs_the_paths():

@@ -6,14 +6,16 @@ import json
 
 import pytest
 
-from v4stack.rollout.bench import bench_wal
-from v4stack.rollout.prefix_bench import bench_prefix
+from bench.rollout_wal import bench_wal
+from bench.prefix import bench_prefix
 
 
 def test_bench_wal_small(tmp_path):
     out = tmp_path / "wal.json"
     res = bench_wal(trajectories=2, prompt_len=8, max_tokens=4, rounds=1, out=str(out), wal_dir=str(tmp_path))
-    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    written = json.loads(out.read_text())
+    assert set(written.pop("stamp")) >= {"commit", "dirty", "host", "device", "command"}
+    assert written == json.loads(json.dumps(res))
     assert res["tokens_identical"] is True
     assert set(res["modes"]) == {"none", "inline", "pipeline"}
     assert res["modes"]["inline"]["records"] == 2 * 4 + 2  # TOKENS per trajectory per step + END each

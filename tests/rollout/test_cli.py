@@ -1,4 +1,4 @@
-"""The rollout commands, registered on a fresh app the way v4stack.cli registers them."""
+"""The rollout commands, mounted on a fresh app the way v4stack.cli mounts them."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from typer.testing import CliRunner
 from v4stack.journal import Journal
 from v4stack.rollout import TokenWAL
 from v4stack.rollout import records as R
-from v4stack.rollout.cli import register
+from v4stack.rollout.cli import app as rollout_app
 from v4stack.serve.sampling import SamplingParams
 
 
 def app() -> typer.Typer:
-    a, bench = typer.Typer(), typer.Typer()
-    a.add_typer(bench, name="bench")
-    register(a, bench)
+    a = typer.Typer()
+    a.add_typer(rollout_app, name="rollout")
     return a
 
 

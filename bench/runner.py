@@ -1,0 +1,92 @@
+"""The one place benchmark results are written: atomically, stamped with what produced them.
+
+Every result file records the commit, whether the tree was dirty, the host, the device, the command
+line and, when the ops dispatch table is loaded, which implementation served each op. On a machine
+without git (a GPU box that got a copy of the tree), set V4STACK_COMMIT / V4STACK_DIRTY.
+
+    from bench.runner import write_result
+    write_result("bench/results/x.json", {"rows": [...]})
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def _device() -> dict:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        i = torch.cuda.current_device()
+        return {"kind": "cuda", "name": torch.cuda.get_device_name(i), "count": torch.cuda.device_count()}
+    return {"kind": "cpu", "name": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+
+
+def _ops_counters() -> dict | None:
+    ops = sys.modules.get("v4stack.ops")
+    counters = getattr(ops, "counters", None)
+    return counters() if callable(counters) else None
+
+
+def stamp() -> dict:
+    """Commit, dirty flag, host, device, command, time and versions of the process writing a result."""
+    commit = os.environ.get("V4STACK_COMMIT") or (_git("rev-parse", "HEAD") or "").strip() or None
+    if "V4STACK_DIRTY" in os.environ:
+        dirty: bool | None = os.environ["V4STACK_DIRTY"] not in ("", "0", "false")
+    else:
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = None if status is None else bool(status.strip())
+    torch = sys.modules.get("torch")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "device": _device(),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": getattr(torch, "__version__", None),
+        "load_average": list(load) if load else None,
+        "ops_counters": _ops_counters(),
+    }
+
+
+def write_result(path: str | os.PathLike, payload: dict) -> Path:
+    """Write ``payload`` plus a ``stamp`` to ``path`` as JSON, whole or not at all."""
+    from v4stack.atomic import atomic_write
+
+    path = Path(path)
+    body = {**payload, "stamp": stamp()}
+    atomic_write(path, (json.dumps(body, indent=2, default=str) + "\n").encode())
+    return path
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Save a matplotlib figure atomically (PNG)."""
+    import io
+
+    from v4stack.atomic import atomic_write
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    atomic_write(path, buf.getvalue())
+    return Path(path)
