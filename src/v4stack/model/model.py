@@ -53,6 +53,14 @@ class V4Model(nn.Module):
             p.data = p.data.to(torch.float32 if keep32 else dtype)
         return self
 
+    # ---- expert backend -------------------------------------------------------------
+
+    def set_expert_backend(self, factory) -> "V4Model":
+        """Install ``factory(layer_id, moe) -> ExpertBackend`` on every MoE layer (MTP included)."""
+        for blk in list(self.layers) + list(self.mtp):
+            blk.ffn.backend = factory(blk.layer_id, blk.ffn)
+        return self
+
     # ---- shared trunk ---------------------------------------------------------------
 
     def _trunk(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:

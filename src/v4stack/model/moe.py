@@ -3,12 +3,21 @@
 Scores are ``sqrt(softplus(x @ W_g^T))`` in fp32. The first ``num_hash_layers`` layers route by a
 fixed table ``tid2eid[token]``; later layers pick the top-k of ``score + bias`` (the bias steers
 only the choice). The chosen experts' unbiased scores are normalised to sum 1 and multiplied by
-``routed_scaling_factor``. Experts compute in fp32 with V4's clamps: up-projection to
-``[-limit, limit]``, gate to at most ``limit``; the routing weight multiplies the activation before
-``w2``; routed outputs are summed in fp32 and the shared expert is added after.
+``routed_scaling_factor``. Experts apply V4's clamps: up-projection to ``[-limit, limit]``, gate to
+at most ``limit``; the routing weight multiplies the activation before ``w2``; routed outputs are
+summed in fp32 and the shared expert is added after.
+
+The routed experts run behind an expert-backend seam: ``MoE.backend(moe, x, weights, indices)``
+returns the routed experts' combined output. The default, ``LocalGrouped``, holds every expert on
+this process with its weights stacked ``[E, N, K]`` once (the per-expert parameters are views into
+the stack, so nothing is copied per call) and runs one grouped GEMM per projection in the weight
+dtype with fp32 accumulation. Expert-parallel backends (``megamoe/``) plug into the same seam via
+``V4Model.set_expert_backend``.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -69,10 +78,49 @@ class Gate(nn.Module):
         return idx, w
 
 
+class ExpertBackend(Protocol):
+    def __call__(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]``, routing ``weights [T, k]`` (fp32, normalised and scaled), expert ``indices
+        [T, k]`` (int64) -> the routed experts' combined output ``[T, d]`` (no shared expert)."""
+        ...
+
+
+BackendFactory = Callable[[int, "MoE"], ExpertBackend]
+
+
+class LocalGrouped:
+    """Every expert on this process: (token, slot) pairs sorted by expert, one grouped GEMM per
+    projection, the per-pair outputs combined per token by ``ops.moe_combine`` (ascending expert
+    id, ties in slot order, fp32)."""
+
+    def __call__(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        T, k = indices.shape
+        w1, w2, w3 = moe.stacked_weights()
+        flat = indices.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # by expert, then pair id (token * k + slot)
+        offsets = torch.zeros(moe.n_experts + 1, dtype=torch.int64, device=x.device)
+        offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=moe.n_experts), 0)
+        rows = x[order // k].to(w1.dtype)
+        cd = compute_dtype(x.dtype)
+        gate = ops.grouped_linear(rows, w1, offsets).to(cd)
+        up = ops.grouped_linear(rows, w3, offsets).to(cd)
+        if moe.limit > 0:
+            gate = gate.clamp(max=moe.limit)
+            up = up.clamp(-moe.limit, moe.limit)
+        act = ops.silu(gate) * up * weights.reshape(-1)[order].to(cd).unsqueeze(-1)
+        out = ops.grouped_linear(act.to(w2.dtype), w2, offsets).to(cd)
+        y = torch.empty(T * k, x.shape[1], dtype=cd, device=x.device)
+        y[order] = out
+        return ops.moe_combine(y.view(T, k, -1), indices)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.n_experts = cfg.n_routed_experts
+        self.limit = cfg.swiglu_limit
+        self.backend: ExpertBackend = LocalGrouped()
+        self._stack: tuple[torch.Tensor, ...] | None = None
         self.gate = Gate(cfg, hashed=layer_id < cfg.num_hash_layers)
         limit = cfg.swiglu_limit
         self.experts = nn.ModuleList(
@@ -88,17 +136,41 @@ class MoE(nn.Module):
         return self.combine(x, idx, w)
 
     def combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Routed experts' outputs per (token, slot), summed per token by ``ops.moe_combine`` in
-        fp32 (in ascending expert order in invariant mode), then the shared expert."""
-        cd = compute_dtype(x.dtype)
-        y = torch.zeros(x.shape[0], idx.shape[1], x.shape[1], dtype=cd, device=x.device)
-        counts = torch.bincount(idx.flatten(), minlength=self.n_experts).tolist()
-        for e, cnt in enumerate(counts):
-            if cnt == 0:
-                continue
-            tok, slot = torch.where(idx == e)
-            y[tok, slot] = self.experts[e](x[tok], w[tok, slot])
-        out = ops.moe_combine(y, idx)
+        """Routed experts through the backend, then the shared expert (in the compute dtype)."""
+        out = self.backend(self, x, w, idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.to(x.dtype)
+
+    # ---- stacked expert weights --------------------------------------------------------
+
+    def _expert_params(self, name: str) -> list[torch.Tensor]:
+        return [getattr(e, name).weight for e in self.experts]
+
+    def _tied(self) -> bool:
+        if self._stack is None:
+            return False
+        for st, name in zip(self._stack, ("w1", "w2", "w3")):
+            for i, p in enumerate(self._expert_params(name)):
+                if p.dtype != st.dtype or p.device != st.device or p.data_ptr() != st[i].data_ptr():
+                    return False
+        return True
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w2, w3)`` as ``[E, N, K]`` tensors in the weight dtype.
+
+        Without autograd the experts' parameters are made views into one stack per projection
+        (re-tied only after a cast or a load replaced their storage), so a call copies nothing.
+        With autograd it stacks the parameters in the graph, so gradients reach each expert.
+        """
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self._expert_params("w1")):
+            return tuple(torch.stack(self._expert_params(n)) for n in ("w1", "w2", "w3"))
+        if not self._tied():
+            stacks = []
+            for name in ("w1", "w2", "w3"):
+                st = torch.stack([p.data for p in self._expert_params(name)])
+                for i, p in enumerate(self._expert_params(name)):
+                    p.data = st[i]
+                stacks.append(st)
+            self._stack = tuple(stacks)
+        return self._stack

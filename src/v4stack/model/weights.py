@@ -39,7 +39,8 @@ def save_model(model: V4Model, path: str | os.PathLike) -> Path:
     """Write ``config.json`` and ``model.safetensors`` into directory ``path``."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # clone: stacked expert weights are views of one tensor, and the file needs unshared storage
+    tensors = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     meta = {"format": "pt", "producer": "v4stack"}
     meta.update({_CRC_PREFIX + k: _crc(v) for k, v in tensors.items()})
     atomic_write(out / WEIGHTS_FILE, st_save(tensors, metadata=meta))

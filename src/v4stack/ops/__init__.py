@@ -37,6 +37,8 @@ from v4stack.ops.mode import (
 )
 from v4stack.ops.mode import admit as _admit
 from v4stack.ops.mode import cuda_float_flags as _cuda_flags
+from v4stack.ops.grouped import grouped_linear
+from v4stack.ops.sparse_attention import sparse_attention
 
 
 def _impl():
@@ -149,7 +151,7 @@ def sin(x):
 
 __all__ = [
     "IEEE", "MODES", "FloatSemantics", "FloatSemanticsError", "attention_with_sink", "cos", "exp",
-    "get_mode", "hc_mix", "hc_read", "hc_write", "indexer_scores", "linear", "log_softmax", "mode", "moe_combine",
+    "get_mode", "grouped_linear", "hc_mix", "hc_read", "hc_write", "indexer_scores", "linear", "log_softmax", "mode", "moe_combine",
     "opt_in", "recorded", "rms_norm", "set_mode", "sigmoid", "silu", "sin", "softmax", "softplus",
-    "sum", "topk", "weighted_pool",
+    "sparse_attention", "sum", "topk", "weighted_pool",
 ]
