@@ -65,6 +65,7 @@ def _base_spec(home: Path) -> dict:
 
 class ContainerSubstrate(Substrate):
     name = "container"
+    supports_allow = True
 
     def __init__(self, home: Path):
         self.home = home
