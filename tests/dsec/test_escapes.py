@@ -156,7 +156,8 @@ def open_runtime(dsec_home, unmount):
 
 
 def _as_nobody(path: str) -> str:
-    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", path, "-u"],
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "sh", "-c",
+                        'exec "$0" -u', path],
                        capture_output=True, text=True, timeout=10)
     return r.stdout.strip()
 

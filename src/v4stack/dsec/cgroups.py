@@ -83,10 +83,14 @@ class Cgroup:
     def set_limits(self, limits: Limits) -> None:
         period = 100_000
         if self.mode == "v1":
-            self._w("memory", "memory.limit_in_bytes", limits.memory_bytes)
             sw = self.dirs["memory"] / "memory.memsw.limit_in_bytes"
+            # memsw must stay >= memory: raise memsw first when growing, lower memory first when shrinking
+            order = ["memory.limit_in_bytes"]
             if sw.exists():
-                self._w("memory", "memory.memsw.limit_in_bytes", limits.memory_bytes)
+                grow = limits.memory_bytes > int(sw.read_text())
+                order = ["memory.memsw.limit_in_bytes", *order] if grow else [*order, "memory.memsw.limit_in_bytes"]
+            for f in order:
+                self._w("memory", f, limits.memory_bytes)
             self._w("pids", "pids.max", limits.pids)
             self._w("cpu", "cpu.cfs_period_us", period)
             self._w("cpu", "cpu.cfs_quota_us", int(limits.cpu_quota * period))

@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 from v4stack.dsec.errors import BadRequest, NotFound
+from v4stack.dsec.validate import inner_path
 
 _SYS_OPENAT2 = 437
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -37,9 +38,7 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
 
 
 def _rel(path: str) -> str:
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise BadRequest(f"path={path!r}: must be a non-empty string without NUL bytes", "path")
-    return path.lstrip("/") or "."
+    return inner_path(path, "path").lstrip("/") or "."
 
 
 def _err(e: OSError, path: str):
@@ -75,28 +74,50 @@ class Files:
             self.mkdir(parent)
         return self._open(parent or ".", os.O_RDONLY | os.O_DIRECTORY), name
 
-    def read(self, path: str, limit: int = MAX_FILE) -> bytes:
-        fd = self._open(path, os.O_RDONLY)
+    def open_read(self, path: str, limit: int = MAX_FILE) -> tuple[int, int]:
+        """(fd, size) of a regular file of at most ``limit`` bytes. Opened non-blocking, so a FIFO
+        or a device never stalls the caller: anything but a regular file is refused."""
+        fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
         try:
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
                 raise BadRequest(f"path={path!r}: is a directory", "path")
-            data = os.read(fd, limit + 1)
-            chunks = [data]
-            while data and sum(map(len, chunks)) <= limit:
-                data = os.read(fd, 1 << 20)
-                chunks.append(data)
-            out = b"".join(chunks)
-            if len(out) > limit:
-                raise BadRequest(f"path={path!r}: larger than the {limit}-byte read limit", "path")
-            return out
-        finally:
+            if not stat.S_ISREG(st.st_mode):
+                raise BadRequest(f"path={path!r}: not a regular file", "path")
+            if st.st_size > limit:
+                raise BadRequest(f"path={path!r}: {st.st_size} bytes is over the {limit}-byte read limit", "path")
+            return fd, st.st_size
+        except BaseException:
             os.close(fd)
+            raise
+
+    def chunks(self, path: str, limit: int = MAX_FILE, chunk: int = 1 << 20):
+        """Stream a regular file in chunks; never more than ``limit`` bytes (a file growing while it
+        is read is cut there)."""
+        fd, _ = self.open_read(path, limit)
+
+        def gen():
+            sent = 0
+            try:
+                while sent < limit:
+                    data = os.read(fd, min(chunk, limit - sent))
+                    if not data:
+                        break
+                    sent += len(data)
+                    yield data
+            finally:
+                os.close(fd)
+
+        return gen()
+
+    def read(self, path: str, limit: int = MAX_FILE) -> bytes:
+        return b"".join(self.chunks(path, limit))
 
     def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
         if len(data) > MAX_FILE:
             raise BadRequest(f"data: {len(data)} bytes is over the {MAX_FILE}-byte limit", "data")
-        if not 0 <= mode <= 0o7777:
-            raise BadRequest(f"mode={mode:o}: allowed 0 .. 7777 (octal)", "mode")
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o1777:
+            raise BadRequest(f"mode={mode!r}: allowed 0 .. 0o1777 (no setuid / setgid bits)", "mode")
         pfd, name = self._parent(path, make=True)
         tmp = f".dsec-tmp-{os.urandom(6).hex()}"
         try:

@@ -65,6 +65,8 @@ class Scanner:
                     e.update(t="link", target=os.readlink(full))
                 elif stat.S_ISCHR(m) and st.st_rdev == 0:
                     e = {"t": "whiteout"}
+                elif stat.S_ISFIFO(m):
+                    e["t"] = "fifo"
                 else:
                     e = {"t": "other"}
                 out[rel] = e
@@ -102,14 +104,27 @@ def _remove(p: str) -> None:
         os.unlink(p)
 
 
+def _inside(upper: str, rel: str) -> str:
+    """``upper/rel`` if ``rel`` is a plain relative path whose parent resolves inside ``upper``
+    (no '..', no absolute path, no symlinked parent); a recorded delta never names anything else."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\x00" in rel or ".." in rel.split("/"):
+        raise ValueError(f"delta path {rel!r} is not inside the sandbox")
+    p = os.path.join(upper, rel)
+    parent = os.path.realpath(os.path.dirname(p))
+    if parent != upper and not parent.startswith(upper + "/"):
+        raise ValueError(f"delta path {rel!r} leaves the sandbox through a symlink")
+    return p
+
+
 def apply(upper: str | os.PathLike, delta_digest: str, blobs: BlobStore) -> None:
     """Make ``upper`` carry the changes recorded in ``delta_digest`` (parents before children)."""
+    upper = os.path.realpath(upper)
     items = json.loads(blobs.get(delta_digest))
     gone = sorted((k for k, e in items if e is None), key=len, reverse=True)
     for rel in gone:
-        _remove(os.path.join(upper, rel))
+        _remove(_inside(upper, rel))
     for rel, e in sorted(((k, e) for k, e in items if e is not None), key=lambda kv: kv[0].count("/")):
-        p = os.path.join(upper, rel)
+        p = _inside(upper, rel)
         t = e["t"]
         if t == "dir":
             if not os.path.isdir(p) or os.path.islink(p):
@@ -128,6 +143,8 @@ def apply(upper: str | os.PathLike, delta_digest: str, blobs: BlobStore) -> None
             elif t == "whiteout":
                 os.mknod(p, stat.S_IFCHR | 0o000, 0)
                 continue
+            elif t == "fifo":
+                os.mkfifo(p, 0o600)
             else:
                 continue
         if t != "link":

@@ -40,12 +40,29 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
 
 
+MS_NOSUID, MS_NODEV = 2, 4
+SAFE = "nosuid,nodev"  # on every mount DSec makes: no setuid binary or device node works through them
+
+
+def private_dir(path: Path) -> Path:
+    """A directory only root can enter (DSec's home and run directories)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        raise OSError(f"{path}: is a symlink, refusing to use it")
+    os.chmod(path, 0o700)
+    return path
+
+
 def mount(fstype: str, source: str, target: str | os.PathLike, options: str = "") -> None:
-    """mount(2) directly for in-memory filesystems (no fork); mount(8) where a loop device is needed."""
+    """mount(2) directly for in-memory filesystems (no fork); mount(8) where a loop device is needed.
+    Always nosuid,nodev; the target must be a real directory (a symlink there is refused)."""
+    if os.path.islink(target) or not os.path.isdir(target):
+        raise OSError(f"mount target {target} is not a plain directory")
     if "loop" in options.split(","):
-        run(["mount", "-t", fstype, "-o", options, source, str(target)])
+        run(["mount", "-t", fstype, "-o", f"{options},{SAFE}", source, str(target)])
         return
-    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), 0, options.encode() or None) != 0:
+    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), MS_NOSUID | MS_NODEV,
+                   options.encode() or None) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"mount -t {fstype} {target}: {os.strerror(e)}")
 
@@ -62,6 +79,7 @@ def make_shared(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     if not is_mount(path):
         run(["mount", "--bind", str(path), str(path)])
+        run(["mount", "-o", f"remount,bind,{SAFE}", str(path)])
     run(["mount", "--make-shared", str(path)])
 
 

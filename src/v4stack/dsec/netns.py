@@ -48,10 +48,19 @@ def parse_allow(raw) -> list[str]:
     return out
 
 
+ISOLATION_PREF = "100"
+
+
 def ensure_uplink() -> None:
+    """The uplink namespace, forwarding on, and one policy rule that drops every packet from a
+    sandbox address to a sandbox address: sandboxes never reach each other, whatever their
+    allow-lists (the rule sits before the routing tables, so no allowed route can override it)."""
     if not Path(f"/run/netns/{UPLINK}").exists():
         _ip("netns", "add", UPLINK, check=False)
         _ip("-n", UPLINK, "link", "set", "lo", "up")
+    rule = ["from", str(POOL), "to", str(POOL)]
+    if f"from {POOL} to {POOL}" not in _ip("-n", UPLINK, "rule", "show").stdout:
+        _ip("-n", UPLINK, "rule", "add", "pref", ISOLATION_PREF, *rule, "prohibit")
     subprocess.run([need("ip"), "netns", "exec", UPLINK, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
                    capture_output=True, check=True)
 

@@ -20,6 +20,7 @@ from v4stack.dsec import fsdiff
 from v4stack.atomic import atomic_write
 from v4stack.dsec.errors import NotFound
 from v4stack.dsec.mounts import is_mount, mount, run, umount
+from v4stack.dsec.validate import ident
 
 
 def _syncfs(path: Path) -> None:
@@ -38,7 +39,7 @@ class LayerStore:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def path(self, layer_id: str) -> Path:
-        p = self.dir / layer_id
+        p = self.dir / ident(layer_id, "layer_id", "layer")
         if not p.is_dir():
             raise NotFound(f"layer {layer_id} is missing from {self.dir}", "layer")
         return p
@@ -116,6 +117,11 @@ def _fold(src: Path, dst: Path) -> None:
             if stat.S_ISLNK(st.st_mode):
                 os.symlink(os.readlink(s), d)
                 os.chown(d, st.st_uid, st.st_gid, follow_symlinks=False)
+            elif stat.S_ISFIFO(st.st_mode):
+                os.mkfifo(d, stat.S_IMODE(st.st_mode))
+                os.chown(d, st.st_uid, st.st_gid)
+            elif not stat.S_ISREG(st.st_mode):
+                continue  # sockets and device nodes are not state a snapshot keeps
             else:
                 shutil.copy2(s, d, follow_symlinks=False)
                 os.chown(d, st.st_uid, st.st_gid)
@@ -140,9 +146,11 @@ class Rootfs:
     def mount(self, chain: list[str], prepare=None) -> None:
         """Mount a fresh upper over ``chain``; ``prepare(upper)`` may fill the upper first."""
         lowers = [str(self.layers.path(x)) for x in chain] + [str(self.image_dir)]
-        self.rw.mkdir(parents=True, exist_ok=True)
+        self.base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.base, 0o700)
+        self.rw.mkdir(mode=0o700, exist_ok=True)
         self.root.mkdir(exist_ok=True)
-        mount("tmpfs", "dsec-rw", self.rw, f"size={self.disk_bytes},mode=0755")
+        mount("tmpfs", "dsec-rw", self.rw, f"size={self.disk_bytes},mode=0700")
         self.upper.mkdir()
         (self.rw / "work").mkdir()
         if prepare is not None:
@@ -174,10 +182,9 @@ def write_snapshot(home: Path, doc: dict) -> None:
     atomic_write(home / "snapshots" / f"{doc['id']}.json", json.dumps(doc).encode())
 
 
-def read_snapshot(home: Path, snapshot_id: str) -> dict:
-    if not snapshot_id or "/" in snapshot_id or snapshot_id.startswith("."):
-        raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot", "snapshot_id")
+def read_snapshot(home: Path, snapshot_id: str, field: str = "snapshot_id") -> dict:
+    ident(snapshot_id, "snapshot_id", field)
     try:
         return json.loads((home / "snapshots" / f"{snapshot_id}.json").read_text())
     except FileNotFoundError:
-        raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot", "snapshot_id") from None
+        raise NotFound(f"{field}={snapshot_id!r}: no such snapshot", field) from None

@@ -17,13 +17,14 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from v4stack.dsec import fsdiff
+from v4stack.dsec import fsdiff, validate
 from v4stack.dsec import substrates as substrate_registry
 from v4stack.dsec.cas import BlobStore
 from v4stack.dsec.cgroups import Limits
 from v4stack.dsec.errors import BadRequest, Conflict, NotFound
 from v4stack.dsec.files import Files
 from v4stack.dsec.images import ImageStore
+from v4stack.dsec.mounts import private_dir
 from v4stack.dsec.rootfs import LayerStore, Rootfs, read_snapshot, write_snapshot
 from v4stack.dsec.substrates.base import Handle, OnOutput
 from v4stack.dsec.trajlog import TrajectoryLog, query, read_log, request_digest
@@ -98,15 +99,12 @@ class Sandbox:
 
     def exec(self, cmd: str | list[str], cwd: str = "/", env: dict | None = None, timeout: float = 60,
              idempotent: bool = False, seq: int | None = None, on_output: OnOutput | None = None) -> dict:
-        if isinstance(cmd, str):
-            argv = ["/bin/sh", "-c", cmd]
-        elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
-            argv = cmd
-        else:
-            raise BadRequest("cmd: a shell string or a non-empty list of strings", "cmd")
-        if not 0 < timeout <= 3600:
-            raise BadRequest(f"timeout={timeout}: allowed 0 < timeout <= 3600 seconds", "timeout")
-        full_env = {**DEFAULT_ENV, **(env or {})}
+        argv = validate.argv(cmd)
+        cwd = validate.inner_path(cwd, "cwd", absolute=True)
+        timeout = validate.number(timeout, "timeout", 0.001, 3600)
+        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 1 << 62):
+            raise BadRequest(f"seq={seq!r}: a non-negative integer is required", "seq")
+        full_env = {**DEFAULT_ENV, **validate.env(env)}
         request = {"op": "exec", "argv": argv, "cwd": cwd, "env": full_env, "timeout": timeout}
 
         def run():
@@ -215,7 +213,7 @@ class Sandbox:
             return out
 
     def _replay_plan(self, snap: dict, source: str) -> dict:
-        entries, marks = read_log(self.rt.home / "logs" / source)
+        entries, marks = read_log(self.rt.log_dir(source, "replay_from"))
         # the point in the source's log where its state was this snapshot (taken or restored there)
         base = [m["lsn"] for m in marks if (m.get("t") == "snapshot" and m.get("id") == snap["id"])
                 or (m.get("t") == "restore" and m.get("snapshot") == snap["id"])]
@@ -246,8 +244,8 @@ class Runtime:
     """All sandboxes of one edge, over the shared storage at ``home``."""
 
     def __init__(self, home: str | os.PathLike, pool_size: int = 2):
-        self.home = Path(home)
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home = private_dir(Path(home))
+        private_dir(self.home / "run")
         self.images = ImageStore(self.home)
         self.layers = LayerStore(self.home)
         self.blobs = BlobStore(self.home / "blobs")
@@ -261,16 +259,18 @@ class Runtime:
     def substrate(self, name: str):
         with self._lock:
             if name not in self._substrates:
-                if name == "process":
-                    from v4stack.dsec.substrates.process import ProcessSubstrate
-
-                    self._substrates[name] = ProcessSubstrate(self.home, self.pool_size)
-                else:
-                    self._substrates[name] = substrate_registry.get(name, self.home)
+                self._substrates[name] = substrate_registry.get(name, self.home, pool_size=self.pool_size)
             return self._substrates[name]
 
     def touch(self, sid: str) -> None:
         self.last_active[sid] = time.time()
+
+    def log_dir(self, sid: str, field: str = "sandbox_id") -> Path:
+        """The log directory of a sandbox id (live or dead) from this home's own table of logs."""
+        d = self.home / "logs" / validate.ident(sid, "sandbox_id", field)
+        if d.is_symlink() or not d.is_dir():
+            raise NotFound(f"{field}={sid!r}: no log for this sandbox", field)
+        return d
 
     def get(self, sid: str) -> Sandbox:
         try:
@@ -286,12 +286,14 @@ class Runtime:
 
         limits = (limits or Limits()).validate()
         allow = parse_allow(allow) if allow is not None else None
-        if allow is not None and substrate != "container":
-            raise BadRequest("network.allow: only the container substrate takes an egress allow-list", "network.allow")
+        if allow is not None and not substrate_registry.supports_allow(substrate):
+            raise BadRequest(f"network.allow: substrate {substrate} takes no egress allow-list", "network.allow")
+        sid = validate.ident(sid, "sandbox_id") if sid is not None else new_id("sbx")
+        if replay_from is not None:
+            self.log_dir(replay_from, "replay_from")
         sub = self.substrate(substrate)
         snap = read_snapshot(self.home, snapshot) if snapshot else None
         image_id = snap["image"] if snap else self.images.resolve(image)
-        sid = sid or new_id("sbx")
         if sid in self.sandboxes or (self.home / "logs" / sid).exists():
             raise Conflict(f"sandbox_id={sid!r}: already exists", "sandbox_id")
         sbx = Sandbox(self, sid, image_id, sub, limits)
@@ -317,10 +319,7 @@ class Runtime:
         sbx.destroy()
 
     def log(self, sid: str, since: int = 0, path: str | None = None) -> dict:
-        d = self.home / "logs" / sid
-        if not d.is_dir():
-            raise NotFound(f"sandbox_id={sid!r}: no log", "sandbox_id")
-        return query(d, since, path)
+        return query(self.log_dir(sid), since, path)
 
     def close(self) -> None:
         for sid in list(self.sandboxes):
@@ -330,6 +329,7 @@ class Runtime:
                 pass
         for s in self._substrates.values():
             s.close()
+        self.images.release()
 
 
 def reclaim_orphans(home: Path) -> list[str]:

@@ -90,7 +90,11 @@ def b64(data: bytes) -> str:
 
 
 class Substrate(ABC):
+    """Constructed as ``cls(home, pool_size=...)`` (options a substrate has no use for are ignored).
+    ``supports_allow``: whether it takes an egress allow-list (``network.allow``)."""
+
     name = "base"
+    supports_allow = False
 
     @abstractmethod
     def create(self, handle: Handle) -> None:

@@ -16,30 +16,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from v4stack.dsec import seccomp
 from v4stack.dsec.cgroups import Cgroup
 from v4stack.dsec.mounts import need
 from v4stack.dsec.substrates.base import Collector, ExecResult, Handle, OnOutput, Substrate, pump
 
 UNIFIED = "/sys/fs/cgroup/unified"
-# Defence in depth on top of "no capabilities": syscalls a sandboxed command never needs, which
-# widen the kernel surface (new user namespaces, keyrings, bpf, module and mount families).
-_DENY = ["unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "swapon", "swapoff", "reboot",
-         "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "bpf", "perf_event_open",
-         "userfaultfd", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev",
-         "open_by_handle_at", "name_to_handle_at", "syslog", "acct", "quotactl", "settimeofday", "clock_settime",
-         "adjtimex", "iopl", "ioperm", "fanotify_init", "move_mount", "open_tree", "fsopen", "fsmount", "fspick",
-         "mount_setattr"]
-_CLONE_NEWUSER = 0x10000000
-SECCOMP = {
-    "defaultAction": "SCMP_ACT_ALLOW",
-    "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
-    "syscalls": [
-        {"names": _DENY, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
-        {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
-         "args": [{"index": 0, "value": _CLONE_NEWUSER, "valueTwo": _CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]},
-        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},  # ENOSYS: libc falls back to clone
-    ],
-}
+SECCOMP = seccomp.oci()
 _NS = ["pid", "network", "ipc", "uts", "mount"]
 
 
@@ -67,7 +50,7 @@ class ContainerSubstrate(Substrate):
     name = "container"
     supports_allow = True
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, pool_size: int = 0):
         self.home = home
         self.crun = need("crun")
         self.unshare = need("unshare")

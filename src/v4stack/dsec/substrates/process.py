@@ -106,7 +106,11 @@ class ProcessSubstrate(Substrate):
         except queue.Empty:
             w = self._spawn()
         threading.Thread(target=self._refill, daemon=True).start()
-        w.cgroup.set_limits(handle.limits)
+        try:
+            w.cgroup.set_limits(handle.limits)
+        except BaseException:
+            w.kill()
+            raise
         handle.cgroup = w.cgroup
         handle.state["worker"] = w
 
@@ -116,7 +120,7 @@ class ProcessSubstrate(Substrate):
         oom0 = w.cgroup.oom_kills()
         with w.lock:
             if w.proc.poll() is not None:
-                raise Unavailable(f"sandbox {handle.sandbox}: its worker has exited")
+                raise Unavailable(f"sandbox {handle.sandbox}: its worker has exited", "sandbox_id")
             req = {"op": "exec", "root": str(handle.rootfs.root), "argv": argv, "cwd": cwd, "env": env,
                    "timeout": timeout, "cgroups": [str(d / "cgroup.procs") for d in w.cgroup.dirs.values()]}
             w.proc.stdin.write((json.dumps(req) + "\n").encode())
@@ -125,7 +129,7 @@ class ProcessSubstrate(Substrate):
                 line = w._readline(timeout + 30)
                 if not line:
                     w.kill()
-                    raise Unavailable(f"sandbox {handle.sandbox}: worker stopped answering")
+                    raise Unavailable(f"sandbox {handle.sandbox}: worker stopped answering", "sandbox_id")
                 msg = json.loads(line)
                 if "fd" in msg:
                     col.add(msg["fd"], base64.b64decode(msg["data"]))
