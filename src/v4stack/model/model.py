@@ -93,9 +93,13 @@ class V4Model(nn.Module):
         B, T = tokens.shape
         segs, positions = self._fresh_segments(B, T, tokens.device)
         h = self._trunk(tokens.reshape(-1), positions, segs)
-        logits = self._head(h).view(B, T, -1)
+        return self._head(h).view(B, T, -1), self.mtp_logits(h, tokens)
+
+    def mtp_logits(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+        """MTP logits ``[B, T-1, V]`` from the main stack's streams ``h [B*T, n, d]`` (None without MTP)."""
+        B, T = tokens.shape
         if not len(self.mtp) or T < 2:
-            return logits, None
+            return None
         h = h.view(B, T, *h.shape[1:])[:, :-1].reshape(B * (T - 1), *h.shape[1:])
         nxt = tokens[:, 1:].reshape(-1)
         segs, positions = self._fresh_segments(B, T - 1, tokens.device)
@@ -104,7 +108,7 @@ class V4Model(nn.Module):
         for blk in self.mtp:  # V4 ships one MTP block; deeper chains feed each block the last one's streams
             y = blk.predict(h, emb, positions, segs, nxt)
             mtp_logits = self.head(y).view(B, T - 1, -1)
-        return logits, mtp_logits
+        return mtp_logits
 
     # ---- incremental path -----------------------------------------------------------
 

@@ -52,7 +52,10 @@ class ZeroMuonAdamW:
 
     def __init__(self, params: dict[str, nn.Parameter] | nn.Module, muon: MuonHyper | None = None,
                  adamw: AdamWHyper | None = None, *, zero_group_size: int | None = None,
-                 stochastic: bool = True, seed: int = 0, cap: int = DEFAULT_CAP):
+                 stochastic: bool = True, seed: int = 0, cap: int = DEFAULT_CAP,
+                 group=None, group_ranks: tuple[int, ...] | None = None):
+        """``group`` / ``group_ranks``: run inside a subgroup (e.g. one pipeline stage's data-parallel
+        replicas) as one ZeRO group; otherwise the whole default group, searched into ZeRO groups."""
         if isinstance(params, nn.Module):
             params = dict(params.named_parameters())
         if not dist.is_initialized():
@@ -62,7 +65,12 @@ class ZeroMuonAdamW:
         self.muon_hp = (muon or MuonHyper()).validate()
         self.adamw_hp = (adamw or AdamWHyper()).validate()
         self.stochastic = stochastic
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.subgroup = group
+        if group_ranks is not None:
+            self.world, self.rank = len(group_ranks), list(group_ranks).index(dist.get_rank())
+            zero_group_size = self.world
+        else:
+            self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.split = split_params((n, p.shape) for n, p in params.items())
         self.items = muon_items(self.split.muon)
         sizes = [it.numel for it in self.items]
@@ -112,6 +120,9 @@ class ZeroMuonAdamW:
     def _make_groups(self) -> None:
         g, r = self.G, self.R
         self.zero_group = self.replica_group = None
+        if self.subgroup is not None:  # one ZeRO group: the given subgroup
+            self.zero_group = self.subgroup
+            return
         for q in range(r):  # every rank must create every group, in the same order
             pg = dist.new_group(list(range(q * g, (q + 1) * g)))
             if q == self.replica:
@@ -216,7 +227,8 @@ class ZeroMuonAdamW:
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "world": self.world, "rank": self.rank, "zero_group_size": self.G,
-                "owners": list(self.owners),
+                "local": self.local, "replica": self.replica, "owners": list(self.owners),
+                "adam_layout": [(n, self.params[n].numel(), tuple(self.params[n].shape)) for n in self.adam_names],
                 "momentum": {self.items[i].name: b.clone() for i, b in self.momentum.items()},
                 "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
                 "generator": self.gen.get_state()}

@@ -60,12 +60,21 @@ def write_shard(root: Path, step: int, rank: int, optim_state: dict) -> None:
     _fsync_write(tmp / f"optim.rank{rank}.pt", _torch_bytes(optim_state))
 
 
-def commit(root: Path, step: int, model_state: dict, meta: dict, keep: int = 2) -> Path:
-    """Rank 0, after every rank's shard is written: model, meta, rename, then ``latest``."""
+def write_model_part(root: Path, step: int, part: str, model_state: dict) -> None:
+    """A pipeline stage's weights (``{"model": {name: tensor}}``) into the step's temp directory."""
+    tmp = step_dir(root, step).with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _fsync_write(tmp / f"model.{part}.pt", _torch_bytes(model_state))
+
+
+def commit(root: Path, step: int, model_state: dict | None, meta: dict, keep: int = 2) -> Path:
+    """Rank 0, after every rank's shard (and every stage's weights) is written: model (unless the
+    stages wrote theirs), meta, rename, then ``latest``."""
     final = step_dir(root, step)
     tmp = final.with_suffix(".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    _fsync_write(tmp / "model.pt", _torch_bytes(model_state))
+    if model_state is not None:
+        _fsync_write(tmp / "model.pt", _torch_bytes(model_state))
     if os.environ.get(KILL_ENV) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)  # the crash tests stop here, mid-save
     _fsync_write(tmp / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
@@ -91,15 +100,34 @@ def latest(root: Path, clean: bool = True) -> Path | None:
     if not ptr.exists():
         return None
     d = root / ptr.read_text().strip()
-    if not (d / "meta.json").exists() or not (d / "model.pt").exists():
+    if not (d / "meta.json").exists() or not any(d.glob("model*.pt")):
         raise RuntimeError(f"checkpoint {d} named by {ptr} is incomplete")
     return d
+
+
+def load_model(d: Path) -> dict:
+    """``{"model": state}`` of checkpoint ``d``, merging the pipeline stages' parts when there are any."""
+    merged: dict = {}
+    for f in sorted(d.glob("model*.pt")):
+        merged.update(torch.load(f, map_location="cpu", weights_only=False)["model"])
+    return {"model": merged}
+
+
+def load_all_optim(d: Path, world: int) -> list[dict]:
+    """Every rank's optimizer shard of checkpoint ``d`` (written by ``world`` ranks), in rank order."""
+    out = []
+    for r in range(world):
+        f = d / f"optim.rank{r}.pt"
+        if not f.exists():
+            raise RuntimeError(f"checkpoint {d} lacks the optimizer shard of rank {r} of {world}")
+        out.append(torch.load(f, map_location="cpu", weights_only=False))
+    return out
 
 
 def load(d: Path, rank: int) -> tuple[dict, dict, dict]:
     """(model state, this rank's optimizer state, meta) of checkpoint directory ``d``."""
     meta = json.loads((d / "meta.json").read_text())
-    model_state = torch.load(d / "model.pt", map_location="cpu", weights_only=False)
+    model_state = load_model(d)
     shard = d / f"optim.rank{rank}.pt"
     if not shard.exists():
         raise RuntimeError(f"checkpoint {d} has no optimizer shard for rank {rank} "

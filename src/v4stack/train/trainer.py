@@ -1,9 +1,12 @@
 """The trainer: byte-level language modelling of a V4 preset on one process or under torchrun.
 
 One process runs ``MuonAdamW``; under ``torchrun`` (``WORLD_SIZE`` > 1; gloo on CPU, NCCL with
-``device="cuda"``, one GPU per rank) the ranks run
-``ZeroMuonAdamW``: each computes gradients on its own micro-batches, scaled by 1 / (world *
-grad_accum), and the sharded step sums them on the owners. The data order is a pure function of
+``device="cuda"``, one GPU per rank) the ranks form a ``pp x dp`` mesh (``pp`` pipeline stages,
+1F1B over the ``grad_accum`` micro-batches, ``train/pipeline.py``) and each stage's ``dp``
+replicas run ``ZeroMuonAdamW`` over that stage's parameters: each replica computes gradients on
+its own micro-batches, scaled by 1 / (dp * grad_accum), and the sharded step sums them on the
+owners. A checkpoint resumes on another ``pp`` / ``dp`` layout: weights are stored by name (one
+file per stage) and the optimizer shards are merged and re-cut (``optim/reshard.py``). The data order is a pure function of
 (seed, step, micro-batch) and every piece of state that changes (weights, optimizer shards, the
 stochastic-rounding generators, the loss log) is in the checkpoint, so a run killed at any moment
 resumes from its last checkpoint and reproduces the same losses.
@@ -12,6 +15,7 @@ resumes from its last checkpoint and reproduces the same losses.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -28,11 +32,14 @@ from v4stack.ops.mode import mode as ops_mode
 from v4stack.optim.adamw import AdamWHyper
 from v4stack.optim.hybrid import MuonAdamW
 from v4stack.optim.muon import MuonHyper
+from v4stack.optim.reshard import full_state, load_full_state
 from v4stack.optim.zero import ZeroMuonAdamW
 from v4stack.train import checkpoint as ckpt
 from v4stack.train.corpus import load_text, unigram_entropy
 from v4stack.train.data import ByteBatches
 from v4stack.train.log import LossLog, Progress, plot_curves
+from v4stack.train.mesh import build_mesh
+from v4stack.train.pipeline import Stage, first_last_groups, run_1f1b, tie_embedding_grads
 
 OPTIMIZERS = ("muon", "adamw")
 
@@ -46,7 +53,8 @@ class TrainConfig:
     steps: int = 300
     batch_size: int = 8
     seq_len: int = 128
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per step and replica (the pipeline's micro-batches when pp > 1)
+    pp: int = 1  # pipeline stages (under torchrun; the world is pp x dp)
     optimizer: str = "muon"  # "adamw": the AdamW-only baseline
     muon_lr: float = 0.02
     adamw_lr: float = 3e-3
@@ -69,7 +77,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(msg)
 
-        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "eval_batches", "corpus_bytes"):
+        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "eval_batches", "corpus_bytes", "pp"):
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 1, f"train field '{name}' must be an integer >= 1, got {v!r}")
         need(self.seq_len >= 4, f"train field 'seq_len' must be >= 4, got {self.seq_len}")
@@ -143,6 +151,8 @@ def _train(cfg: TrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world, created = _dist_setup(cfg.device)
+    mesh = build_mesh(cfg.pp)
+    dp = mesh.dp
     mcfg = get_preset(cfg.preset)
     data, source = load_text(cfg.data, cfg.corpus_bytes, cfg.seed)
     batches = ByteBatches(data, cfg.seq_len, cfg.batch_size, cfg.seed)
@@ -150,14 +160,7 @@ def _train(cfg: TrainConfig) -> dict:
     model = V4Model(mcfg, seed=cfg.seed)
     dev = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     model.to(dev)
-    muon_hp = MuonHyper(lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
-    adamw_hp = AdamWHyper(lr=cfg.adamw_lr, weight_decay=cfg.weight_decay)
-    if world > 1:
-        if cfg.optimizer != "muon":
-            raise ValueError("train field 'optimizer': the sharded step runs Muon; use one process for 'adamw'")
-        opt = ZeroMuonAdamW(model, muon_hp, adamw_hp, stochastic=cfg.stochastic_bf16, seed=cfg.seed)
-    else:
-        opt = MuonAdamW(model, muon_hp, adamw_hp, use_muon=cfg.optimizer == "muon")
+    use_mtp = cfg.mtp_weight > 0
     out = Path(cfg.out)
     root = out / "ckpt"
     if rank == 0:
@@ -165,19 +168,37 @@ def _train(cfg: TrainConfig) -> dict:
     _barrier(world)
     found = ckpt.latest(root, clean=rank == 0)
     _barrier(world)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
-    meta = {"config": dataclasses.asdict(cfg), "world": world, "source": source, "unigram_nats": unigram,
-            "tokens_per_step": tokens_per_step, "params": sum(p.numel() for p in model.parameters())}
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp
+    meta = {"config": dataclasses.asdict(cfg), "world": world, "pp": mesh.pp, "dp": dp, "source": source,
+            "unigram_nats": unigram, "tokens_per_step": tokens_per_step,
+            "params": sum(p.numel() for p in model.parameters())}
     log = LossLog(out / "loss.json", meta)
     start, elapsed0 = 0, 0.0
-    if found is not None:
-        model_state, optim_state, cmeta = ckpt.load(found, rank)
-        if cmeta["world"] != world:
-            raise RuntimeError(f"checkpoint {found} was written by {cmeta['world']} ranks; this run has {world}")
-        model.load_state_dict(model_state["model"])
-        optim_state = _to_device(optim_state, dev)
-        opt.load_state_dict(optim_state["optim"])
-        torch.set_rng_state(optim_state["rng"].cpu())
+    cmeta = None
+    if found is not None:  # weights by name, before the stage drops what it does not hold
+        cmeta = json.loads((found / "meta.json").read_text())
+        model.load_state_dict(ckpt.load_model(found)["model"])
+    stage = Stage.build(model, mesh, use_mtp) if mesh.pp > 1 else None
+    if stage is not None:
+        params = {n: p for n, p in model.named_parameters() if n in set(stage.param_names())}
+        stage.release_others()
+    else:
+        params = dict(model.named_parameters())
+    tie_group = first_last_groups(mesh) if stage is not None else None
+    opt = _optimizer(cfg, params, mesh)
+    if cmeta is not None:
+        same = (cmeta["world"], cmeta.get("pp", 1)) == (world, mesh.pp)
+        if same:
+            optim_state = _to_device(ckpt.load(found, rank)[1], dev)
+            opt.load_state_dict(optim_state["optim"])
+            torch.set_rng_state(optim_state["rng"].cpu())
+        else:  # another layout: merge every old shard, take this rank's part
+            shards = ckpt.load_all_optim(found, cmeta["world"])
+            load_full_state(opt, _to_device(full_state([sh["optim"] for sh in shards]), dev))
+            torch.set_rng_state(shards[min(rank, len(shards) - 1)]["rng"].cpu())
+            if rank == 0 and cfg.progress:
+                print(f"resharded checkpoint {found.name}: pp {cmeta.get('pp', 1)} x dp "
+                      f"{cmeta.get('dp', cmeta['world'])} -> pp {mesh.pp} x dp {dp}", flush=True)
         start, elapsed0 = cmeta["step"], cmeta["elapsed"]
         log.records = cmeta["records"]
         log.truncate(start)
@@ -185,21 +206,25 @@ def _train(cfg: TrainConfig) -> dict:
         print(opt.split.describe().splitlines()[-1], flush=True)
     progress = Progress(cfg.steps, start) if (rank == 0 and cfg.progress) else None
     t0 = time.perf_counter() - elapsed0
-    use_mtp = cfg.mtp_weight > 0
     step = start
     for step in range(start + 1, cfg.steps + 1):
         ts = time.perf_counter()
-        sums = torch.zeros(2, device=dev)
-        for micro in range(cfg.grad_accum):
-            tokens = batches.batch(step, rank * cfg.grad_accum + micro).to(dev)
-            main, extra = lm_losses(model, tokens, use_mtp)
-            total = main if extra is None else main + cfg.mtp_weight * extra
-            (total / (cfg.grad_accum * world)).backward()
-            sums[0] += main.item()
-            sums[1] += 0.0 if extra is None else extra.item()
+        micro = [batches.batch(step, mesh.replica * cfg.grad_accum + m).to(dev) for m in range(cfg.grad_accum)]
+        scale = 1.0 / (cfg.grad_accum * dp)
+        if stage is not None:
+            sums = run_1f1b(stage, micro, cfg.mtp_weight, scale)
+            tie_embedding_grads(stage, tie_group)
+        else:
+            sums = torch.zeros(2, device=dev)
+            for tokens in micro:
+                main, extra = lm_losses(model, tokens, use_mtp)
+                total = main if extra is None else main + cfg.mtp_weight * extra
+                (total * scale).backward()
+                sums[0] += main.item()
+                sums[1] += 0.0 if extra is None else extra.item()
         if world > 1:
-            dist.all_reduce(sums)
-        sums /= cfg.grad_accum * world
+            dist.all_reduce(sums)  # only the last stage's ranks hold losses
+        sums /= cfg.grad_accum * dp
         opt.step(lr_scale=lr_scale(step, cfg))
         opt.zero_grad()
         now = time.perf_counter()
@@ -207,7 +232,7 @@ def _train(cfg: TrainConfig) -> dict:
                "tokens": step * tokens_per_step, "elapsed_s": round(now - t0, 3)}
         if use_mtp:
             rec["mtp_loss"] = round(float(sums[1]), 6)
-        if cfg.eval_every and step % cfg.eval_every == 0 and rank == 0:
+        if cfg.eval_every and step % cfg.eval_every == 0 and rank == 0 and stage is None:
             rec["val_loss"] = round(eval_loss(model, batches, cfg.eval_batches), 6)
         log.add(**rec)
         if progress:
@@ -216,12 +241,12 @@ def _train(cfg: TrainConfig) -> dict:
         if world > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if step % cfg.ckpt_every == 0 or step == cfg.steps or stop.item():
-            _save(root, step, rank, world, model, opt, log, now - t0, cfg.keep)
+            _save(root, step, mesh, stage, model, opt, log, now - t0, cfg.keep)
         if stop.item():
             break
     summary = {}
     if rank == 0:
-        final_val = eval_loss(model, batches, cfg.eval_batches)
+        final_val = eval_loss(model, batches, cfg.eval_batches) if stage is None else None
         tail = [r["loss"] for r in log.records[-10:]]
         summary = {"steps": step, "final_loss": sum(tail) / max(len(tail), 1), "val_loss": final_val,
                    "unigram_nats": unigram, "tokens": step * tokens_per_step,
@@ -248,11 +273,25 @@ def _to_device(obj, dev: torch.device):
     return obj
 
 
-def _save(root: Path, step: int, rank: int, world: int, model, opt, log: LossLog, elapsed: float, keep: int) -> None:
-    ckpt.write_shard(root, step, rank, {"optim": opt.state_dict(), "rng": torch.get_rng_state()})
-    _barrier(world)
-    if rank == 0:
-        meta = {"step": step, "world": world, "elapsed": elapsed, "records": log.records}
-        ckpt.commit(root, step, {"model": model.state_dict()}, meta, keep)
+def _optimizer(cfg: TrainConfig, params: dict, mesh):
+    muon_hp = MuonHyper(lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+    adamw_hp = AdamWHyper(lr=cfg.adamw_lr, weight_decay=cfg.weight_decay)
+    if mesh.dp == 1:
+        return MuonAdamW(params, muon_hp, adamw_hp, use_muon=cfg.optimizer == "muon")
+    if cfg.optimizer != "muon":
+        raise ValueError("train field 'optimizer': the sharded step runs Muon; use one replica for 'adamw'")
+    sub = dict(group=mesh.dp_group, group_ranks=mesh.dp_ranks) if mesh.pp > 1 else {}
+    return ZeroMuonAdamW(params, muon_hp, adamw_hp, stochastic=cfg.stochastic_bf16, seed=cfg.seed, **sub)
+
+
+def _save(root: Path, step: int, mesh, stage, model, opt, log: LossLog, elapsed: float, keep: int) -> None:
+    ckpt.write_shard(root, step, mesh.rank, {"optim": opt.state_dict(), "rng": torch.get_rng_state()})
+    if stage is not None and mesh.replica == 0:  # each stage's weights, by name
+        ckpt.write_model_part(root, step, f"stage{mesh.stage}", {"model": stage.state()})
+    _barrier(mesh.world)
+    if mesh.rank == 0:
+        meta = {"step": step, "world": mesh.world, "pp": mesh.pp, "dp": mesh.dp, "elapsed": elapsed,
+                "records": log.records}
+        ckpt.commit(root, step, {"model": model.state_dict()} if stage is None else None, meta, keep)
         log.save()
-    _barrier(world)
+    _barrier(mesh.world)

@@ -1,0 +1,64 @@
+"""The training mesh: ``world = pp x dp`` ranks, stage-major (rank = stage * dp + replica).
+
+Every rank creates every group in the same order (``new_group`` is collective over the world), so
+one ``Mesh`` per process is built by all processes together. On one process, or with ``pp == 1``
+and ``dp == world``, it degenerates to plain data parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class Mesh:
+    rank: int
+    world: int
+    pp: int
+    dp: int
+    dp_group: object = None  # this stage's replicas (None: the default group or no group)
+    dp_ranks: tuple[int, ...] = ()
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.dp
+
+    @property
+    def replica(self) -> int:
+        return self.rank % self.dp
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.pp - 1
+
+    def peer(self, stage: int) -> int:
+        """Global rank of this replica's counterpart in ``stage``."""
+        return stage * self.dp + self.replica
+
+
+def build_mesh(pp: int) -> Mesh:
+    """The mesh of the initialised default group (or one process) with ``pp`` pipeline stages."""
+    if not dist.is_initialized():
+        if pp != 1:
+            raise ValueError(f"train field 'pp' is {pp}: pipeline stages need torch.distributed (torchrun)")
+        return Mesh(0, 1, 1, 1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if pp < 1 or world % pp:
+        raise ValueError(f"train field 'pp' must divide the world size {world}, got {pp}")
+    dp = world // pp
+    mesh = Mesh(rank, world, pp, dp)
+    if pp == 1:
+        mesh.dp_ranks = tuple(range(world))
+        return mesh
+    for s in range(pp):  # every rank creates every stage's group, in stage order
+        ranks = tuple(range(s * dp, (s + 1) * dp))
+        group = dist.new_group(list(ranks)) if dp > 1 else None
+        if s == mesh.stage:
+            mesh.dp_group, mesh.dp_ranks = group, ranks
+    return mesh
