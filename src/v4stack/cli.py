@@ -122,6 +122,9 @@ app.add_typer(plan_app, name="plan")
 app.command("train")(train_command)
 
 from v4stack.check import app as check_app  # noqa: E402 (no torch at import)
+from v4stack.convert import convert_command  # noqa: E402 (torch loads when the command runs)
+
+app.command("convert")(convert_command)
 from v4stack.dsec.cli import app as dsec_app  # noqa: E402 (heavy imports live inside the commands)
 
 app.add_typer(check_app, name="check")

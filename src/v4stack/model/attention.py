@@ -54,6 +54,8 @@ def window_candidates(span: torch.Tensor, span_start: int, positions: torch.Tens
 
 
 class Attention(nn.Module):
+    kv_rounding = None  # FP8 rounding of window KV rows when set (model/quant.py: set_act_rounding)
+
     def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
         self.ratio = ratio
@@ -85,6 +87,8 @@ class Attention(nn.Module):
         q = ops.rms_norm(self.wq_b(qr).view(N, H, c), None, self.eps)
         q = self.rotary.apply(q, positions)
         kv = self.rotary.apply(self.kv_norm(self.wkv(x)), positions)
+        if self.kv_rounding is not None:
+            kv = self.kv_rounding(kv)
         comp = self.compressor.project(x, positions) if self.compressor is not None else None
         idx_proj = None
         if self.indexer is not None:

@@ -20,6 +20,8 @@ from v4stack.model.state import CompressorTail
 
 
 class Compressor(nn.Module):
+    rounding = None  # activation rounding of closed entries when set (model/quant.py)
+
     def __init__(self, dim: int, width: int, ratio: int, overlap: bool, rotary: Rotary, eps: float):
         super().__init__()
         self.width, self.ratio, self.overlap = width, ratio, overlap
@@ -56,8 +58,8 @@ class Compressor(nn.Module):
             kv_all = torch.cat((kv_b, kv[cur][..., c:]), dim=1)
             sc_all = torch.cat((sc_b, score[cur][..., c:]), dim=1)
             pooled = ops.weighted_pool(kv_all, sc_all, dim=1)
-        entries = self.norm(pooled.to(dtype))
-        return self.rotary.apply(entries, b * m)
+        entries = self.rotary.apply(self.norm(pooled.to(dtype)), b * m)
+        return entries if self.rounding is None else self.rounding(entries)
 
     def extend(
         self, kv: torch.Tensor, score: torch.Tensor, pos0: int, tail: CompressorTail | None, dtype,

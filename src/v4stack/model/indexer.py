@@ -18,6 +18,8 @@ from v4stack.model.rope import Rotary
 
 
 class Indexer(nn.Module):
+    q_rounding = None  # Hadamard + FP4 rounding of the queries when set (model/quant.py)
+
     def __init__(self, cfg: ModelConfig, ratio: int, rotary: Rotary):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
@@ -31,6 +33,8 @@ class Indexer(nn.Module):
         """Indexer queries ``[N, heads, dim]`` (RoPE on the tail) and head weights ``[N, heads]``."""
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
         q = self.rotary.apply(q, positions)
+        if self.q_rounding is not None:
+            q = self.q_rounding(q)
         w = self.weights_proj(x) * self.weight_scale
         return q, w
 

@@ -9,13 +9,15 @@ from v4stack import ops
 
 
 class Linear(nn.Module):
+    qweight = None  # a block-scaled ops.QuantizedWeight when loaded from a quantised checkpoint
+
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        return ops.linear(x, self.weight if self.qweight is None else self.qweight)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}"

@@ -39,6 +39,7 @@ from v4stack.ops.mode import admit as _admit
 from v4stack.ops.mode import cuda_float_flags as _cuda_flags
 from v4stack.ops.grouped import grouped_linear
 from v4stack.ops.sparse_attention import sparse_attention
+from v4stack.ops.quantized import QuantizedWeight
 
 
 def _impl():
@@ -54,8 +55,11 @@ def _gemm(op: str, x: torch.Tensor, fp: FloatSemantics | None):
     return impl, contextlib.nullcontext()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, fp: FloatSemantics | None = None) -> torch.Tensor:
-    """``x @ weight.T`` over the last dim of ``x``."""
+def linear(x: torch.Tensor, weight, fp: FloatSemantics | None = None) -> torch.Tensor:
+    """``x @ weight.T`` over the last dim of ``x``; ``weight`` is dense or a ``QuantizedWeight``
+    (block-scaled FP8 / FP4, dequantised once and cached on the CPU path)."""
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dense(x.dtype, x.device)
     impl, ctx = _gemm("linear", x, fp)
     with ctx:
         return impl.linear(x, weight)
@@ -152,6 +156,6 @@ def sin(x):
 __all__ = [
     "IEEE", "MODES", "FloatSemantics", "FloatSemanticsError", "attention_with_sink", "cos", "exp",
     "get_mode", "grouped_linear", "hc_mix", "hc_read", "hc_write", "indexer_scores", "linear", "log_softmax", "mode", "moe_combine",
-    "opt_in", "recorded", "rms_norm", "set_mode", "sigmoid", "silu", "sin", "softmax", "softplus",
+    "opt_in", "QuantizedWeight", "recorded", "rms_norm", "set_mode", "sigmoid", "silu", "sin", "softmax", "softplus",
     "sparse_attention", "sum", "topk", "weighted_pool",
 ]

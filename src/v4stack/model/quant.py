@@ -1,0 +1,152 @@
+"""Quantised checkpoints on the model side: which weights are stored in which format, and the
+activation rounding V4 was trained with (quantisation-aware), as the official inference applies it.
+
+Activation rounding (``set_act_rounding(model, True)``; on by default for quantised checkpoints):
+
+- window KV: after ``kv_norm`` and RoPE, the non-RoPE dims of every KV row are rounded to FP8 e4m3
+  in blocks of 64 with a power-of-two scale per block (``2^ceil(log2(amax / 448))``); the RoPE
+  dims stay as they are;
+- compressed KV entries (CSA and HCA compressors): the same FP8 rounding, after the entry's
+  RMSNorm and RoPE;
+- lightning indexer: queries (after RoPE) and keys (the indexer compressor's entries, after RMSNorm
+  and RoPE) pass an orthonormal Hadamard rotation ``H / sqrt(d)`` and are then rounded to FP4 e2m1
+  in blocks of 32 with power-of-two scales (``2^ceil(log2(amax / 6))``). The rotation alone leaves
+  every score ``q . k`` unchanged; it spreads outliers before the coarse FP4 grid.
+
+A block narrower than the nominal width (a tiny config's last block) is rounded as one block.
+The indexer's top-k breaks ties towards the earlier entry (deterministic), rounding on or off.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from v4stack.ops.quantized import (
+    FP4_MAX,
+    FP8_MAX,
+    QuantizedWeight,
+    pow2_ceil,
+    quantize_fp4,
+    quantize_fp8,
+    round_e2m1,
+    round_e4m3,
+)
+
+KV_BLOCK = 64
+INDEX_BLOCK = 32
+
+# the released checkpoints' weight formats, by tensor name
+_FP4 = re.compile(r"(^|\.)ffn\.experts\.\d+\.w[123]\.weight$")
+_FP8 = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
+
+
+def released_format(name: str) -> str | None:
+    """``fp4`` for routed experts, ``fp8`` for the dense projections (attention, shared expert,
+    MTP input projections), None for tensors stored dense (embedding, head, norms, gate,
+    compressors, indexer, mHC, sinks)."""
+    if _FP4.search(name):
+        return "fp4"
+    if _FP8.search(name):
+        return "fp8"
+    return None
+
+
+def quantize_weight(name: str, w: torch.Tensor) -> QuantizedWeight | None:
+    """Quantise one dense weight into its released format (None if it is stored dense)."""
+    fmt = released_format(name)
+    if fmt is None:
+        return None
+    data, scale = quantize_fp8(w) if fmt == "fp8" else quantize_fp4(w)
+    return QuantizedWeight(fmt, data, scale)
+
+
+# ---- activation rounding ---------------------------------------------------------------------
+
+
+def _blockwise(x: torch.Tensor, block: int, fn) -> torch.Tensor:
+    """Apply ``fn`` to each ``block``-wide slice of the last dim (the last may be narrower)."""
+    D = x.shape[-1]
+    if D <= block:
+        return fn(x)
+    return torch.cat([fn(x[..., i : i + block]) for i in range(0, D, block)], dim=-1)
+
+
+def fp8_round(x: torch.Tensor, block: int = KV_BLOCK) -> torch.Tensor:
+    """Quantise-dequantise to e4m3 with a power-of-two scale per ``block`` along the last dim."""
+
+    def one(b):
+        scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_MAX)
+        return round_e4m3(b / scale) * scale
+
+    return _blockwise(x, block, one)
+
+
+def fp4_round(x: torch.Tensor, block: int = INDEX_BLOCK) -> torch.Tensor:
+    """Quantise-dequantise to e2m1 with a power-of-two scale per ``block`` along the last dim."""
+
+    def one(b):
+        scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0 ** -126) / FP4_MAX)
+        return round_e2m1(b / scale) * scale
+
+    return _blockwise(x, block, one)
+
+
+_HADAMARD: dict = {}
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard rotation ``x @ H / sqrt(d)`` over the last dim (d a power of 2)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two width, got {d}")
+    key = (d, x.dtype, str(x.device))
+    if key not in _HADAMARD:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        _HADAMARD[key] = (h * d ** -0.5).to(device=x.device, dtype=x.dtype)
+    return x @ _HADAMARD[key]
+
+
+class KVRounding:
+    """FP8 rounding of the non-RoPE dims of KV rows (window rows and compressed entries)."""
+
+    def __init__(self, rope_dims: int, block: int = KV_BLOCK):
+        self.rope_dims, self.block = rope_dims, block
+
+    def __call__(self, kv: torch.Tensor) -> torch.Tensor:
+        r = self.rope_dims
+        return torch.cat((fp8_round(kv[..., :-r], self.block), kv[..., -r:]), dim=-1)
+
+
+class IndexRounding:
+    """Hadamard rotation, then FP4 rounding (indexer queries and keys)."""
+
+    def __init__(self, block: int = INDEX_BLOCK):
+        self.block = block
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_round(hadamard(x), self.block)
+
+
+def set_act_rounding(model: torch.nn.Module, on: bool = True) -> torch.nn.Module:
+    """Install (or remove) the official activation rounding on every attention layer of
+    ``model`` (main stack and MTP). The hooks are the ``kv_rounding`` / ``rounding`` /
+    ``q_rounding`` attributes of attention, compressor and indexer."""
+    from v4stack.model.attention import Attention
+
+    for mod in model.modules():
+        if not isinstance(mod, Attention):
+            continue
+        kv = KVRounding(model.cfg.qk_rope_head_dim) if on else None
+        mod.kv_rounding = kv
+        if mod.compressor is not None:
+            mod.compressor.rounding = kv
+        if mod.indexer is not None:
+            idx = IndexRounding() if on else None
+            mod.indexer.q_rounding = idx
+            mod.indexer.compressor.rounding = idx
+    model.act_rounding = on
+    return model
