@@ -1,6 +1,10 @@
-"""Byte-level tokenizer: token id = UTF-8 byte value (0..255). Works with any vocab >= 256."""
+"""Tokenizers: the byte-level default (token id = UTF-8 byte value, any vocab >= 256) and a
+``tokenizer.json`` loaded with the ``tokenizers`` library (``load_tokenizer``)."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 class ByteTokenizer:
@@ -11,3 +15,36 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` (the released checkpoints' tokenizer) through the ``tokenizers``
+    library; the chat format's control strings map to their special ids."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {p}")
+        self._tok = Tokenizer.from_file(str(p))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    """The tokenizer of a model directory (its ``tokenizer.json``), or the byte tokenizer when
+    ``path`` is None or holds no ``tokenizer.json`` (the tiny preset's default)."""
+    if path is not None and ((Path(path) / "tokenizer.json").is_file() or Path(path).is_file()):
+        return HFTokenizer(path)
+    return ByteTokenizer()
