@@ -115,8 +115,9 @@ class V4Model(nn.Module):
     def new_state(self) -> RequestState:
         return new_request_state(self.cfg, self.dtype, self.embed.weight.device)
 
-    def step(self, batch: list[tuple[torch.Tensor, RequestState]]) -> list[torch.Tensor]:
-        """Feed each request its new token ids (1-D); returns logits ``[n_i, V]`` per request.
+    def step(self, batch: list[tuple[torch.Tensor, RequestState]], hidden: bool = False):
+        """Feed each request its new token ids (1-D); returns logits ``[n_i, V]`` per request
+        (and, with ``hidden``, each request's final streams ``[n_i, n_hc, d]``, the MTP input).
 
         Every state advances by its number of new tokens.
         """
@@ -138,4 +139,4 @@ class V4Model(nn.Module):
         for (tok, st), seg in zip(batch, segs):
             st.pos += seg.length
             out.append(logits[seg.rows])
-        return out
+        return (out, [x[seg.rows] for seg in segs]) if hidden else out
