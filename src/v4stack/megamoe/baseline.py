@@ -1,10 +1,11 @@
-"""The unfused baseline with MegaMoE's math: ``all_to_all_single`` dispatch -> per-expert tiled
-GEMMs -> SwiGLU -> GEMMs -> ``all_to_all_single`` combine, then the same slot-order reduction.
+"""The all-to-all transport (the baseline): ``all_to_all_single`` dispatch and combine.
 
-Rows travel as raw bytes (so BF16 and FP8 go over gloo too). A source sends its pairs sorted by
-(expert, pair id); experts are contiguous blocks per rank, so that order is destination-major and
-the destination receives, from each source, its experts' rows in expert order. The destination
-computes expert by expert over the sources in rank order: the same tiles as MegaMoE.
+A source sends its pairs in (expert, pair id) order, which is destination-major because experts
+are owned in contiguous blocks; the destination receives, from each source in rank order, its
+experts' rows in expert order and permutes them (on the device, one ``index_select``) into the
+canonical expert-major order. The counts travel first (one small all-to-all and one host read
+per call, needed for the split sizes); nothing is synchronised per expert. Rows travel as bytes,
+so any dtype (and FP8 with its scales) goes over gloo and NCCL alike.
 """
 
 from __future__ import annotations
@@ -12,69 +13,83 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from v4stack.megamoe.experts import ExpertShard, pairs_by_expert, reduce_topk
-from v4stack.megamoe.fp8 import FP8, dequantize_rows, quantize_rows
+from v4stack.megamoe.experts import route_order
+from v4stack.megamoe.route import Route
 
 
-def _a2a_rows(send: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
-    """``all_to_all_single`` on the rows of a 2-D tensor of any dtype (sent as bytes)."""
-    width = send.shape[1] * send.element_size()
-    raw = send.contiguous().view(torch.uint8).view(send.shape[0], width)
+def a2a_rows(send: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
+    """``all_to_all_single`` on the rows of a tensor of any dtype (sent as raw bytes)."""
+    shape = send.shape[1:]
+    width = shape.numel() * send.element_size()
+    raw = send.contiguous().reshape(-1).view(torch.uint8).view(send.shape[0], width)
     recv = torch.empty(sum(out_rows), width, dtype=torch.uint8, device=send.device)
     dist.all_to_all_single(recv, raw, output_split_sizes=out_rows, input_split_sizes=in_rows, group=group)
-    return recv.view(send.dtype).view(sum(out_rows), send.shape[1])
+    return recv.view(send.dtype).view(sum(out_rows), *shape)
 
 
-class AllToAllMoE:
-    """Expert-parallel MoE over two ``all_to_all_single`` exchanges (the baseline)."""
-
-    def __init__(self, shard: ExpertShard, *, group=None, dispatch_dtype: torch.dtype = torch.bfloat16,
-                 combine_dtype: torch.dtype = torch.float32):
-        self.shard, self.group = shard, group
+class AllToAllTransport:
+    def __init__(self, *, n_experts: int, topk: int, hidden: int, group=None, device="cpu"):
+        self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        if shard.n_local * self.world != shard.n_experts:
-            raise ValueError(f"shard holds {shard.n_local} experts; world {self.world} x that must equal "
-                             f"n_experts {shard.n_experts}")
-        self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
-        self.last_remote_rows = 0
+        if n_experts % self.world:
+            raise ValueError(f"world size {self.world} must divide n_experts {n_experts}")
+        self.n_experts, self.k, self.hidden = n_experts, topk, hidden
+        self.n_local = n_experts // self.world
+        self.device = torch.device(device)
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def plan(self, idx: torch.Tensor) -> Route:
+        """Exchange counts and build the route (the one host read of a call)."""
         n, k = idx.shape
-        if k != self.shard.topk or x.shape != (n, self.shard.hidden) or w.shape != idx.shape:
-            raise ValueError(f"expected x [N, {self.shard.hidden}], idx and w [N, {self.shard.topk}]; got "
-                             f"x {tuple(x.shape)}, idx {tuple(idx.shape)}, w {tuple(w.shape)}")
-        nl, world, g = self.shard.n_local, self.world, self.group
-        order, counts = pairs_by_expert(idx.cpu(), self.shard.n_experts)
-        order = order.to(x.device)
-        send_counts = counts.view(world, nl).to(torch.int64).to(x.device)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=g)
-        in_rows = send_counts.sum(1).tolist()
-        out_rows = recv_counts.sum(1).tolist()
-        if self.dispatch_dtype == FP8:
-            q, scales = quantize_rows(x[order // k])
-            rx = dequantize_rows(_a2a_rows(q, out_rows, in_rows, g), _a2a_rows(scales, out_rows, in_rows, g))
-        else:
-            rx = _a2a_rows(x[order // k].to(self.dispatch_dtype), out_rows, in_rows, g)
-        rw = _a2a_rows(w.reshape(-1, 1).float()[order], out_rows, in_rows, g).view(-1)
-        self.last_remote_rows = sum(c for r, c in enumerate(out_rows) if r != self.rank)
-
-        # expert-major over sources in rank order (MegaMoE's row order), results back source-major
-        rc = recv_counts.cpu()
-        src_start = torch.cumsum(rc.sum(1), 0) - rc.sum(1)
+        order, counts = route_order(idx, self.n_experts)
+        send = counts.view(self.world, self.n_local)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        rc = recv.cpu().long()                                      # [source, local expert]
+        send_rows = send.sum(1).cpu().tolist()
+        src_base = torch.cumsum(rc.sum(1), 0) - rc.sum(1)
         exp_start = torch.cumsum(rc, 1) - rc
-        y = torch.empty(rx.shape[0], self.shard.hidden, dtype=self.combine_dtype, device=x.device)
-        for e in range(nl):
-            rows = torch.cat([torch.arange(int(src_start[s] + exp_start[s, e]),
-                                           int(src_start[s] + exp_start[s, e] + rc[s, e]))
-                              for s in range(world)]).to(x.device)
-            if rows.numel():
-                y[rows] = self.shard.ffn_rows(e, rx[rows], rw[rows]).to(self.combine_dtype)
+        pos = [torch.arange(int(src_base[s] + exp_start[s, e]), int(src_base[s] + exp_start[s, e] + rc[s, e]))
+               for e in range(self.n_local) for s in range(self.world)]
+        perm = torch.cat(pos).to(self.device) if pos else torch.zeros(0, dtype=torch.long, device=self.device)
+        return Route(n=n, k=k, idx=idx, order=order, counts=rc.sum(0).tolist(), send_rows=send_rows,
+                     recv_rows=rc.sum(1).tolist(), perm=perm)
 
-        back = _a2a_rows(y, in_rows, out_rows, g)
-        comb = torch.empty(n * k, self.shard.hidden, dtype=self.combine_dtype, device=x.device)
-        comb[order] = back
-        return reduce_topk(comb, idx)
+    def to_experts(self, route: Route, rows: torch.Tensor) -> torch.Tensor:
+        """Rows in the source's sorted pair order -> expert side, canonical order."""
+        recv = a2a_rows(rows, route.recv_rows, route.send_rows, self.group)
+        return recv.index_select(0, route.perm)
 
-    __call__ = forward
+    def to_sources(self, route: Route, ye: torch.Tensor) -> torch.Tensor:
+        """Expert side rows (canonical order) -> the source's rows in its sorted pair order."""
+        back = torch.empty_like(ye)
+        back.index_copy_(0, route.perm, ye)
+        return a2a_rows(back, route.send_rows, route.recv_rows, self.group)
+
+    # ---- the transport interface (see pull.SymmetricTransport) -------------------------------
+
+    def dispatch(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor):
+        if x.dim() != 2 or x.shape[0] != idx.shape[0]:
+            raise ValueError(f"expected x [N, width] for indices [N, {self.k}], got x {tuple(x.shape)}")
+        route = self.plan(idx)
+        xe = self.to_experts(route, x.index_select(0, route.order // route.k))
+        we = self.to_experts(route, w.reshape(-1, 1)[route.order]).view(-1)
+        return route, xe, we
+
+    def _unsort(self, route: Route, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        out.index_copy_(0, route.order, rows)
+        return out
+
+    def combine(self, route: Route, ye: torch.Tensor) -> torch.Tensor:
+        return self._unsort(route, self.to_sources(route, ye))
+
+    def gather_pairs(self, route: Route, g: torch.Tensor) -> torch.Tensor:
+        return self.to_experts(route, g.index_select(0, route.order))
+
+    def scatter_pairs(self, route: Route, gxe: torch.Tensor, gwe: torch.Tensor):
+        gx = self._unsort(route, self.to_sources(route, gxe))
+        gw = self._unsort(route, self.to_sources(route, gwe.reshape(-1, 1)).view(-1))
+        return gx, gw
+
+    def close(self) -> None:
+        pass

@@ -37,3 +37,16 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     xf = torch.zeros(n, nb * BLOCK, dtype=torch.float32, device=q.device)
     xf[:, :h] = q.float()
     return (xf.view(n, nb, BLOCK) * scales.unsqueeze(-1)).view(n, nb * BLOCK)[:, :h]
+
+
+def pack_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, h]`` -> bytes ``[N, h + 4 * ceil(h/128)]``: the e4m3 row, then its fp32 scales."""
+    q, s = quantize_rows(x)
+    return torch.cat([q.view(torch.uint8), s.view(torch.uint8).view(x.shape[0], -1)], 1)
+
+
+def unpack_rows(b: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``pack_rows``, dequantized and rounded to ``dtype`` (what the experts read)."""
+    q = b[:, :hidden].contiguous().view(FP8)
+    s = b[:, hidden:].contiguous().view(torch.float32)
+    return dequantize_rows(q, s).to(dtype)

@@ -1,0 +1,142 @@
+"""Expert-parallel backends for the model's expert seam (``V4Model.set_expert_backend``).
+
+``backend(moe, x, weights, indices) -> [T, d]`` (fp32, the routed part; the layer adds the shared
+expert). Two transports, one protocol: ``"megamoe"`` (symmetric buffers, pull dispatch) and
+``"all_to_all"`` (the baseline). Each rank holds its block of experts.
+
+Under autograd the call is two autograd functions around the model's own expert math:
+
+    rows, weights = Dispatch(x, w)      # forward: pull;  backward: push the row gradients back
+    out_rows      = experts(rows)       # the model's swiglu per local expert (plain autograd)
+    comb          = Combine(out_rows)   # forward: push;  backward: pull the output gradients
+    routed        = ops.moe_combine(comb)
+
+so the backward runs the protocol in reverse, in the same fixed order, and the source adds each
+token's row gradients in pair order (expert-major), as the index backward of the single-process
+layer's gather does: gradients equal the single-process layer's bitwise. Every rank must take
+part in every backward move (they are collectives), as in any data-parallel step.
+
+Without autograd the call is inference: on CUDA with ``megamoe`` the device-side pipeline
+(``pipeline.py``); elsewhere the same protocol with FP8 dispatch and a BF16 combine as options.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from v4stack.megamoe.baseline import AllToAllTransport
+from v4stack.megamoe.experts import LocalExperts, reduce_pairs
+from v4stack.megamoe.fp8 import FP8, pack_rows, unpack_rows
+from v4stack.megamoe.pull import SymmetricTransport
+
+PATHS = ("megamoe", "all_to_all")
+
+
+class _Box:
+    route = None
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, idx, transport, box):
+        route, xe, we = transport.dispatch(x, w, idx)
+        box.route = route
+        ctx.transport, ctx.route = transport, route
+        ctx.x_meta, ctx.w_meta = (x.shape, x.dtype, x.device), (w.shape, w.dtype)
+        return xe, we
+
+    @staticmethod
+    def backward(ctx, gxe, gwe):
+        (shape, dtype, device), (wshape, wdtype) = ctx.x_meta, ctx.w_meta
+        r = ctx.route
+        if gxe is None:
+            gxe = torch.zeros(r.rows, shape[1], dtype=dtype, device=device)
+        if gwe is None:
+            gwe = torch.zeros(r.rows, dtype=wdtype, device=device)
+        gpair, gw = ctx.transport.scatter_pairs(r, gxe.contiguous(), gwe.contiguous())
+        # the single-process gather x[order // k] accumulates its row gradients in this order
+        gx = torch.zeros(shape, dtype=dtype, device=device)
+        gx.index_put_((r.order // r.k,), gpair[r.order].to(dtype), accumulate=True)
+        return gx, gw.to(wdtype).view(wshape), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ye, transport, box):
+        ctx.transport, ctx.route = transport, box.route
+        return transport.combine(box.route, ye)
+
+    @staticmethod
+    def backward(ctx, gcomb):
+        return ctx.transport.gather_pairs(ctx.route, gcomb.contiguous()), None, None
+
+
+def make_transport(path: str, *, n_experts: int, topk: int, hidden: int, max_tokens: int, group=None,
+                   device="cpu"):
+    if path == "megamoe":
+        return SymmetricTransport(n_experts=n_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
+                                  group=group, device=device)
+    if path == "all_to_all":
+        return AllToAllTransport(n_experts=n_experts, topk=topk, hidden=hidden, group=group, device=device)
+    raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+
+
+class ExpertParallel:
+    """One MoE layer's routed experts over ``group`` (this rank holds its block of experts)."""
+
+    def __init__(self, moe, transport, *, dispatch_dtype: torch.dtype | None = None,
+                 combine_dtype: torch.dtype = torch.float32, pipeline=None):
+        rank, world = dist.get_rank(transport.group), dist.get_world_size(transport.group)
+        self.experts = LocalExperts(moe, rank, world)
+        self.transport, self.pipeline = transport, pipeline
+        self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
+        self.last_route = None
+
+    def _needs_grad(self, x, w) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or self.experts.w1[0].requires_grad)
+
+    def __call__(self, moe, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if self._needs_grad(x, weights):
+            if self.dispatch_dtype not in (None, x.dtype) or self.combine_dtype != torch.float32:
+                raise ValueError("lossy dispatch/combine dtypes are for inference; under autograd rows travel "
+                                 "in x's dtype and outputs in fp32")
+            box = _Box()
+            xe, we = _Dispatch.apply(x, weights, indices, self.transport, box)
+            ye = self.experts.ffn(xe, we, box.route.counts)
+            comb = _Combine.apply(ye, self.transport, box)
+            self.last_route = box.route
+            return reduce_pairs(comb, indices)
+        with torch.no_grad():
+            return self.infer(x, weights, indices)
+
+    @torch.no_grad()
+    def infer(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self.pipeline(x, weights, indices)
+        dd = self.dispatch_dtype or x.dtype
+        sent = pack_rows(x) if dd == FP8 else x.to(dd)
+        route, xe, we = self.transport.dispatch(sent, weights, indices)
+        self.last_route = route
+        if dd == FP8:
+            xe = unpack_rows(xe, x.shape[1], x.dtype)
+        ye = self.experts.ffn(xe, we, route.counts).to(self.combine_dtype)
+        comb = self.transport.combine(route, ye)
+        return reduce_pairs(comb, indices)
+
+
+def expert_parallel_factory(path: str = "megamoe", *, max_tokens: int = 4096, group=None, device="cpu",
+                            **opts):
+    """``factory(layer_id, moe) -> backend`` for ``V4Model.set_expert_backend``; all layers share
+    one transport (each move is self-contained, see ``pull.py``), built on first use."""
+    shared = {}
+
+    def factory(layer_id: int, moe):
+        e0 = moe.experts[0]
+        key = (moe.n_experts, moe.gate.topk, e0.w1.in_features)
+        if key not in shared:
+            shared[key] = make_transport(path, n_experts=key[0], topk=key[1], hidden=key[2],
+                                         max_tokens=max_tokens, group=group, device=device)
+        return ExpertParallel(moe, shared[key], **opts)
+
+    return factory
