@@ -1,251 +1,310 @@
-"""``v4stack bench megamoe`` / ``python -m bench.megamoe``: MegaMoE vs the all-to-all baseline, side by side.
+"""``v4stack bench megamoe`` / ``python -m bench.megamoe``: MegaMoE vs the all-to-all baseline.
 
-For each routing (uniform, Zipf) and each tokens-per-rank size, both paths run the same layer
-calls on the same inputs. Reported per (routing, size, path):
+    torchrun --nproc-per-node 2 -m bench.megamoe --device cuda      # one GPU per rank (EP2)
+    torchrun --nproc-per-node 8 -m bench.megamoe --device cuda --out bench/results/megamoe_ep8_h200.json
+    python -m bench.megamoe --shapes tiny --tokens 1 8 32           # CPU: gloo processes, ratios only
 
-- ``p50_ms`` / ``p99_ms``: latency of one layer call (the slowest rank's time per call, each call
-  started from a barrier);
-- ``throughput_tok_s``: steady state, calls back to back (in a few blocks), global tokens per second;
-- ``link_GB_s``: rows that crossed ranks (dispatch + combine bytes) per p50 call time.
+Expert shapes default to V4-Flash (hidden 4096, width 2048, 256 experts, top-6) and V4-Pro
+(7168, 3072, 384, top-6), each rank holding n_routed / EP experts with random bf16 weights. For
+each shape, routing (uniform, Zipf) and tokens per rank, both paths run the same calls on the same
+inputs, alternating. Per (shape, routing, tokens, path):
 
-The two paths alternate call by call, so a busy host slows both alike. The ranks are real processes (gloo on one host, or ``torchrun`` / CUDA when launched that way).
-On a CPU host the numbers are only good for ratios between the two paths.
+- ``p50_ms`` / ``p99_ms``: one layer call, slowest rank, each call started together;
+- ``throughput_tok_s``: calls back to back, global tokens per second;
+- ``link_GB_s``: bytes that crossed ranks per rank (dispatch rows + weights + combine rows) / p50;
+- ``limit_ms``: max(expert FLOPs / measured bf16 matmul rate, link bytes / measured peer-copy
+  rate), the time a perfectly overlapped layer would take, and ``frac_of_limit`` = limit / p50;
+- ``bit_identical``: MegaMoE's output equals the baseline's bitwise on every rank.
+
+On CUDA MegaMoE is the device-side pipeline and the baseline runs the same grouped kernels after
+an ``all_to_all_single`` exchange; on CPU both run the model's expert math (ratios only).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import platform
-import socket
 import statistics
-import tempfile
+import sys
 import time
-from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file (torchrun bench/megamoe.py): make `bench` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist
 
-from bench.runner import write_result
-
-DEFAULTS = dict(world=2, tokens=(1, 16, 128, 512), hidden=512, inner=256, experts=16, topk=4,
-                iters=20, warmup=3, routings=("uniform", "zipf"), tile=16, ring_tiles=8, gemm="tile",
-                seed=0, device="cpu")
-
-
-def _layer(cfg: dict):
-    from v4stack.config import preset
-    from v4stack.model.moe import MoE
-
-    mc = dataclasses.replace(preset("tiny"), hidden_size=cfg["hidden"], moe_intermediate_size=cfg["inner"],
-                             n_routed_experts=cfg["experts"], num_experts_per_tok=cfg["topk"]).validate()
-    moe = MoE(mc, layer_id=mc.num_hash_layers)
-    g = torch.Generator().manual_seed(cfg["seed"])
-    with torch.no_grad():
-        for _, p in moe.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1))
-    return moe.eval()
+SHAPES = {  # hidden, expert width, routed experts, top-k
+    "flash": (4096, 2048, 256, 6),
+    "pro": (7168, 3072, 384, 6),
+    "tiny": (64, 32, 8, 2),
+}
+DEFAULTS = dict(shapes=("flash", "pro"), tokens=(1, 32, 512, 4096, 8192), routings=("uniform", "zipf"),
+                iters=20, warmup=3, device="cpu", dispatch="bf16", seed=0, world=2)
 
 
-def _pct(xs: list[float], q: float) -> float:
+def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def _experts(shape: str, rank: int, world: int, device, seed: int):
+    from v4stack.megamoe.experts import LocalExperts
+
+    h, d, E, k = SHAPES[shape]
+    nl = E // world
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
+    w = [(torch.randn(nl, n, kk, generator=g, device=device) * kk ** -0.5).to(torch.bfloat16)
+         for n, kk in ((d, h), (d, h), (h, d))]
+    if device.type == "cpu":
+        w = [t.float() for t in w]
+    return LocalExperts.from_stacked(w[0], w[1], w[2], first=rank * nl, n_experts=E, topk=k, limit=10.0)
+
+
+def _ceilings(device, world: int, rank: int) -> tuple[float, float]:
+    """(bf16 matmul FLOP/s, peer-read bytes/s) measured here (CPU: rough, for the ratio only)."""
+    if device.type != "cuda":
+        return 50e9, 5e9
+    from v4stack.megamoe.symm import symmetric_buffer
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ts = _cuda_times(lambda: a @ b, 10)
+    flops = 2 * 8192**3 / statistics.median(ts)
+    buf = symmetric_buffer({"x": ((1 << 28,), torch.bfloat16)}, None, device)  # 512 MiB
+    dst = torch.empty(1 << 28, dtype=torch.bfloat16, device=device)
+    peer = buf.remote((rank + 1) % world, "x")
+    buf.barrier()
+    ts = _cuda_times(lambda: dst.copy_(peer), 10)
+    buf.barrier()
+    torch.cuda.synchronize()
+    buf.close()
+    return flops, (1 << 29) / statistics.median(ts)
+
+
+def _cuda_times(fn, reps):
+    for _ in range(2):
+        fn()
+    out = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) * 1e-3)
+    return out
+
+
 def run_rank(cfg: dict) -> list[dict] | None:
-    """One rank's side of the benchmark (process group already initialised); rank 0 returns rows."""
-    from v4stack.megamoe.baseline import AllToAllMoE
-    from v4stack.megamoe.experts import ExpertShard
-    from v4stack.megamoe.pull import MegaMoE
+    from v4stack.megamoe.backend import ExpertParallel, make_transport
+    from v4stack.megamoe.fp8 import FP8
+    from v4stack.megamoe.pipeline import DevicePipeline
     from v4stack.megamoe.routing import routing
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(cfg["device"])
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    moe = _layer(cfg).to(device)
-    shard = ExpertShard.from_moe(moe, rank, world, tile=cfg["tile"], gemm=cfg["gemm"])
-    paths = {
-        "megamoe": MegaMoE(shard, max_tokens=max(cfg["tokens"]), device=device, ring_tiles=cfg["ring_tiles"]),
-        "baseline": AllToAllMoE(shard),
-    }
-    h, elem = cfg["hidden"], 2 + 4  # bf16 dispatch + fp32 combine bytes per element
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    dd = FP8 if cfg["dispatch"] == "fp8" else torch.bfloat16
+    peak, link = _ceilings(device, world, rank)
     rows = []
-    for kind in cfg["routings"]:
-        for n in cfg["tokens"]:
-            g = torch.Generator().manual_seed(cfg["seed"] * 1000 + n)
-            x_all = torch.randn(world * n, h, generator=g).to(torch.bfloat16)
-            idx_all, w_all = routing(kind, world * n, cfg["experts"], cfg["topk"], g)
-            mine = slice(rank * n, (rank + 1) * n)
-            x, idx, w = x_all[mine].to(device), idx_all[mine], w_all[mine].to(device)
-            outs = {}
-            for path in paths.values():
+    for shape in cfg["shapes"]:
+        h, d, E, k = SHAPES[shape]
+        ex = _experts(shape, rank, world, device, cfg["seed"])
+        mt = max(cfg["tokens"])
+        a2a = make_transport("all_to_all", n_experts=E, topk=k, hidden=h, max_tokens=mt, device=device)
+        paths = {"baseline": ExpertParallel(None, a2a, experts=ex, dispatch_dtype=dd, kernels=cuda)}
+        if cuda:
+            pipe = DevicePipeline(ex, max_tokens=mt, device=device, dispatch_dtype=dd)
+            paths["megamoe"] = lambda x, w, i, n: pipe(x, w, i, peer_tokens=n)
+        else:
+            sym = make_transport("megamoe", n_experts=E, topk=k, hidden=h, max_tokens=mt, device=device)
+            paths["megamoe"] = ExpertParallel(None, sym, experts=ex, dispatch_dtype=dd, kernels=False)
+        calls = {"baseline": lambda x, w, i, n: paths["baseline"].infer(x, w, i),
+                 "megamoe": paths["megamoe"] if cuda else (lambda x, w, i, n: paths["megamoe"].infer(x, w, i))}
+        for kind in cfg["routings"]:
+            for n in cfg["tokens"]:
+                g = torch.Generator().manual_seed(cfg["seed"] * 1000 + n)
+                x_all = torch.randn(world * n, h, generator=g).to(torch.bfloat16)
+                idx_all, w_all = routing(kind, world * n, E, k, g)
+                mine = slice(rank * n, (rank + 1) * n)
+                x, idx, w = x_all[mine].to(device), idx_all[mine].to(device), w_all[mine].to(device)
+                owner = idx_all // (E // world)
+                src = torch.arange(world * n).unsqueeze(1) // n
+                remote = (owner != src).sum().item() / world          # rows a rank sends/receives, average
+                mine_rows = (owner == rank).sum().item()
+                iters = cfg["iters"] if n < 4096 else max(5, cfg["iters"] // 2)
+                outs, lat = {}, {p: [] for p in calls}
                 for _ in range(cfg["warmup"]):
-                    path(x, idx, w)
-            # the paths alternate call by call (and block by block), so both see the same host load
-            lat = {name: [] for name in paths}
-            for _ in range(cfg["iters"]):
-                for name, path in paths.items():
+                    for p, fn in calls.items():
+                        outs[p] = fn(x, w, idx, n)
+                for _ in range(iters):
+                    for p, fn in calls.items():
+                        sync()
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        outs[p] = fn(x, w, idx, n)
+                        sync()
+                        lat[p].append(time.perf_counter() - t0)
+                same = torch.tensor([int(torch.equal(outs["megamoe"], outs["baseline"]))])
+                busy = {}
+                for p, fn in calls.items():
+                    sync()
                     dist.barrier()
-                    sync()
                     t0 = time.perf_counter()
-                    outs[name] = path(x, idx, w)
+                    for _ in range(iters):
+                        fn(x, w, idx, n)
                     sync()
-                    lat[name].append(time.perf_counter() - t0)
-            busy = {name: 0.0 for name in paths}
-            blocks = max(1, min(4, cfg["iters"]))
-            for b in range(blocks):
-                for name, path in paths.items():
-                    dist.barrier()
-                    sync()
-                    t0 = time.perf_counter()
-                    for _ in range(cfg["iters"] // blocks):
-                        path(x, idx, w)
-                    sync()
-                    busy[name] += time.perf_counter() - t0
-            calls = blocks * (cfg["iters"] // blocks)
-            for name, path in paths.items():
-                lat_t = torch.tensor(lat[name], dtype=torch.float64)
-                dist.all_reduce(lat_t, op=dist.ReduceOp.MAX)
-                remote = (path.last.remote_rows if name == "megamoe" else path.last_remote_rows)
-                remote_t = torch.tensor([remote], dtype=torch.float64)
-                dist.all_reduce(remote_t)
-                total = torch.tensor([busy[name]], dtype=torch.float64)
-                dist.all_reduce(total, op=dist.ReduceOp.MAX)
-                lat_ms = [v * 1e3 for v in lat_t.tolist()]
-                p50 = _pct(lat_ms, 0.5)
-                link_bytes = float(remote_t) * (h * elem + 4)
-                rows.append(dict(routing=kind, tokens_per_rank=n, path=name, p50_ms=p50,
-                                 p99_ms=_pct(lat_ms, 0.99), mean_ms=statistics.fmean(lat_ms),
-                                 throughput_tok_s=world * n * calls / float(total),
-                                 remote_rows=int(remote_t), link_GB_s=link_bytes / (p50 * 1e-3) / 1e9))
-            same = torch.tensor([int(torch.equal(outs["megamoe"], outs["baseline"]))])
-            dist.all_reduce(same, op=dist.ReduceOp.MIN)
-            rows[-1]["bit_identical"] = rows[-2]["bit_identical"] = bool(same)
-    paths["megamoe"].close()
-    return rows if rank == 0 else None
+                    busy[p] = time.perf_counter() - t0
+                stats = torch.tensor([same.item(), mine_rows], dtype=torch.float64)
+                gathered = [torch.zeros_like(stats) for _ in range(world)]
+                dist.all_gather(gathered, stats)
+                ok = all(bool(t[0]) for t in gathered)
+                max_rows = max(float(t[1]) for t in gathered)
+                byte_row = h * (1 if dd == FP8 else 2) + (4 * -(-h // 128) if dd == FP8 else 0) + 4 + h * 4
+                link_bytes = remote * byte_row
+                limit = max(6 * h * d * max_rows / peak, link_bytes / link)
+                for p in ("megamoe", "baseline"):
+                    lt = torch.tensor(lat[p] + [busy[p]], dtype=torch.float64)
+                    dist.all_reduce(lt, op=dist.ReduceOp.MAX)
+                    ms = [v * 1e3 for v in lt[:-1].tolist()]
+                    p50 = _pct(ms, 0.5)
+                    rows.append(dict(shape=shape, routing=kind, tokens_per_rank=n, path=p, p50_ms=p50,
+                                     p99_ms=_pct(ms, 0.99), mean_ms=statistics.fmean(ms),
+                                     throughput_tok_s=world * n * iters / float(lt[-1]),
+                                     link_GB_s=link_bytes / (p50 * 1e-3) / 1e9, limit_ms=limit * 1e3,
+                                     frac_of_limit=limit * 1e3 / p50, bit_identical=ok, iters=iters))
+                if rank == 0:
+                    a, b = rows[-2], rows[-1]
+                    print(f"{shape:5s} {kind:7s} {n:5d}  mega {a['p50_ms']:8.3f} ms  base {b['p50_ms']:8.3f} ms  "
+                          f"x{b['p50_ms'] / a['p50_ms']:.2f}  link {a['link_GB_s']:6.1f} GB/s  "
+                          f"limit {limit * 1e3:.3f} ms  same={ok}", flush=True)
+        if cuda:
+            pipe.close()
+        else:
+            paths["megamoe"].transport.close()
+        del paths, calls, ex
+        if cuda:
+            torch.cuda.empty_cache()
+    meta = dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9)
+    return (rows, meta) if rank == 0 else None
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    by = {(r["routing"], r["tokens_per_rank"], r["path"]): r for r in rows}
+    by = {(r["shape"], r["routing"], r["tokens_per_rank"], r["path"]): r for r in rows}
     out = []
-    for (kind, n, path), r in by.items():
-        if path != "megamoe":
-            continue
-        b = by[(kind, n, "baseline")]
-        out.append(dict(routing=kind, tokens_per_rank=n, speedup_p50=b["p50_ms"] / r["p50_ms"],
-                        speedup_throughput=r["throughput_tok_s"] / b["throughput_tok_s"],
-                        bit_identical=r["bit_identical"]))
+    for (shape, kind, n, path), r in by.items():
+        if path == "megamoe":
+            b = by[(shape, kind, n, "baseline")]
+            out.append(dict(shape=shape, routing=kind, tokens_per_rank=n, speedup_p50=b["p50_ms"] / r["p50_ms"],
+                            speedup_throughput=r["throughput_tok_s"] / b["throughput_tok_s"],
+                            frac_of_limit=r["frac_of_limit"], link_GB_s=r["link_GB_s"],
+                            bit_identical=r["bit_identical"]))
     return out
 
 
-def _spawned(rank: int, world: int, port: int, cfg: dict, result_path: str) -> None:
+def _validate(cfg: dict) -> dict:
+    unknown = set(cfg) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown bench option(s) {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **cfg}
+    for name in ("shapes", "tokens", "routings"):
+        cfg[name] = list(cfg[name])
+    bad = [s for s in cfg["shapes"] if s not in SHAPES]
+    if bad or not cfg["shapes"]:
+        raise ValueError(f"shapes must be among {sorted(SHAPES)}, got {cfg['shapes']!r}")
+    if not cfg["tokens"] or min(cfg["tokens"]) < 1:
+        raise ValueError(f"tokens must be positive sizes, got {cfg['tokens']!r}")
+    if cfg["dispatch"] not in ("bf16", "fp8"):
+        raise ValueError(f"dispatch must be bf16 or fp8, got {cfg['dispatch']!r}")
+    for name in ("iters", "world"):
+        if not (isinstance(cfg[name], int) and cfg[name] > 0):
+            raise ValueError(f"{name} must be a positive integer, got {cfg[name]!r}")
+    for s in cfg["shapes"]:
+        if SHAPES[s][2] % cfg["world"]:
+            raise ValueError(f"world ({cfg['world']}) must divide the experts of shape {s} ({SHAPES[s][2]})")
+    return cfg
+
+
+def _spawned(rank, world, port, cfg, result_path):
+    import json
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        rows = run_rank(cfg)
-        if rows is not None:
-            Path(result_path).write_text(json.dumps(rows))
+        res = run_rank(cfg)
+        if res is not None:
+            with open(result_path, "w") as f:
+                json.dump(res, f)
     finally:
         dist.destroy_process_group()
 
 
 def _free_port() -> int:
+    import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _plot(report: dict, png: Path) -> None:
-    import matplotlib
+def bench_megamoe(out: str | None = "bench/results/megamoe.json", **overrides) -> dict:
+    """Run (spawning gloo processes, or in place under torchrun) and write the stamped report."""
+    import json
+    import tempfile
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = report["config"]["routings"]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
-    for ax, kind in zip(axes[0], kinds):
-        for path, style in (("megamoe", "o-"), ("baseline", "s--")):
-            rs = [r for r in report["results"] if r["routing"] == kind and r["path"] == path]
-            ax.plot([r["tokens_per_rank"] for r in rs], [r["p50_ms"] for r in rs], style, label=path)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{kind} routing, EP{report['config']['world']}")
-        ax.set_xlabel("tokens per rank")
-        ax.set_ylabel("p50 ms per layer call")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-
-
-def bench_megamoe(out: str | None = "bench/results/megamoe.json", plot: bool = True, **overrides) -> dict:
-    """Run the benchmark (spawning ``world`` gloo processes, or in place under ``torchrun``) and
-    write the JSON report (and a PNG next to it). Returns the report."""
-    unknown = set(overrides) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown bench option(s) {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
-    cfg = {**DEFAULTS, **overrides}
-    cfg["tokens"], cfg["routings"] = list(cfg["tokens"]), list(cfg["routings"])
-    for name in ("world", "hidden", "inner", "experts", "topk", "iters", "tile", "ring_tiles"):
-        if not (isinstance(cfg[name], int) and cfg[name] > 0):
-            raise ValueError(f"{name} must be a positive integer, got {cfg[name]!r}")
-    if cfg["experts"] % cfg["world"]:
-        raise ValueError(f"world ({cfg['world']}) must divide experts ({cfg['experts']})")
-    if not cfg["tokens"] or min(cfg["tokens"]) < 1:
-        raise ValueError(f"tokens must be positive sizes, got {cfg['tokens']!r}")
-    if "RANK" in os.environ and dist.is_available():  # launched by torchrun
-        backend = "nccl" if cfg["device"] == "cuda" else "gloo"
-        if cfg["device"] == "cuda":
+    cfg = _validate(overrides)
+    if "RANK" in os.environ:  # torchrun
+        if cfg["device"].startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             cfg["device"] = f"cuda:{torch.cuda.current_device()}"
-        dist.init_process_group(backend)
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
         cfg["world"] = dist.get_world_size()
-        rows = run_rank(cfg)
+        cfg = _validate({k: v for k, v in cfg.items()})
+        res = run_rank(cfg)
+        dist.barrier()
         dist.destroy_process_group()
-        if rows is None:
+        if res is None:
             return {}
     else:
         import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as tmp:
-            res = os.path.join(tmp, "rows.json")
-            mp.spawn(_spawned, args=(cfg["world"], _free_port(), cfg, res), nprocs=cfg["world"], join=True)
-            rows = json.loads(Path(res).read_text())
-    report = {
-        "what": "MegaMoE (pull dispatch, waves, ring) vs all_to_all_single baseline, same math",
-        "note": "ranks are processes on one host; CPU numbers are for ratios only",
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "config": cfg,
-        "results": rows,
-        "summary": summarize(rows),
-    }
+            path = os.path.join(tmp, "rows.json")
+            mp.spawn(_spawned, args=(cfg["world"], _free_port(), cfg, path), nprocs=cfg["world"], join=True)
+            with open(path) as f:
+                res = json.load(f)
+    rows, meta = res
+    report = {"what": "MegaMoE (device-side pull, waves, ring, overlapped streams) vs all_to_all_single + the "
+                      "same grouped kernels; BF16 or FP8 dispatch, fp32 combine",
+              "config": cfg, "ceilings": meta, "results": rows, "summary": summarize(rows)}
     if out:
-        path = write_result(out, report)
-        if plot:
-            _plot(report, path.with_suffix(".png"))
+        from bench.runner import write_result
+
+        write_result(out, report)
     return report
 
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
+    import json
 
     ap = argparse.ArgumentParser(prog="bench megamoe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name in ("world", "hidden", "inner", "experts", "topk", "iters", "warmup", "tile", "ring_tiles", "seed"):
-        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=DEFAULTS[name])
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULTS["shapes"]))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULTS["tokens"]))
     ap.add_argument("--routings", nargs="+", default=list(DEFAULTS["routings"]))
-    ap.add_argument("--gemm", default=DEFAULTS["gemm"], choices=["row", "tile"])
+    for name in ("iters", "warmup", "seed", "world"):
+        ap.add_argument(f"--{name}", type=int, default=DEFAULTS[name])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dispatch", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--out", default="bench/results/megamoe.json")
     a = vars(ap.parse_args(argv))
     out = a.pop("out")
-    try:
-        report = bench_megamoe(out=out, **a)
-    except ValueError as e:
-        ap.error(str(e))
+    report = bench_megamoe(out=out, **a)
     if report:
         print(json.dumps(report["summary"], indent=2))
 

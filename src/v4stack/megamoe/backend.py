@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from v4stack.megamoe import kernels as K
 from v4stack.megamoe.baseline import AllToAllTransport
 from v4stack.megamoe.experts import LocalExperts, reduce_pairs
 from v4stack.megamoe.fp8 import FP8, pack_rows, unpack_rows
@@ -86,10 +87,14 @@ class ExpertParallel:
     """One MoE layer's routed experts over ``group`` (this rank holds its block of experts)."""
 
     def __init__(self, moe, transport, *, dispatch_dtype: torch.dtype | None = None,
-                 combine_dtype: torch.dtype = torch.float32, pipeline=None):
+                 combine_dtype: torch.dtype = torch.float32, pipeline=None, kernels: bool | None = None,
+                 experts: LocalExperts | None = None, kernel_dtype: torch.dtype = torch.bfloat16):
         rank, world = dist.get_rank(transport.group), dist.get_world_size(transport.group)
-        self.experts = LocalExperts(moe, rank, world)
+        self.experts = experts or LocalExperts(moe, rank, world)
         self.transport, self.pipeline = transport, pipeline
+        # inference GEMMs: the Triton kernels (the pipeline's own) on CUDA, the model's swiglu elsewhere
+        self.kernels = (transport.device.type == "cuda" and K.available()) if kernels is None else kernels
+        self.kernel_dtype = kernel_dtype
         self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
         self.last_route = None
 
@@ -120,9 +125,28 @@ class ExpertParallel:
         self.last_route = route
         if dd == FP8:
             xe = unpack_rows(xe, x.shape[1], x.dtype)
-        ye = self.experts.ffn(xe, we, route.counts).to(self.combine_dtype)
+        if self.kernels:
+            ye = self.grouped_ffn(xe.to(self.kernel_dtype), we.float(), route.counts)
+        else:
+            ye = self.experts.ffn(xe, we, route.counts).to(self.combine_dtype)
         comb = self.transport.combine(route, ye)
         return reduce_pairs(comb, indices)
+
+    def grouped_ffn(self, xe: torch.Tensor, we: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """All local experts in one grouped SwiGLU GEMM and one grouped down GEMM (the kernels and
+        tiles of the MegaMoE pipeline, so both paths give the same bits)."""
+        ex, dev = self.experts, xe.device
+        w1, w3, w2 = ex.stacked(self.kernel_dtype)
+        rows = xe.shape[0]
+        per = torch.tensor(counts, dtype=torch.int64).to(dev, non_blocking=True)
+        bound = -(-rows // K.BM) + ex.n_local
+        tiles, tstart, exp_off = K.tile_map(per, bound)
+        act = torch.empty(rows, ex.inner, dtype=self.kernel_dtype, device=dev)
+        y = torch.empty(rows, ex.hidden, dtype=self.combine_dtype, device=dev)
+        if rows:
+            K.swiglu_gemm(xe, we, w1, w3, act, tiles, tstart, ex.n_local, exp_off, ex.limit, bound)
+            K.down_gemm(act, w2, y, tiles, tstart, ex.n_local, exp_off, bound)
+        return y
 
 
 def expert_parallel_factory(path: str = "megamoe", *, max_tokens: int = 4096, group=None, device="cpu",

@@ -60,6 +60,18 @@ class LocalExperts:
         self.w3 = [m.w3.weight for m in mods]
         self._stacked = None
 
+    @classmethod
+    def from_stacked(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, *, first: int, n_experts: int,
+                     topk: int, limit: float) -> "LocalExperts":
+        """A block given as stacked ``[n_local, N, K]`` weights (benchmarks at full V4 sizes, where
+        building the whole model layer on the host would not fit)."""
+        self = cls.__new__(cls)
+        self.moe, self.n_experts, self.n_local, self.first, self.topk = None, n_experts, w1.shape[0], first, topk
+        self.hidden, self.inner, self.limit = w1.shape[2], w1.shape[1], limit
+        self.w1, self.w3, self.w2 = list(w1), list(w3), list(w2)
+        self._stacked = (w1, w3, w2)
+        return self
+
     def stacked(self, dtype: torch.dtype = torch.bfloat16):
         if self._stacked is None or self._stacked[0].dtype != dtype:
             with torch.no_grad():
