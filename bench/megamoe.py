@@ -95,7 +95,7 @@ def _cuda_times(fn, reps):
     return out
 
 
-def run_rank(cfg: dict) -> list[dict] | None:
+def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
     from v4stack.megamoe.backend import ExpertParallel, make_transport
     from v4stack.megamoe.fp8 import FP8
     from v4stack.megamoe.pipeline import DevicePipeline
@@ -186,6 +186,8 @@ def run_rank(cfg: dict) -> list[dict] | None:
         del paths, calls, ex
         if cuda:
             torch.cuda.empty_cache()
+        if checkpoint is not None and rank == 0:  # a partial report survives a later failure
+            checkpoint(rows, dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9, partial=True))
     meta = dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9)
     return (rows, meta) if rank == 0 else None
 
@@ -264,7 +266,7 @@ def bench_megamoe(out: str | None = "bench/results/megamoe.json", **overrides) -
             dist.init_process_group("gloo")
         cfg["world"] = dist.get_world_size()
         cfg = _validate({k: v for k, v in cfg.items()})
-        res = run_rank(cfg)
+        res = run_rank(cfg, (lambda rows, meta: _write(out, cfg, rows, meta)) if out else None)
         dist.barrier()
         dist.destroy_process_group()
         if res is None:
@@ -278,6 +280,10 @@ def bench_megamoe(out: str | None = "bench/results/megamoe.json", **overrides) -
             with open(path) as f:
                 res = json.load(f)
     rows, meta = res
+    return _write(out, cfg, rows, meta)
+
+
+def _write(out, cfg, rows, meta) -> dict:
     report = {"what": "MegaMoE (device-side pull, waves, ring, overlapped streams) vs all_to_all_single + the "
                       "same grouped kernels; BF16 or FP8 dispatch, fp32 combine",
               "config": cfg, "ceilings": meta, "results": rows, "summary": summarize(rows)}
