@@ -19,6 +19,6 @@ def single_process_routed(moe, x, w, idx, *, combine_dtype=torch.float32):
             outs.append(moe.experts[e](xs[lo : lo + c], ws[lo : lo + c]))
         lo += c
     ys = torch.cat(outs).to(combine_dtype)
-    y = torch.zeros(n * k, x.shape[1], dtype=ys.dtype)
+    y = torch.zeros(n * k, x.shape[1], dtype=ys.dtype, device=ys.device)
     y = y.index_put((order,), ys)
     return ops.moe_combine(y.view(n, k, -1), idx)
