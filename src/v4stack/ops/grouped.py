@@ -1,48 +1,39 @@
-"""Grouped linear: one call for many experts, rows sorted by expert.
+"""Grouped (per-expert) linear: the torch references.
 
-    grouped_linear(x [T, K], w [E, N, K], offsets [E + 1]) -> y [T, N]
-
-Rows ``offsets[e]:offsets[e + 1]`` use ``w[e]``. Accumulation is fp32 (fp64 for fp64 inputs) and
-the output has ``x``'s dtype. A row's result never depends on how many rows share its expert in
-invariant mode: each expert's rows go through ``ops.linear`` (fixed trees, no split-K). The
-weights are used in their own dtype; only the per-expert slice is upcast inside the product, never
-a cached copy of all weights.
-
-On CUDA in fast mode with bf16 inputs and ``torch._grouped_mm`` available, one grouped GEMM runs
-(offsets stay on the device, so no host sync).
+``grouped_linear(x, w, offsets)``: rows ``offsets[e]:offsets[e+1]`` of ``x [T, K]`` (sorted by
+expert) times ``w[e].T`` (``w [E, N, K]``) -> ``[T, N]``, fp32 accumulation, ``x``'s dtype. The
+invariant reference runs ``invariant.linear`` (a fixed K tree per output) per expert, so a row's
+bits depend on its own inputs only. GPU kernels: ``v4stack.kernels.grouped_gemm``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from v4stack.ops.mode import get_mode
-
-
-def _offsets_host(offsets: torch.Tensor) -> list[int]:
-    return [int(v) for v in offsets.tolist()]
+from v4stack.ops import invariant
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    from v4stack import ops
+def _check(x, w, offsets) -> list[int]:
+    off = [int(v) for v in offsets.tolist()]
+    if off[0] != 0 or off[-1] != x.shape[0] or any(b < a for a, b in zip(off, off[1:])):
+        raise ValueError(f"grouped_linear: offsets must rise from 0 to T={x.shape[0]}, got {off}")
+    return off
 
-    T, K = x.shape
-    E, N, K2 = w.shape
-    if K2 != K:
-        raise ValueError(f"grouped_linear: weight has in_features {K2}, input has {K}")
-    if offsets.numel() != E + 1:
-        raise ValueError(f"grouped_linear: offsets must have {E + 1} entries, got {offsets.numel()}")
-    if (x.is_cuda and get_mode() == "fast" and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm") and T > 0):
-        try:
-            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:].to(torch.int32),
-                                     out_dtype=torch.bfloat16)
-        except (RuntimeError, TypeError):  # shape / arch the grouped kernel does not take
-            pass
-    y = x.new_empty(T, N)
-    off = _offsets_host(offsets)
-    for e in range(E):
+
+def _loop(x, w, offsets, mm) -> torch.Tensor:
+    off = _check(x, w, offsets)
+    y = x.new_empty(x.shape[0], w.shape[1])
+    for e in range(w.shape[0]):
         a, b = off[e], off[e + 1]
         if b > a:
-            y[a:b] = ops.linear(x[a:b], w[e].to(x.dtype) if w.dtype != x.dtype else w[e])
+            y[a:b] = mm(x[a:b], w[e])
     return y
+
+
+def fast(x, w, offsets):
+    return _loop(x, w, offsets, lambda a, b: F.linear(a, b if b.dtype == a.dtype else b.to(a.dtype)))
+
+
+def reference(x, w, offsets):
+    return _loop(x, w, offsets, invariant._linear_tree)

@@ -121,35 +121,16 @@ def _inv_sqrt(v: torch.Tensor) -> torch.Tensor:
     return torch.div(torch.ones_like(v), torch.sqrt(v))
 
 
-# ---- GPU kernels ---------------------------------------------------------------------------
-
-
-def _kernels():
-    """The TileLang kernels module when a CUDA tensor can use it, else None (torch reference)."""
-    global _KERNELS
-    if _KERNELS is None:
-        from v4stack.kernels import tilelang_ops
-
-        _KERNELS = tilelang_ops if tilelang_ops.tilelang_installed() else False
-    return _KERNELS or None
-
-
-_KERNELS = None
-
-
 # ---- GEMM ----------------------------------------------------------------------------------
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` over the last dim; each output's K-sum is a fixed tree (no split-K).
 
-    On CUDA, bf16 / fp16 inputs run the fixed-tile TileLang GEMM when TileLang is installed.
+    GPU kernels are registered for it in the dispatch table (``ops.registry``).
     """
-    K, N = x.shape[-1], weight.shape[0]
-    if weight.shape[-1] != K:
-        raise ValueError(f"weight has in_features {weight.shape[-1]}, input has {K}")
-    if x.is_cuda and (k := _kernels()) is not None and k.supports_linear(x, weight):
-        return k.linear(x, weight)
+    if weight.shape[-1] != x.shape[-1]:
+        raise ValueError(f"weight has in_features {weight.shape[-1]}, input has {x.shape[-1]}")
     return _linear_tree(x, weight)
 
 
@@ -176,8 +157,6 @@ def _linear_tree(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    if x.is_cuda and (k := _kernels()) is not None and k.supports_rms_norm(x, weight):
-        return k.rms_norm_cuda(x, weight, eps)
     xf = x.to(acc_dtype(x.dtype))
     ms = tree_sum(xf * xf, -1, keepdim=True) / x.shape[-1]
     y = xf * _inv_sqrt(ms + eps)
@@ -215,11 +194,8 @@ def attention_with_sink(q, keys, mask, sink, scale: float) -> torch.Tensor:
     """Per query row: scores over its own candidates, sink in the denominator, weighted sum.
 
     Query rows never mix: each row's dot products (tree over ``c``) and its sums over candidates
-    (trees over ``K``) depend on that row alone; rows are chunked only to bound memory. On CUDA,
-    bf16 / fp16 with heads % 16 == 0 run the TileLang kernel (one block per row and head group).
+    (trees over ``K``) depend on that row alone; rows are chunked only to bound memory.
     """
-    if q.is_cuda and (k := _kernels()) is not None and k.supports_attention(q, keys):
-        return k.attention(q, keys, mask, sink, scale)
     T, H, c = q.shape
     K = keys.shape[1]
     out = torch.empty_like(q)

@@ -1,0 +1,83 @@
+"""CUDA registrations for ``ops``' dispatch table.
+
+Each entry names its kernel, the table key it serves and its ``accepts`` (the kernel's contract,
+``v4stack.kernels.contracts``, plus the library being installed). Kernel modules (Triton,
+TileLang) are imported on first call, so this module imports no GPU library.
+
+Choice of language per kernel: the GEMM, RMSNorm and dense attention kept from before are
+TileLang; the kernels added with the dispatch table are Triton, because Triton's interpreter
+runs them on the CPU (so the default test run checks their logic against float64 torch) and
+the GPU image carries Triton but not TileLang.
+"""
+
+import functools
+import importlib
+import importlib.util
+
+from v4stack.kernels import contracts as C
+
+
+@functools.lru_cache(maxsize=None)
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _lazy(module: str, attr: str):
+    fn = None
+
+    def call(*args, **kw):
+        nonlocal fn
+        if fn is None:
+            fn = getattr(importlib.import_module(f"v4stack.kernels.{module}"), attr)
+        return fn(*args, **kw)
+
+    call.__name__ = f"{module}.{attr}"
+    return call
+
+
+def _with(lib: str, check):
+    def accepts(*args, **kw):
+        return installed(lib) and check(*args, **kw)
+
+    return accepts
+
+
+def _grouped_mm(x, w, offsets):
+    """The framework's grouped GEMM (fast mode): ``torch._grouped_mm`` with int32 row ends."""
+    import torch
+
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32))
+
+
+def _fp8_linear(x, qw):
+    """A ``QuantizedWeight`` in fp8: its scales as fp32 once (kept on the weight), then the kernel."""
+    sc = getattr(qw, "_scale_f32", None)
+    if sc is None:
+        import torch
+
+        s = qw.scale
+        if s.dtype == torch.float8_e8m0fnu:  # 2^(byte - 127), exact
+            e = s.view(torch.uint8).to(torch.int32)
+            s = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 127)
+        sc = qw._scale_f32 = s.float().contiguous()
+    return _lazy_fp8(x, qw.data, sc)
+
+
+_lazy_fp8 = _lazy("triton_gemm", "fp8_linear")
+
+
+def register_all(register) -> None:
+    inv, fast = "invariant", "fast"
+    for dt in ("bfloat16", "float16"):
+        register("linear", "tilelang_gemm_nt", _lazy("tilelang_ops", "linear"), mode=inv, fmt=dt, device="cuda",
+                 accepts=_with("tilelang", C.tilelang_linear))
+        register("rms_norm", "tilelang_rms_norm", _lazy("tilelang_ops", "rms_norm_cuda"), mode=inv, fmt=dt,
+                 device="cuda", accepts=_with("tilelang", C.tilelang_rms_norm))
+        register("attention_with_sink", "tilelang_attention_sink", _lazy("tilelang_ops", "attention"), mode=inv,
+                 fmt=dt, device="cuda", accepts=_with("tilelang", C.tilelang_attention))
+    register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=C.torch_grouped_mm)
+    for mode in (inv, fast):
+        register("grouped_linear", "triton_grouped_gemm", _lazy("triton_gemm", "grouped_linear"), mode=mode,
+                 device="cuda", accepts=_with("triton", C.grouped_linear))
+        register("sparse_attention", "triton_sparse_attention", _lazy("triton_attention", "sparse_attention"),
+                 mode=mode, device="cuda", accepts=_with("triton", C.sparse_attention))

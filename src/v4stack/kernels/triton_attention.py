@@ -1,0 +1,160 @@
+"""Sparse attention over candidate indices (Triton): rows are read from the cache pools by index,
+never gathered into a copy.
+
+The arithmetic is fixed by the candidate list alone. Candidates (pool 0's columns, then pool
+1's) are cut into chunks of ``CHUNK`` = 64. Each chunk is one block: its scores
+``q . k * scale`` (one MMA over the head width), a chunk maximum ``m_c = max(sink, scores)``,
+``p = exp(s - m_c)``, ``l_c = sum p``, ``acc_c = p @ v``. Chunks are then merged in order,
+starting from the sink alone ``(M, L, A) = (sink, 1, 0)``:
+``M' = max(M, m_c)``, ``L' = L e^(M - M') + l_c e^(m_c - M')``, ``A' = A e^(M - M') + acc_c
+e^(m_c - M')``; the output is ``A / L``. A hidden candidate (``-1``) scores ``-inf`` and adds
+exact zeros, and an all-hidden chunk merges as the identity, so trailing ``-1`` columns change
+no bit.
+
+Two launch shapes give the same bits: ``split`` (few query rows, e.g. decode) runs one program
+per (row, head group, chunk) and a second kernel merges the chunks in order - so one row fills
+the SMs; ``fused`` (many rows) runs one program per (row, head group) that merges as it goes.
+Which one runs depends on the batch, the arithmetic does not (checked on the GPU by
+``bench/ops_gpu_check.py``).
+"""
+
+import triton
+import triton.language as tl
+
+CHUNK = 64
+BLOCK_H = 16
+
+
+@triton.jit
+def _chunk(q, c0, t, P0, I0, s_i0, K0, P1, I1, s_i1, K1, sink, scale, D: tl.constexpr, CH: tl.constexpr,
+           IEEE: tl.constexpr):
+    j = c0 + tl.arange(0, CH)
+    d = tl.arange(0, D)
+    in0 = j < K0
+    in1 = (j >= K0) & (j < K0 + K1)
+    r0 = tl.load(I0 + t * s_i0 + j, mask=in0, other=-1).to(tl.int64)
+    r1 = tl.load(I1 + t * s_i1 + (j - K0), mask=in1, other=-1).to(tl.int64)
+    v0 = in0 & (r0 >= 0)
+    v1 = in1 & (r1 >= 0)
+    k0 = tl.load(P0 + r0[:, None] * D + d[None, :], mask=v0[:, None], other=0.0)
+    k1 = tl.load(P1 + r1[:, None] * D + d[None, :], mask=v1[:, None], other=0.0)
+    kv = tl.where(v0[:, None], k0, k1)
+    if IEEE:
+        s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kv))
+    s = tl.where((v0 | v1)[None, :], s * scale, float("-inf"))
+    m = tl.maximum(sink, tl.max(s, 1))
+    p = tl.exp(s - m[:, None])
+    ls = tl.sum(p, 1)
+    if IEEE:
+        acc = tl.dot(p, kv, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(kv.dtype), kv)
+    return m, ls, acc
+
+
+@triton.jit
+def _merge(M, L, A, m, ls, acc):
+    Mn = tl.maximum(M, m)
+    a = tl.exp(M - Mn)
+    b = tl.exp(m - Mn)
+    return Mn, L * a + ls * b, A * a[:, None] + acc * b[:, None]
+
+
+@triton.jit
+def _load_q(Q, t, h0, s_qt, s_qh, H, D: tl.constexpr, BH: tl.constexpr):
+    h = h0 + tl.arange(0, BH)
+    d = tl.arange(0, D)
+    return tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0), h
+
+
+@triton.jit
+def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, P1, I1, s_i1, K1, Sink, O, s_ot, s_oh, H, scale, NCH,
+                 D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    q, h = _load_q(Q, t, h0, s_qt, s_qh, H, D, BH)
+    sink = tl.load(Sink + h, mask=h < H, other=0.0)
+    M = sink
+    L = tl.full([BH], 1.0, tl.float32)
+    A = tl.zeros([BH, D], tl.float32)
+    for c in range(0, NCH):
+        m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, P1, I1, s_i1, K1, sink, scale, D, CH, IEEE)
+        M, L, A = _merge(M, L, A, m, ls, acc)
+    out = A / L[:, None]
+    d = tl.arange(0, D)
+    tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty), mask=(h < H)[:, None])
+
+
+@triton.jit
+def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, P1, I1, s_i1, K1, Sink, Pm, Pl, Pa, H, scale, NCH,
+                 D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    c = tl.program_id(2)
+    q, h = _load_q(Q, t, h0, s_qt, s_qh, H, D, BH)
+    sink = tl.load(Sink + h, mask=h < H, other=0.0)
+    m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, P1, I1, s_i1, K1, sink, scale, D, CH, IEEE)
+    base = (t * NCH + c) * H + h
+    tl.store(Pm + base, m, mask=h < H)
+    tl.store(Pl + base, ls, mask=h < H)
+    d = tl.arange(0, D)
+    tl.store(Pa + base[:, None] * D + d[None, :], acc, mask=(h < H)[:, None])
+
+
+@triton.jit
+def merge_kernel(Pm, Pl, Pa, Sink, O, s_ot, s_oh, H, NCH, D: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    d = tl.arange(0, D)
+    sink = tl.load(Sink + h, mask=h < H, other=0.0)
+    M = sink
+    L = tl.full([BH], 1.0, tl.float32)
+    A = tl.zeros([BH, D], tl.float32)
+    for c in range(0, NCH):
+        base = (t * NCH + c) * H + h
+        m = tl.load(Pm + base, mask=h < H, other=0.0)
+        ls = tl.load(Pl + base, mask=h < H, other=0.0)
+        acc = tl.load(Pa + base[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
+        M, L, A = _merge(M, L, A, m, ls, acc)
+    out = A / L[:, None]
+    tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty), mask=(h < H)[:, None])
+
+
+SPLIT_BELOW = 264  # programs (rows x head groups) below which the split launch is used: 2 waves of 132 SMs
+
+
+def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None):
+    """``ops.sparse_attention`` for one or two pools on CUDA (or the interpreter)."""
+    import torch
+
+    T, H, D = q.shape
+    p0, i0 = pools[0], idx[0]
+    p1, i1 = (pools[1], idx[1]) if len(pools) > 1 else (pools[0], idx[0][:, :0])
+    p0, p1 = p0.contiguous(), p1.contiguous()
+    i0, i1 = i0.contiguous(), i1.contiguous()
+    K0, K1 = i0.shape[1], i1.shape[1]
+    nch = triton.cdiv(K0 + K1, CHUNK)
+    hg = triton.cdiv(H, BLOCK_H)
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    sink = sink.float().contiguous()
+    ieee = q.dtype == torch.float32
+    s_i0 = i0.stride(0) if K0 else 0
+    s_i1 = i1.stride(0) if K1 else 0
+    if path is None:
+        path = "split" if T * hg < SPLIT_BELOW else "fused"
+    if path == "fused" or nch == 0:
+        fused_kernel[(T, hg)](q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, out,
+                              out.stride(0), out.stride(1), H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK,
+                              IEEE=ieee)
+        return out
+    pm = torch.empty(T, nch, H, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    pa = torch.empty(T, nch, H, D, dtype=torch.float32, device=q.device)
+    split_kernel[(T, hg, nch)](q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, pm, pl, pa,
+                               H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK, IEEE=ieee)
+    merge_kernel[(T, hg)](pm, pl, pa, sink, out, out.stride(0), out.stride(1), H, nch, D=D, BH=BLOCK_H)
+    return out

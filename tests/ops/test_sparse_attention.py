@@ -1,0 +1,66 @@
+"""ops.sparse_attention: the CPU reference equals today's invariant attention over the same
+candidates bit for bit, trailing -1 columns change no bit, and the GPU kernel (Triton's
+interpreter on the CPU) agrees with a float64 reference in both launch shapes."""
+
+import importlib
+
+import pytest
+import torch
+
+from v4stack import ops
+
+T, H, D = 3, 4, 32
+
+
+def _case(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    p0, p1 = torch.randn(50, D, generator=g).to(dtype), torch.randn(20, D, generator=g).to(dtype)
+    i0 = torch.randint(0, 50, (T, 70), generator=g)
+    i0[:, 60:] = -1
+    i0[1, 5] = -1
+    i1 = torch.randint(0, 20, (T, 10), generator=g)
+    i1[2] = -1
+    return q, [p0, p1], [i0, i1], torch.randn(H, generator=g)
+
+
+def test_invariant_reference_is_attention_with_sink_over_the_same_candidates():
+    q, pools, idx, sink = _case()
+    keys = torch.cat([pools[0][idx[0].clamp(min=0)], pools[1][idx[1].clamp(min=0)]], 1)
+    mask = torch.cat([idx[0] >= 0, idx[1] >= 0], 1)
+    with ops.mode("invariant"):
+        want = ops.attention_with_sink(q, keys, mask, sink, D ** -0.5)
+        got = ops.sparse_attention(q, pools, idx, sink, D ** -0.5)
+        # trailing -1 columns (the padding of a longer batch) change no bit ...
+        pad = [idx[0], torch.cat([idx[1], torch.full((T, 77), -1)], 1)]
+        padded = ops.sparse_attention(q, pools, pad, sink, D ** -0.5)
+        # ... while moving a candidate to another column does (the order is the candidate list's)
+        rolled = ops.sparse_attention(q, pools, [idx[0].roll(7, 1), idx[1]], sink, D ** -0.5)
+    assert torch.equal(got, want) and torch.equal(padded, got)
+    assert not torch.equal(rolled, got) and torch.allclose(rolled, got, atol=1e-5)
+    fast = ops.sparse_attention(q, pools, idx, sink, D ** -0.5)
+    torch.testing.assert_close(fast, got, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_indices_are_refused():
+    q, pools, idx, sink = _case()
+    with pytest.raises(IndexError, match="past the pool"):
+        ops.sparse_attention(q, pools, [idx[0], idx[1] + 50], sink, 1.0)
+    with pytest.raises(ValueError, match="one index tensor per pool"):
+        ops.sparse_attention(q, pools, idx[:1], sink, 1.0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_kernel_matches_float64(dtype, tol):
+    ta = pytest.importorskip("v4stack.kernels.triton_attention")
+    ref = importlib.import_module("v4stack.ops.sparse_attention")
+    q, pools, idx, sink = _case(dtype)
+    want = ref.reference(q.double(), [p.double() for p in pools], idx, sink.double(), D ** -0.5)
+    split = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, path="split")
+    fused = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, path="fused")
+    assert split.dtype == dtype
+    torch.testing.assert_close(split.double(), want, atol=tol, rtol=tol)
+    assert torch.equal(split, fused)  # one arithmetic, two launch shapes
+    one = ta.sparse_attention(q, pools[:1], idx[:1], sink, D ** -0.5, path="fused")
+    torch.testing.assert_close(one.double(), ref.reference(q.double(), [pools[0].double()], idx[:1], sink.double(),
+                                                           D ** -0.5), atol=tol, rtol=tol)
