@@ -34,3 +34,42 @@ def torch_grouped_mm(x, w, offsets) -> bool:
 
     return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0
             and w.shape[1] % 8 == 0 and x.is_contiguous())
+
+
+_FLOATS = ("torch.float32", "torch.bfloat16", "torch.float16")
+
+
+def linear(x, weight, **kw) -> bool:
+    return not kw and weight.dim() == 2 and x.dtype == weight.dtype and str(x.dtype) in _FLOATS
+
+
+def fp8_linear(x, weight, scale=None) -> bool:
+    return (scale is not None and weight.dim() == 2 and str(x.dtype) in ("torch.bfloat16", "torch.float16")
+            and weight.stride(1) == 1 and scale.shape == (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128)))
+
+
+def hc_mix(flat, fn, eps) -> bool:
+    return flat.dtype == fn.dtype and str(flat.dtype) == "torch.float32" and fn.shape[0] <= 64
+
+
+def indexer_scores(q, w, k) -> bool:
+    D = q.shape[-1]
+    return (q.dim() == 3 and k.dtype == q.dtype and _pow2(D) and 16 <= D <= 256 and q.shape[1] <= 128
+            and str(q.dtype) in _FLOATS)
+
+
+def softmax(x, dim=-1) -> bool:
+    return x.dim() >= 1 and dim in (-1, x.dim() - 1) and str(x.dtype) in _FLOATS
+
+
+def weighted_pool(kv, score, dim) -> bool:
+    return (kv.dim() >= 2 and kv.shape == score.shape and dim % kv.dim() == kv.dim() - 2 and kv.shape[-2] <= 256
+            and str(kv.dtype) in _FLOATS and str(score.dtype) in _FLOATS)
+
+
+def moe_combine(y, idx) -> bool:
+    return y.dim() == 3 and idx.shape == y.shape[:2] and y.shape[1] <= 64 and str(y.dtype) in _FLOATS
+
+
+def topk(x, k, stable=False) -> bool:
+    return str(x.dtype) in _FLOATS and x.shape[-1] < 2**31

@@ -75,6 +75,27 @@ def register_all(register) -> None:
                  device="cuda", accepts=_with("tilelang", C.tilelang_rms_norm))
         register("attention_with_sink", "tilelang_attention_sink", _lazy("tilelang_ops", "attention"), mode=inv,
                  fmt=dt, device="cuda", accepts=_with("tilelang", C.tilelang_attention))
+    trit = lambda check: _with("triton", check)  # noqa: E731
+    register("linear", "triton_fp8_block_gemm", _lazy("triton_gemm", "fp8_linear"), fmt="float8_e4m3fn",
+             device="cuda", accepts=trit(C.fp8_linear))
+    register("linear", "triton_fp32_gemm", _lazy("triton_gemm", "linear"), mode=inv, fmt="float32", device="cuda",
+             accepts=trit(C.linear))
+    for dt in ("bfloat16", "float16"):  # where TileLang is absent or refuses the shape
+        register("linear", "triton_gemm", _lazy("triton_gemm", "linear"), mode=inv, fmt=dt, device="cuda",
+                 accepts=trit(C.linear))
+    register("hc_mix", "triton_hc_mix", _lazy("triton_gemm", "hc_mix"), mode=inv, fmt="float32", device="cuda",
+             accepts=trit(C.hc_mix))
+    register("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores"), mode=inv,
+             device="cuda", accepts=trit(C.indexer_scores))
+    register("softmax", "triton_softmax", _lazy("triton_rows", "softmax"), mode=inv, device="cuda",
+             accepts=trit(C.softmax))
+    register("log_softmax", "triton_log_softmax", _lazy("triton_rows", "log_softmax"), mode=inv, device="cuda",
+             accepts=trit(C.softmax))
+    register("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool"), mode=inv,
+             device="cuda", accepts=trit(C.weighted_pool))
+    register("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine"), mode=inv, device="cuda",
+             accepts=trit(C.moe_combine))
+    register("topk", "packed_key_topk", _lazy("topk", "stable_topk"), mode=inv, device="cuda", accepts=C.topk)
     register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=C.torch_grouped_mm)
     for mode in (inv, fast):
         register("grouped_linear", "triton_grouped_gemm", _lazy("triton_gemm", "grouped_linear"), mode=mode,

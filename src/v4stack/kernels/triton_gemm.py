@@ -73,3 +73,170 @@ def grouped_linear(x, w, offsets):
     grouped_kernel[grid](xc, wc, y, tile_e, r0, off, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
                          BM=bm, BN=GROUPED_TILE["BN"], BK=GROUPED_TILE["BK"], IEEE=x.dtype == torch.float32)
     return y
+
+
+@triton.jit
+def linear_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  IEEE: tl.constexpr):
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    acc, cols = _mm_tile(X, W, rows, rmask, tl.program_id(1) * BN, s_xm, s_wn, N, K, BN, BK, IEEE, BM)
+    tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=rmask[:, None] & (cols < N)[None, :])
+
+
+def linear(x, weight):
+    """``x @ weight.T`` with a fixed tile (fp32: IEEE FMA, no TF32)."""
+    import torch
+
+    N, K = weight.shape
+    a = x.reshape(-1, K)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = a.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        t = F32_TILE if x.dtype == torch.float32 else GROUPED_TILE
+        grid = (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
+        linear_kernel[grid](a, w, y, M, N, K, a.stride(0), w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"],
+                            BK=t["BK"], IEEE=x.dtype == torch.float32)
+    return y.view(*x.shape[:-1], N)
+
+
+HC_SPLIT = 1024  # K per split of hc_mix: a constant, so a row's sum order depends on K alone
+
+
+@triton.jit
+def hc_mix_kernel(X, W, Pacc, Pss, M, N, K, s_xm, s_wn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    s = tl.program_id(1)
+    rmask = rows < M
+    cols = tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for k0 in range(s * SPLIT, tl.minimum(s * SPLIT + SPLIT, K), BK):
+        kmask = (k0 + kk) < K
+        a = tl.load(X + rows[:, None] * s_xm + (k0 + kk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(W + cols[None, :] * s_wn + (k0 + kk)[:, None], mask=(cols < N)[None, :] & kmask[:, None],
+                    other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        ss += tl.sum(a * a, 1)
+    base = s * M + rows
+    tl.store(Pacc + base[:, None] * BN + cols[None, :], acc, mask=rmask[:, None])
+    tl.store(Pss + base, ss, mask=rmask)
+
+
+@triton.jit
+def hc_finish_kernel(Pacc, Pss, Y, M, N, K, S, eps, BM: tl.constexpr, BN: tl.constexpr):
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    cols = tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for s in range(0, S):
+        base = s * M + rows
+        acc += tl.load(Pacc + base[:, None] * BN + cols[None, :], mask=rmask[:, None], other=0.0)
+        ss += tl.load(Pss + base, mask=rmask, other=0.0)
+    r = 1.0 / tl.sqrt_rn(ss / K + eps)
+    tl.store(Y + rows[:, None] * N + cols[None, :], acc * r[:, None], mask=rmask[:, None] & (cols < N)[None, :])
+
+
+def hc_mix(flat, fn, eps):
+    """mHC projection in fp32 on the CUDA cores: K cut into fixed ``HC_SPLIT`` slices (so one row
+    fills the GPU), slices summed in order by a second kernel, ``1 / sqrt`` correctly rounded."""
+    import torch
+
+    N, K = fn.shape
+    x = flat.reshape(-1, K).contiguous()
+    M = x.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32, device=flat.device)
+    if M == 0:
+        return y.view(*flat.shape[:-1], N)
+    S = triton.cdiv(K, HC_SPLIT)
+    bn = max(16, triton.next_power_of_2(N))
+    pacc = torch.empty(S, M, bn, dtype=torch.float32, device=flat.device)
+    pss = torch.empty(S, M, dtype=torch.float32, device=flat.device)
+    bm = 16
+    w = fn.contiguous()
+    hc_mix_kernel[(triton.cdiv(M, bm), S)](x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn, BK=32,
+                                           SPLIT=HC_SPLIT)
+    hc_finish_kernel[(triton.cdiv(M, bm),)](pacc, pss, y, M, N, K, S, float(eps), BM=bm, BN=bn)
+    return y.view(*flat.shape[:-1], N)
+
+
+@triton.jit
+def indexer_kernel(Q, Wt, Kc, Y, S, H, s_qt, s_qh, s_wt, s_ks, s_yt, D: tl.constexpr, BH: tl.constexpr,
+                   BS: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    h = tl.arange(0, BH)
+    d = tl.arange(0, D)
+    q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
+    k = tl.load(Kc + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=(s < S)[None, :], other=0.0)
+    if IEEE:
+        dots = tl.dot(q, k, input_precision="ieee")
+    else:
+        dots = tl.dot(q, k)
+    w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
+    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+    tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
+
+
+def indexer_scores(q, w, k):
+    """``I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s])``: one program per (query, 64 keys)."""
+    import torch
+
+    T, H, D = q.shape
+    S = k.shape[0]
+    out = torch.empty(T, S, dtype=torch.promote_types(q.dtype, w.dtype), device=q.device)
+    if T and S:
+        qc, wc, kc = q.contiguous(), w.contiguous(), k.contiguous()
+        bs = 64
+        indexer_kernel[(T, triton.cdiv(S, bs))](qc, wc, kc, out, S, H, qc.stride(0), qc.stride(1), wc.stride(0),
+                                                kc.stride(0), out.stride(0), D=D, BH=max(16, triton.next_power_of_2(H)),
+                                                BS=bs, IEEE=q.dtype == torch.float32)
+    return out
+
+
+FP8_BLOCK = 128  # weight scale block (rows x columns), V4's checkpoint format
+
+
+@triton.jit
+def fp8_kernel(X, W, Sc, Y, M, N, K, s_xm, s_wn, s_sn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    n0 = tl.program_id(1) * BN
+    cols = n0 + tl.arange(0, BN)
+    rmask = rows < M
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = (k0 + kk) < K
+        a = tl.load(X + rows[:, None] * s_xm + (k0 + kk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(W + cols[None, :] * s_wn + (k0 + kk)[:, None], mask=(cols < N)[None, :] & kmask[:, None],
+                    other=0.0)
+        sc = tl.load(Sc + (n0 // BK) * s_sn + k0 // BK)
+        acc += tl.dot(a, b.to(a.dtype)) * sc
+    tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+             mask=rmask[:, None] & (cols < N)[None, :])
+
+
+def fp8_linear(x, weight, scale):
+    """``x @ dequant(weight).T`` for an e4m3 weight with one fp32 scale per 128 x 128 block: each
+    128-wide K slice's MMA partial (weights widened to x's dtype, exact for e4m3) is scaled by its
+    block factor and added in order."""
+    import torch
+
+    N, K = weight.shape
+    a = x.reshape(-1, K).contiguous()
+    M = a.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        sc = scale.float().contiguous()
+        bm = 64
+        fp8_kernel[(triton.cdiv(M, bm), triton.cdiv(N, FP8_BLOCK))](a, weight, sc, y, M, N, K, a.stride(0),
+                                                                     weight.stride(0), sc.stride(0), y.stride(0),
+                                                                     BM=bm, BN=FP8_BLOCK, BK=FP8_BLOCK)
+    return y.view(*x.shape[:-1], N)

@@ -1,0 +1,69 @@
+"""The Triton kernels of invariant mode against float64 torch (Triton's interpreter on the CPU).
+
+Small shapes: the interpreter runs the kernels' logic (masks, loops, tiling), not their speed.
+Bit-invariance over batches is checked on the GPU (``bench/ops_gpu_check.py``).
+"""
+
+import pytest
+import torch
+
+from v4stack.kernels import fp8_gemm, topk
+
+tr = pytest.importorskip("v4stack.kernels.triton_rows")
+tg = pytest.importorskip("v4stack.kernels.triton_gemm")
+g = torch.Generator().manual_seed(0)
+
+
+def r(*s):
+    return torch.randn(*s, generator=g)
+
+
+def close(got, want, tol):
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block", [4096, 128])  # one slice, and the looped path of wide rows
+def test_softmax_and_log_softmax(monkeypatch, block):
+    monkeypatch.setattr(tr, "ROW_BLOCK", block)
+    x = r(5, 300) * 3
+    close(tr.softmax(x), torch.softmax(x.double(), -1), 1e-6)
+    close(tr.log_softmax(x), torch.log_softmax(x.double(), -1), 1e-5)
+
+
+def test_weighted_pool_and_moe_combine():
+    kv, s = r(6, 5, 40), r(6, 5, 40)
+    close(tr.weighted_pool(kv, s, 1), (torch.softmax(s.double(), 1) * kv.double()).sum(1), 1e-6)
+    y, idx = r(7, 6, 50), torch.randint(0, 4, (7, 6), generator=g)  # repeated ids: ties in slot order
+    from v4stack.ops import invariant
+    assert torch.equal(tr.moe_combine(y, idx), invariant.moe_combine(y, idx))  # same adds, same order
+
+
+def test_gemms():
+    x, w = r(40, 100), r(70, 100)
+    close(tg.linear(x, w), x.double() @ w.double().T, 1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    close(tg.linear(xb, wb), (xb.double() @ wb.double().T).bfloat16(), 1e-2)
+    f, fn = r(5, 2100), r(24, 2100)  # K over two hc_mix splits, not a multiple of the slice
+    want = (f.double() @ fn.double().T) / torch.sqrt((f.double() ** 2).mean(-1, keepdim=True) + 1e-6)
+    close(tg.hc_mix(f, fn, 1e-6), want, 1e-5)
+    q, wt, k = r(3, 8, 32), r(3, 8), r(100, 32)
+    want = (torch.einsum("thd,sd->ths", q.double(), k.double()).relu() * wt.double()[:, :, None]).sum(1)
+    close(tg.indexer_scores(q, wt, k), want, 1e-5)
+
+
+def test_fp8_block_scaled_gemm():
+    wq, sc = fp8_gemm.quantize(r(200, 300))  # blocks cut by both edges
+    x = r(9, 300).bfloat16()
+    want = x.double() @ fp8_gemm.dequantize(wq, sc).double().T
+    close(tg.fp8_linear(x, wq, sc), want.bfloat16(), 1e-2)
+
+
+def test_packed_key_topk_is_the_stable_sort():
+    x = torch.randint(-5, 5, (50, 300), generator=g).float() * 0.5  # many ties
+    x[0, 3], x[0, 4] = -0.0, 0.0
+    for dt in (torch.float32, torch.bfloat16):
+        v, i = topk.stable_topk(x.to(dt), 37)
+        sv, si = torch.sort(x.to(dt), dim=-1, descending=True, stable=True)
+        assert torch.equal(i, si[:, :37]) and torch.equal(v, sv[:, :37])
+    # inverse control: the framework's top-k breaks these ties its own way
+    assert not torch.equal(torch.topk(x, 37).indices, torch.sort(x, dim=-1, descending=True, stable=True)[1][:, :37])
