@@ -45,3 +45,17 @@ def test_every_model_op_has_a_reference_in_both_modes_on_any_device():
                "topk", "sparse_attention", "grouped_linear", "rms_norm", "attention_with_sink"):
         for m in ops.MODES:
             assert ops.table()[f"{op}/{m}/*/*"], (op, m)
+
+
+def test_block_scaled_weights_dispatch_on_their_format():
+    from v4stack.ops import quantized
+
+    w = torch.randn(40, 256)
+    qw = ops.QuantizedWeight("fp8", *quantized.quantize_fp8(w))
+    x = torch.randn(3, 256)
+    ops.reset_counters()
+    with ops.mode("invariant"):
+        y = ops.linear(x, qw)
+        assert torch.equal(y, ops.linear(x, qw.dequantize()))
+    assert ops.counters()["linear"] == {"dequantize_cached": 1, "torch_invariant": 2}
+    assert ops.table()["linear/*/fp8/cuda"] == ["triton_fp8_block_gemm"]

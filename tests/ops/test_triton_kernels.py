@@ -7,7 +7,8 @@ Bit-invariance over batches is checked on the GPU (``bench/ops_gpu_check.py``).
 import pytest
 import torch
 
-from v4stack.kernels import fp8_gemm, topk
+from v4stack.kernels import topk
+from v4stack.ops import quantized
 
 tr = pytest.importorskip("v4stack.kernels.triton_rows")
 tg = pytest.importorskip("v4stack.kernels.triton_gemm")
@@ -52,10 +53,10 @@ def test_gemms():
 
 
 def test_fp8_block_scaled_gemm():
-    wq, sc = fp8_gemm.quantize(r(200, 300))  # blocks cut by both edges
+    wq, sc = quantized.quantize_fp8(r(200, 300))  # e8m0 scales; blocks cut by both edges
     x = r(9, 300).bfloat16()
-    want = x.double() @ fp8_gemm.dequantize(wq, sc).double().T
-    close(tg.fp8_linear(x, wq, sc), want.bfloat16(), 1e-2)
+    want = x.double() @ quantized.dequantize_fp8(wq, sc).double().T
+    close(tg.fp8_linear(x, wq, quantized.scale_to_float(sc)), want.bfloat16(), 1e-2)
 
 
 def test_packed_key_topk_is_the_stable_sort():

@@ -43,9 +43,10 @@ def linear(x, weight, **kw) -> bool:
     return not kw and weight.dim() == 2 and x.dtype == weight.dtype and str(x.dtype) in _FLOATS
 
 
-def fp8_linear(x, weight, scale=None) -> bool:
-    return (scale is not None and weight.dim() == 2 and str(x.dtype) in ("torch.bfloat16", "torch.float16")
-            and weight.stride(1) == 1 and scale.shape == (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128)))
+def fp8_linear(x, qw) -> bool:
+    w = qw.data
+    return (str(x.dtype) in ("torch.bfloat16", "torch.float16") and w.is_cuda and w.stride(1) == 1
+            and tuple(qw.scale.shape) == (-(-w.shape[0] // 128), -(-w.shape[1] // 128)))
 
 
 def hc_mix(flat, fn, eps) -> bool:

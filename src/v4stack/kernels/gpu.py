@@ -76,8 +76,7 @@ def register_all(register) -> None:
         register("attention_with_sink", "tilelang_attention_sink", _lazy("tilelang_ops", "attention"), mode=inv,
                  fmt=dt, device="cuda", accepts=_with("tilelang", C.tilelang_attention))
     trit = lambda check: _with("triton", check)  # noqa: E731
-    register("linear", "triton_fp8_block_gemm", _lazy("triton_gemm", "fp8_linear"), fmt="float8_e4m3fn",
-             device="cuda", accepts=trit(C.fp8_linear))
+    register("linear", "triton_fp8_block_gemm", _fp8_linear, fmt="fp8", device="cuda", accepts=trit(C.fp8_linear))
     register("linear", "triton_fp32_gemm", _lazy("triton_gemm", "linear"), mode=inv, fmt="float32", device="cuda",
              accepts=trit(C.linear))
     for dt in ("bfloat16", "float16"):  # where TileLang is absent or refuses the shape
