@@ -37,7 +37,7 @@ def _load(path: Path) -> tuple[V4Model, dict]:
     d = ckpt.latest(path / "ckpt" if (path / "ckpt").exists() else path)
     state, _, meta = ckpt.load(d, 0)
     model = V4Model(preset("tiny"), seed=None)
-    model.load_state_dict(state)
+    model.load_state_dict(state["model"] if "model" in state else state)
     last = meta["records"][-1] if meta.get("records") else {}
     return model.float().eval(), {"source": str(d), "step": meta["step"], "last_record": last}
 
