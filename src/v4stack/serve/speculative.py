@@ -215,14 +215,16 @@ class SpeculativeDecoder:
     @staticmethod
     def _rollback(st: RequestState, P: int, snaps: list[LayerState]) -> None:
         """Return ``st`` to position ``P`` from the snapshots the step took there."""
-        for ls, snap in zip(st.layers, snaps):
+        for ls, snap in zip(st.layers, snaps):  # in place: the state may be a view of a cache slot
             ls.swa_kv.copy_(snap.swa_kv)
             if ls.tail is not None:
-                ls.tail = snap.tail
+                ls.tail.kv.copy_(snap.tail.kv)
+                ls.tail.score.copy_(snap.tail.score)
                 ratio = ls.tail.rows // (2 if ls.index_tail is not None else 1)
                 ls.compressed_kv = ls.compressed_kv[: P // ratio]
                 if ls.index_tail is not None:
-                    ls.index_tail = snap.index_tail
+                    ls.index_tail.kv.copy_(snap.index_tail.kv)
+                    ls.index_tail.score.copy_(snap.index_tail.score)
                     ls.index_keys = ls.index_keys[: P // ratio]
         st.pos = P
 
