@@ -19,6 +19,8 @@ marks, or is lost with its data still unconsumed and trained again - never twice
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +130,29 @@ class PolicyTrainer:
     def weights(self) -> dict:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def commit_empty(self, step_no: int, consumed: dict[str, list[str]], extra_meta: dict | None = None) -> dict:
+        """A step with nothing to train on (every selected group had equal rewards): the checkpoint
+        still names what it consumed, and the weights are unchanged."""
+        return self._commit(step_no, consumed, extra_meta, {"loss": 0.0, "tokens": 0, "update_s": 0.0})
+
+    def _commit(self, step_no: int, consumed: dict, extra_meta: dict | None, stats: dict) -> dict:
+        if step_no != self.step_no + 1:
+            raise ValueError(f"trainer step {step_no}: the last committed step is {self.step_no}")
+        extra_meta = dict(extra_meta or {})
+        fault = extra_meta.pop("fault", None)  # fault injection: SIGKILL this process before / after the commit
+        if fault == "before_commit":
+            os.kill(os.getpid(), signal.SIGKILL)
+        t1 = time.perf_counter()
+        meta = {"step": step_no, "world": 1, "elapsed": 0.0, "records": [], "version": step_no,
+                "consumed": consumed, **(extra_meta or {})}
+        ckpt.write_shard(self.root, step_no, 0, {"optim": self.opt.state_dict()})
+        ckpt.commit(self.root, step_no, {"model": self.model.state_dict()}, meta, self.cfg.keep)
+        self.step_no, self.meta = step_no, meta
+        stats["ckpt_s"] = time.perf_counter() - t1
+        if fault == "after_commit":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return stats
+
     def step(self, step_no: int, heavy: list[dict], adv: np.ndarray, consumed: dict[str, list[str]],
              extra_meta: dict | None = None) -> dict:
         """One update on ``heavy`` (a batch's heavy fields) and ``adv``; commits checkpoint
@@ -153,16 +178,9 @@ class PolicyTrainer:
             self.opt.step()
             self.opt.zero_grad()
         stats["update_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        meta = {"step": step_no, "world": 1, "elapsed": 0.0, "records": [], "version": step_no,
-                "consumed": consumed, **(extra_meta or {})}
-        ckpt.write_shard(self.root, step_no, 0, {"optim": self.opt.state_dict()})
-        ckpt.commit(self.root, step_no, {"model": self.model.state_dict()}, meta, self.cfg.keep)
-        self.step_no, self.meta = step_no, meta
-        stats["ckpt_s"] = time.perf_counter() - t1
         if not all(math.isfinite(v) for v in (stats["loss"], stats["ratio_mean"])):
             raise FloatingPointError(f"grpo step {step_no}: non-finite loss or ratio {stats}")
-        return stats
+        return self._commit(step_no, consumed, extra_meta, stats)
 
 
 def load_model_state(path: str | Path) -> dict:

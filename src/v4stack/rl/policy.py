@@ -23,13 +23,16 @@ class SFTConfig:
     batch_size: int = 16
     seq_len: int = 64
     corpus_bytes: int = 1 << 20
-    minutes: float = 4.0
+    minutes: float = 15.0  # a cap for a loaded machine; 300 steps take ~3 minutes on 2 quiet cores
     seed: int = 0
     threads: int = 0
 
     def key(self) -> str:
+        from v4stack.rl.tasks import VERSION
+
         d = asdict(self)
         d.pop("threads")
+        d["tasks"] = VERSION
         return hashlib.blake2b(json.dumps(d, sort_keys=True).encode(), digest_size=5).hexdigest()
 
 

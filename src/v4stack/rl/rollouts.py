@@ -13,6 +13,7 @@ change), and every TOKENS record carries the version that produced it.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ def score(tr: Trajectory) -> float:
     """The trajectory's reward, from its WAL state alone."""
     prompt = _TOK.decode(tr.prompt)
     try:
-        task = T.parse_question(prompt.removeprefix("Q: ").split("\n", 1)[0])
+        task = T.parse_question(prompt.split("\n", 1)[0])
     except ValueError:
         return 0.0
     if not tr.obs:
@@ -112,8 +113,9 @@ class RolloutServer:
         return self._finish(list(self.wal.trajectories))
 
     def rollout(self, jobs: list[tuple[str, str, str, int]], max_tokens: int = 64,
-                temperature: float = 1.0) -> list[tuple[dict, dict]]:
-        """``jobs``: (trajectory id, group id, question, seed)."""
+                temperature: float = 1.0, kill_after: int | None = None) -> list[tuple[dict, dict]]:
+        """``jobs``: (trajectory id, group id, question, seed). ``kill_after``: fault injection -
+        SIGKILL this process after that many engine steps."""
         t0 = time.perf_counter()
         for tid, group, question, seed in jobs:
             if tid in self.wal.trajectories:
@@ -121,6 +123,9 @@ class RolloutServer:
             prompt = _TOK.encode(T.make_prompt(question))
             self.worker.submit(tid, prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                                            seed=seed, stop=("\n",)), group=group)
+        if kill_after is not None:
+            self.worker.run(max_steps=kill_after)
+            os.kill(os.getpid(), signal.SIGKILL)
         self.worker.run()
         self.last_rollout_s = time.perf_counter() - t0
         return self._finish([j[0] for j in jobs])

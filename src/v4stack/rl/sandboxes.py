@@ -32,7 +32,7 @@ def _free_sock() -> socket.socket:
 
 
 class LocalDsec:
-    """apiserver (a thread of this process) + ``edges`` edge processes over one home directory."""
+    """apiserver and watcher (threads of this process) + ``edges`` edge processes over one home."""
 
     def __init__(self, home: str | os.PathLike, edges: int = 1, pool: int = 2, token: str | None = None):
         import uvicorn
@@ -50,6 +50,10 @@ class LocalDsec:
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.home, self.token), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
+        from v4stack.dsec.watcher import Watcher
+
+        self.watcher = Watcher(self.home, self.token, dead_after=1.5, layer_grace=0)
+        threading.Thread(target=self.watcher.run, args=(0.5,), daemon=True).start()
         self.edges: dict[str, subprocess.Popen] = {}
         for i in range(edges):
             self.start_edge(f"edge-{i}")
@@ -57,7 +61,9 @@ class LocalDsec:
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {self.token}"})
 
-    def start_edge(self, name: str, timeout: float = 60.0) -> subprocess.Popen:
+    def start_edge(self, name: str | None = None, timeout: float = 60.0) -> subprocess.Popen:
+        if name is None:
+            name = f"edge-{len(self.edges)}"
         log = open(self.home / f"{name}.out", "ab")
         p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", str(self.home),
                               "--apiserver", self.url, "--id", name, "--pool", str(self.pool),
@@ -92,6 +98,7 @@ class LocalDsec:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(10)
+        self.watcher.stop.set()
         self.server.should_exit = True
         self.thread.join(10)
         _cleanup(self.home)

@@ -3,12 +3,14 @@ the command's output, and states the answer.
 
 One episode, as the byte-level model sees it (``$ `` opens the tool turn, ``A: `` the answer)::
 
-    Q: add 37 45          <- prompt
-    $ echo $((37+45))     <- turn 1, sampled; ends at the newline; runs in a DSec sandbox
+    37 + 45               <- prompt
+    $ expr 37 + 45        <- turn 1, sampled; ends at the newline; runs in a DSec sandbox
     82                    <- observation (appended, never sampled)
     A: 82                 <- turn 2, sampled; the reward is 1 when it equals the true answer
 
-Kinds: ``add``/``sub``/``mul`` (shell arithmetic) and ``rev``/``upper``/``len`` (string tools).
+Kinds: ``add``/``sub`` (shell arithmetic with ``expr``) and ``rev``/``upper``/``len`` (string
+tools). The formats keep every byte the command must copy from the question within the tiny
+preset's 16-token attention window.
 The split is a pure function of the question (a hash), so the held-out questions never appear
 in training rollouts or in the supervised demonstrations.
 """
@@ -22,10 +24,11 @@ from dataclasses import dataclass
 WORDS = ["fox", "house", "river", "engine", "garden", "window", "cache", "kernel", "sandbox", "model",
          "token", "expert", "router", "matrix", "stream", "red", "quiet", "old", "bright", "heavy", "green",
          "quick", "cold", "round", "paris", "lima", "oslo", "cairo", "kyoto", "quito", "perth", "delhi"]
-KINDS = ("add", "sub", "mul", "rev", "upper", "len")
+KINDS = ("add", "sub", "rev", "upper", "len")
 TOOL_OPEN = "\n$ "
 ANSWER_OPEN = "\nA: "
 HELD_OUT_PER_MILLE = 150
+VERSION = 2  # bump when the episode format changes (keys the supervised checkpoint)
 
 
 @dataclass(frozen=True)
@@ -52,15 +55,14 @@ class Task:
 
 
 def make_prompt(question: str) -> str:
-    return f"Q: {question}{TOOL_OPEN}"
+    return f"{question}{TOOL_OPEN}"
 
 
 def make(kind: str, args: tuple) -> Task:
-    if kind in ("add", "sub", "mul"):
+    if kind in ("add", "sub"):
         a, b = args
-        op = {"add": "+", "sub": "-", "mul": "*"}[kind]
-        ans = {"add": a + b, "sub": a - b, "mul": a * b}[kind]
-        return Task(kind, args, f"{kind} {a} {b}", str(ans), f"echo $(({a}{op}{b}))")
+        op = "+" if kind == "add" else "-"
+        return Task(kind, args, f"{a} {op} {b}", str(a + b if kind == "add" else a - b), f"expr {a} {op} {b}")
     (w,) = args
     if kind == "rev":
         return Task(kind, args, f"rev {w}", w[::-1], f"echo {w} | rev")
@@ -75,8 +77,6 @@ def sample(rng: random.Random, kinds: tuple[str, ...] = KINDS) -> Task:
     kind = rng.choice(kinds)
     if kind in ("add", "sub"):
         return make(kind, (rng.randint(0, 99), rng.randint(0, 99)))
-    if kind == "mul":
-        return make(kind, (rng.randint(0, 19), rng.randint(0, 19)))
     return make(kind, (rng.choice(WORDS),))
 
 
@@ -142,13 +142,12 @@ def reward(task: Task, answer_turn: str) -> float:
 def parse_question(question: str) -> Task:
     """The task a question names (kinds and argument ranges checked), so a reward needs no lookup."""
     parts = question.split()
-    if not parts or parts[0] not in KINDS:
-        raise ValueError(f"task field 'question': unknown kind in {question!r}")
-    kind = parts[0]
-    if kind in ("add", "sub", "mul"):
-        if len(parts) != 3 or not all(p.isdigit() and len(p) <= 3 for p in parts[1:]):
-            raise ValueError(f"task field 'question': {kind} takes two integers 0..999, got {question!r}")
-        return make(kind, (int(parts[1]), int(parts[2])))
-    if len(parts) != 2 or not parts[1].isalpha() or len(parts[1]) > 16:
-        raise ValueError(f"task field 'question': {kind} takes one word of letters, got {question!r}")
-    return make(kind, (parts[1],))
+    if len(parts) == 3 and parts[1] in ("+", "-"):
+        if not all(p.isdigit() and len(p) <= 3 for p in (parts[0], parts[2])):
+            raise ValueError(f"task field 'question': arithmetic takes two integers 0..999, got {question!r}")
+        return make("add" if parts[1] == "+" else "sub", (int(parts[0]), int(parts[2])))
+    if len(parts) != 2 or parts[0] not in ("rev", "upper", "len"):
+        raise ValueError(f"task field 'question': not a known task: {question!r}")
+    if not parts[1].isalpha() or not parts[1].isascii() or len(parts[1]) > 16:
+        raise ValueError(f"task field 'question': {parts[0]} takes one word of ASCII letters, got {question!r}")
+    return make(parts[0], (parts[1],))
