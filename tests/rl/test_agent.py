@@ -85,7 +85,8 @@ def test_kill_after_tool_ran_recovers_from_sandbox_log(dsec, tmp_path):
 
     sbx = Sandbox.connect(tr.calls[0]["sandbox"], api_url=dsec.url, token=dsec.token)
     runs_before = len(sbx.log()["entries"])
-    assert w.recover() == {"t0": "fast_forward"}
+    got = w.recover()
+    assert got == {"t0": "fast_forward"}, (got, tools.stats.errors)
     w.run()
     assert tr.finished and bytes(tr.tokens[1:1 + tr.obs[0][1]]) == b"42\nA: "
     assert len(sbx.log()["entries"]) == runs_before  # nothing new ran in the sandbox
