@@ -1,7 +1,9 @@
 """`v4stack check invariance`: are a request's logits the same alone and inside any batch?
 
 Random prompts (mixed lengths, each prefilled in its own random chunks, then decoded token by
-token on fixed random tokens) run first one request at a time, then through several batch sizes
+token on fixed random tokens) run first one request at a time through the model's reference
+incremental path (``V4Model.step``), then through the serving path (the model runner's flat steps
+over the paged cache, ``V4Model.step_paged``) at several batch sizes
 in shuffled orders: a request joins as soon as a slot frees up, so some prefill while others
 decode, and the row order is reshuffled every step. Each request's logits from every step are
 compared bitwise with its solo run. The first batched schedule is also run twice (determinism),
@@ -56,33 +58,74 @@ def run_alone(model, reqs: list[Request]) -> dict[int, list]:
     return out
 
 
+class Serving:
+    """The serving path for the check: a cache manager and the model runner; ``step`` feeds
+    (chunk, request cache) pairs in one flat step and returns every fed row's logits per pair."""
+
+    def __init__(self, model, reqs: list[Request], slots: int):
+        from v4stack.serve.cache import CacheManager
+        from v4stack.serve.model_runner import ModelRunner
+
+        longest = max(sum(len(c) for c in r.chunks) for r in reqs)
+        per = -(-(longest + 1) // model.cfg.block_tokens)
+        self.cm = CacheManager(model.cfg, model.dtype, n_blocks=slots * per, n_slots=slots, n_snapshots=0,
+                               device=model.embed.weight.device)
+        self.runner = ModelRunner(model, self.cm)
+
+    def new(self, r: Request):
+        return self.cm.admit([int(t) for c in r.chunks for t in c.tolist()])
+
+    def step(self, items: list) -> list:
+        chunks = []
+        for chunk, rc in items:
+            if not self.cm.reserve(rc, len(chunk)):
+                raise RuntimeError("check: cache too small")
+            chunks.append((rc, chunk.tolist()))
+        out, res, r = self.runner.run(chunks, all_rows=True), [], 0
+        for chunk, _ in items:
+            res.append(out[r : r + len(chunk)])
+            r += len(chunk)
+        return res
+
+    def free(self, rc) -> None:
+        self.cm.free(rc)
+
+
 def run_batched(model, reqs: list[Request], batch: int, seed: int) -> dict[int, list]:
-    """Continuous batching: up to ``batch`` requests per step, joining as slots free up."""
+    """Continuous batching on the serving path: up to ``batch`` requests per step, joining as
+    slots free up."""
     rng = random.Random(seed)
     queue = list(reqs)
     rng.shuffle(queue)
     out = {r.rid: [] for r in reqs}
+    srv = Serving(model, reqs, batch)
     active: list[tuple[Request, object]] = []
     while queue or active:
         while queue and len(active) < batch:
             r = queue.pop(0)
-            active.append((r, model.new_state()))
+            active.append((r, srv.new(r)))
         rng.shuffle(active)
-        res = model.step([(r.chunks[len(out[r.rid])], st) for r, st in active])
+        res = srv.step([(r.chunks[len(out[r.rid])], rc) for r, rc in active])
         for (r, _), logits in zip(active, res):
             out[r.rid].append(logits.clone())
-        active = [(r, st) for r, st in active if len(out[r.rid]) < len(r.chunks)]
+        for r, rc in active:
+            if len(out[r.rid]) == len(r.chunks):
+                srv.free(rc)
+        active = [(r, rc) for r, rc in active if len(out[r.rid]) < len(r.chunks)]
     return out
 
 
 def run_one_chunk(model, reqs: list[Request]) -> dict[int, "torch.Tensor"]:
-    """Each request alone, all its tokens in one step (what recovery does when it re-prefills)."""
+    """Each request alone on the serving path, all its tokens in one step (what recovery does
+    when it re-prefills)."""
     import torch
 
     out = {}
+    srv = Serving(model, reqs, 1)
     for r in reqs:
-        st = model.new_state()
-        out[r.rid] = model.step([(torch.cat(r.chunks), st)])[0].clone()
+        rc = srv.new(r)
+        out[r.rid] = srv.step([(torch.cat(r.chunks), rc)])[0].clone()
+        srv.free(rc)
     return out
 
 

@@ -1,4 +1,4 @@
-"""`v4stack generate`: prefill a prompt through the incremental path, then decode token by token."""
+"""`v4stack generate`: one prompt through the serving engine (prefill in one step, then decode)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 from v4stack.config import ModelConfig
 from v4stack.model import V4Model
 from v4stack.model.weights import load_model
-from v4stack.serve.sampling import Sampler, SamplingParams
+from v4stack.ops.mode import get_mode
+from v4stack.serve.engine import Engine, EngineConfig
+from v4stack.serve.sampling import SamplingParams
 from v4stack.tokenizer import ByteTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -23,24 +25,18 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @torch.no_grad()
 def generate_ids(model: V4Model, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    """One prompt through the serving engine (the project's one generation loop), in the ops
+    mode in effect; the whole prompt is fed in one step."""
     if not prompt_ids:
         raise ValueError("prompt must not be empty")
     limit = model.cfg.max_position_embeddings
     if len(prompt_ids) + params.max_tokens > limit:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds "
                          f"max_position_embeddings ({limit})")
-    sampler = Sampler(params)
-    state = model.new_state()
-    dev = model.embed.weight.device
-    logits = model.step([(torch.tensor(prompt_ids, device=dev), state)])[0][-1]
-    out: list[int] = []
-    for _ in range(params.max_tokens):
-        tok = sampler(logits)
-        out.append(tok)
-        if len(out) == params.max_tokens:
-            break
-        logits = model.step([(torch.tensor([tok], device=dev), state)])[0][-1]
-    return out
+    n = len(prompt_ids) + params.max_tokens + 1
+    cfg = EngineConfig(n_blocks=-(-n // model.cfg.block_tokens) + 1, n_slots=1, n_snapshots=0,
+                       token_budget=len(prompt_ids), max_running=1, ops_mode=get_mode())
+    return Engine(model, cfg).generate([list(prompt_ids)], params)[0].output
 
 
 def run_generate(cfg: ModelConfig, model_dir: str | None, prompt: str, *, max_tokens: int,

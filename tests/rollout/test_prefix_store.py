@@ -29,20 +29,23 @@ def first_logits(eng, prompt, rid="r"):
     """Logits of every position computed in the step that samples the first token, and the tokens
     of a short decode. Compare the last rows: a prefix hit computes fewer positions."""
     seen = []
-    orig = eng.model.step
+    orig = eng.runner.run
 
-    def spy(inputs):
-        out = orig(inputs)
-        seen.append([o.clone() for o in out])
-        return out
+    def spy(chunks, all_rows=False):
+        out, rows, r = orig(chunks, all_rows=True), [], 0
+        for _, toks in chunks:
+            rows.append(out[r : r + len(toks)].clone())
+            r += len(toks)
+        seen.append(rows)
+        return torch.stack([x[-1] for x in rows])
 
-    eng.model.step = spy
+    eng.runner.run = spy
     try:
         req = eng.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.7, seed=5), rid)
         while eng.has_work():
             eng.step()
     finally:
-        del eng.model.step
+        del eng.runner.run
     return seen[-3][0], req.output, req.cache
 
 

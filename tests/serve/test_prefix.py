@@ -8,6 +8,7 @@ from v4stack.model import V4Model
 from v4stack.ops.mode import mode
 from v4stack.serve.cache import CacheManager
 from v4stack.serve.engine import Engine, EngineConfig
+from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.sampling import SamplingParams
 
 B = 16  # lcm(m, m') of the tiny preset
@@ -21,15 +22,14 @@ def model():
 def _run(model, cm, tokens, chunks):
     """Feed ``tokens`` through the cache manager in ``chunks`` (after any prefix hit)."""
     rc = cm.admit(tokens)
+    runner = ModelRunner(model, cm)
     outs, pos = [], rc.pos
     for n in chunks:
         if pos >= len(tokens):
             break
         n = min(n, len(tokens) - pos)
         assert cm.reserve(rc, n)
-        st = cm.state(rc, n)
-        outs.append(model.step([(torch.tensor(tokens[pos : pos + n]), st)])[0])
-        cm.commit(rc, st, tokens[pos : pos + n])
+        outs.append(runner.run([(rc, tokens[pos : pos + n])], all_rows=True))
         pos += n
     return rc, torch.cat(outs)
 

@@ -55,7 +55,7 @@ def hc_mix(flat, fn, eps) -> bool:
 
 def indexer_scores(q, w, k) -> bool:
     D = q.shape[-1]
-    return (q.dim() == 3 and k.dtype == q.dtype and _pow2(D) and 16 <= D <= 256 and q.shape[1] <= 128
+    return (q.dim() == 3 and k.dim() == 2 and k.dtype == q.dtype and _pow2(D) and 16 <= D <= 256 and q.shape[1] <= 128
             and str(q.dtype) in _FLOATS)
 
 

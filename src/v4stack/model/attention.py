@@ -24,6 +24,7 @@ from v4stack.model.compressor import Compressor
 from v4stack.model.indexer import Indexer
 from v4stack.model.linear import Linear
 from v4stack.model.norm import RMSNorm
+from v4stack.model.paged import PagedStep, Rings, entry_rows, take
 from v4stack.model.rope import Rotary
 from v4stack.model.state import LayerState
 
@@ -81,7 +82,7 @@ class Attention(nn.Module):
             if csa:
                 self.indexer = Indexer(cfg, ratio, self.rotary)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment], layer: int):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, segments, layer: int):
         N, H, c = x.shape[0], self.n_heads, self.head_dim
         qr = self.q_norm(self.wq_a(x))
         q = ops.rms_norm(self.wq_b(qr).view(N, H, c), None, self.eps)
@@ -89,17 +90,72 @@ class Attention(nn.Module):
         kv = self.rotary.apply(self.kv_norm(self.wkv(x)), positions)
         if self.kv_rounding is not None:
             kv = self.kv_rounding(kv)
-        comp = self.compressor.project(x, positions) if self.compressor is not None else None
-        idx_proj = None
-        if self.indexer is not None:
-            idx_proj = self.indexer.project(qr, x, positions) + self.indexer.compressor.project(x, positions)
-        cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
-        o = self.rotary.apply(self._attend(q, segments, cands), positions, inverse=True)
+        if isinstance(segments, PagedStep):
+            o = self._paged(x, qr, q, kv, segments, layer)
+        else:
+            o = self._segments(x, qr, q, kv, positions, segments, layer)
+        o = self.rotary.apply(o, positions, inverse=True)
         g = self.groups
         o = o.reshape(N, g, H * c // g)
         wa = self.wo_a.weight.view(g, self.group_rank, -1)
         o = torch.cat([ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
         return self.wo_b(o)
+
+    def _segments(self, x, qr, q, kv, positions, segments: list[Segment], layer: int):
+        comp = self.compressor.project(x, positions) if self.compressor is not None else None
+        idx_proj = None
+        if self.indexer is not None:
+            idx_proj = self.indexer.project(qr, x, positions) + self.indexer.compressor.project(x, positions)
+        cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
+        return self._attend(q, segments, cands)
+
+    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int):
+        """Attention by index over the pools: the window as ring rows, compressed entries through
+        the block table; closing entries and the new ring rows are written into the pools."""
+        b, cache = ps.batch, ps.cache
+        pos, W = b.positions, self.window
+        win = Rings(cache.state[("swa_kv", layer)], (kv,), b, cache)
+        q_win = pos.unsqueeze(1) + torch.arange(-W + 1, 1, device=pos.device)
+        pools, idx = [win.pools[0]], [win.rows(q_win, b.seq)]
+        win.capture(cache.snap[("swa_kv", layer)], (0.0,))
+        if self.compressor is not None:
+            m = self.ratio
+            ents = cache.blocks[("compressed_kv", layer)]
+            self._close(self.compressor, x, pos, ps, "compressor_tail", ents, layer)
+            rows = entry_rows(b, m, cache.block_tokens)[b.seq]  # [T, E]
+            visible = torch.arange(rows.shape[1], device=pos.device).unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)
+            visible &= rows >= 0
+            if self.indexer is not None:
+                ikeys = cache.blocks[("index_keys", layer)]
+                self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer)
+                iq, iw = self.indexer.project(qr, x, pos)
+                sel, valid = self.indexer.select_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows, visible)
+                idx.append(torch.where(valid, rows.gather(1, sel), -1))
+            else:
+                idx.append(torch.where(visible, rows, -1))
+            pools.append(ents.view(-1, ents.shape[-1]))
+        out = ops.sparse_attention(q, pools, idx, self.attn_sink, self.scale)
+        win.finish()
+        return out
+
+    def _close(self, comp: Compressor, x, pos, ps: PagedStep, kind: str, pool: torch.Tensor, layer: int):
+        """Feed this step's rows to ``comp``'s tail rings and write the entries that close straight
+        into ``pool`` through the step's slot mapping."""
+        b, cache = ps.batch, ps.cache
+        kv, score = comp.project(x, pos)
+        rings = Rings(cache.state[(kind, layer)], (kv, score), b, cache)
+        cl = b.closing.get(comp.ratio)
+        if cl is not None and cl.seq.numel():
+            m = comp.ratio
+            lookback = m if comp.overlap else 0
+            q = cl.entry.unsqueeze(1) * m - lookback + torch.arange(comp.coff * m, device=pos.device)
+            ix = rings.rows(q, cl.seq)
+            new = comp.pool_rows(take(rings.pools[0], ix, 0.0), take(rings.pools[1], ix, float("-inf")),
+                                 cl.entry, pool.dtype)
+            pool.view(-1, pool.shape[-1]).index_copy_(0, cl.dest, new)
+            cache.count(new)
+        rings.capture(cache.snap[(kind, layer)], (0.0, float("-inf")))
+        rings.finish()
 
     def _attend(self, q: torch.Tensor, segments: list[Segment], cands) -> torch.Tensor:
         """One attention call for many segments: each row's candidate list is padded with masked

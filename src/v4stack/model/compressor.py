@@ -39,6 +39,16 @@ class Compressor(nn.Module):
         score = self.wgate(x).to(cd) + self.ape.to(cd)[positions % self.ratio]
         return kv, score
 
+    def pool_rows(self, kv: torch.Tensor, score: torch.Tensor, blocks: torch.Tensor, dtype) -> torch.Tensor:
+        """Entries of ``blocks [n]`` from their rows ``[n, coff * m, coff * width]`` in position order
+        (for an overlapped compressor the previous block's ``m`` rows first, padding as 0 / -inf)."""
+        m, c = self.ratio, self.width
+        if self.overlap:
+            kv = torch.cat((kv[:, :m, :c], kv[:, m:, c:]), dim=1)
+            score = torch.cat((score[:, :m, :c], score[:, m:, c:]), dim=1)
+        entries = self.rotary.apply(self.norm(ops.weighted_pool(kv, score, dim=1).to(dtype)), blocks * m)
+        return entries if self.rounding is None else self.rounding(entries)
+
     def pool(self, kv: torch.Tensor, score: torch.Tensor, row0: int, blocks: range, dtype) -> torch.Tensor:
         """Entries for ``blocks`` from contiguous rows that start at position ``row0``."""
         m, c = self.ratio, self.width

@@ -49,3 +49,24 @@ class Indexer(nn.Module):
         # earlier entry, so the choice never depends on how many entries exist past the visible ones
         top, idx = ops.topk(scores, k, stable=True)
         return idx, top > float("-inf")
+
+    def select_rows(self, q, w, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor):
+        """Top ``min(k, E)`` per query over its own entries: ``rows [n, E]`` are each query's entry
+        rows of the flattened key pool ``keys`` (-1: none), ``visible [n, E]`` the closed ones ->
+        (column indices ``[n, k']``, valid ``[n, k']``). Columns past a request's entries are
+        hidden, so the choice equals ``select`` over that request's keys alone."""
+        n, E = rows.shape
+        k = min(self.topk, E)
+        if k == 0:
+            return torch.zeros(n, 0, dtype=torch.long, device=q.device), torch.zeros(n, 0, dtype=torch.bool, device=q.device)
+        scores = torch.empty(n, E, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
+        chunk = max(1, _ROW_BUDGET // max(1, E * keys.shape[-1]))
+        for t0 in range(0, n, chunk):
+            sl = slice(t0, t0 + chunk)
+            scores[sl] = ops.indexer_scores(q[sl], w[sl], keys[rows[sl].clamp(min=0)])
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top, idx = ops.topk(scores, k, stable=True)
+        return idx, top > float("-inf")
+
+
+_ROW_BUDGET = 1 << 24  # elements of one gathered per-row key tensor [rows, E, dim]

@@ -3,7 +3,10 @@
 - ``forward(tokens [B, T])``: full-sequence causal forward (training / prefill);
 - ``step([(ids, state), ...])``: incremental forward of new tokens for several requests, each
   carrying its explicit ``RequestState`` (SWA window, compressor tails, closed entries, indexer
-  keys). Decoding one token is a step of length 1; a prompt can be fed in any chunks.
+  keys). Decoding one token is a step of length 1; a prompt can be fed in any chunks. This is the
+  reference incremental path;
+- ``step_paged(batch, cache)``: the serving path, one flat step over paged pools read by index
+  (``model/paged.py``), with the same bits as ``step`` in invariant mode.
 
 Rows of all sequences are flattened: linears, mHC and MoE run row-wise over every row at once;
 attention and compression run per sequence with its own history.
@@ -22,6 +25,7 @@ from v4stack.model.linear import Linear
 from v4stack.model.mhc import hc_head, hc_parameters
 from v4stack.model.mtp import MTPBlock
 from v4stack.model.norm import RMSNorm
+from v4stack.model.paged import PagedCache, PagedStep, StepBatch
 from v4stack.model.state import RequestState, new_request_state
 
 
@@ -63,7 +67,7 @@ class V4Model(nn.Module):
 
     # ---- shared trunk ---------------------------------------------------------------
 
-    def _trunk(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def _trunk(self, ids: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         x = self.embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for block in self.layers:
             x = block(x, positions, segments, ids)
@@ -140,3 +144,12 @@ class V4Model(nn.Module):
             st.pos += seg.length
             out.append(logits[seg.rows])
         return (out, [x[seg.rows] for seg in segs]) if hidden else out
+
+    def step_paged(self, batch: StepBatch, cache: PagedCache) -> torch.Tensor:
+        """Incremental forward of one flat step over paged storage (``model/paged.py``): every
+        layer reads the pools by index and writes the rows the step produces. Returns logits of
+        ``batch.out_rows`` (all rows if None)."""
+        x = self._trunk(batch.ids, batch.positions, PagedStep(batch, cache))
+        if batch.out_rows is not None:
+            x = x[batch.out_rows]
+        return self._head(x)

@@ -47,8 +47,11 @@ def weighted_pool(kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tens
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer score ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``.
 
-    q [T, h, d], w [T, h], k [S, d] -> [T, S].
+    q [T, h, d], w [T, h], k [S, d] (or per-row keys [T, S, d]) -> [T, S].
     """
+    if k.dim() == 3:
+        dots = torch.einsum("thd,tsd->ths", q, k).relu()
+        return (dots * w.unsqueeze(-1)).sum(1)
     dots = torch.einsum("thd,sd->ths", q, k).relu()
     return (dots * w.unsqueeze(-1)).sum(1)
 

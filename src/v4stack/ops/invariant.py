@@ -186,6 +186,17 @@ def weighted_pool(kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tens
 
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    if k.dim() == 3:  # per-row keys [T, S, d]: the same tree over d as the shared-key GEMM
+        T, h, d = q.shape
+        acc = acc_dtype(q.dtype, k.dtype)
+        dots = torch.empty(T, h, k.shape[1], dtype=acc, device=q.device)
+        tc = max(1, min(T, _BUDGET // max(1, h * k.shape[1] * d)))
+        for t0 in range(0, T, tc):
+            sl = slice(t0, t0 + tc)
+            prod = q[sl].to(acc).permute(2, 0, 1).unsqueeze(-1) * k[sl].to(acc).permute(2, 0, 1).unsqueeze(2)
+            dots[sl] = _tree(prod.contiguous(), torch.add)
+        dots = dots.to(q.dtype).clamp_min(0)
+        return tree_sum(dots * w.unsqueeze(-1), 1)
     dots = _linear_tree(q, k).clamp_min(0)  # [T, h, S]; S grows with history: no per-S kernel
     return tree_sum(dots * w.unsqueeze(-1), 1)
 

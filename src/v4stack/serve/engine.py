@@ -1,6 +1,8 @@
-"""The engine: one ``step()`` schedules, runs the model once over every scheduled request,
-stores the cache, samples, and reports tokens. It is synchronous and single-threaded; the
-server drives it from a background thread (``serve/runner.py``).
+"""The engine: one ``step()`` schedules, runs the model once over every scheduled request (the
+model runner lays the step out as flat tensors; the model reads and writes the paged cache in
+place), samples, and reports tokens. It is synchronous and single-threaded; the server drives it
+from a background thread (``serve/runner.py``). A request stops on ``max_tokens``, on a token id
+in its ``stop_token_ids`` (when its params have them) or on a stop string.
 
 It runs the ops in ``invariant`` mode by default, so a request's tokens equal the model's own
 incremental decode of that request alone, whatever else shares its steps.
@@ -16,7 +18,8 @@ import torch
 
 from v4stack.model import V4Model
 from v4stack.ops.mode import mode as ops_mode
-from v4stack.serve.cache.manager import CacheManager
+from v4stack.serve.cache.manager import CacheManager, RequestCache
+from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
 from v4stack.serve.sampling import SamplingParams
 from v4stack.serve.scheduler import Scheduler
@@ -49,6 +52,8 @@ class EngineStats:
     ttft: list[float] = field(default_factory=list)
     finished: int = 0
     aborted: int = 0
+    cache_bytes_written: int = 0  # bytes the model wrote into the cache pools, all steps
+    last_step_cache_bytes: int = 0  # ... in the last step (O(new rows), never O(context))
     # per finished request: (arrival, first token time, token times, prompt tokens, prefix-hit tokens)
     log: list = field(default_factory=list)
 
@@ -61,6 +66,7 @@ class Engine:
         self.cache = CacheManager(model.cfg, model.dtype, c.n_blocks, c.n_slots, c.n_snapshots,
                                   device=model.embed.weight.device)
         self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running)
+        self.runner = ModelRunner(self.model, self.cache)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -117,42 +123,75 @@ class Engine:
         if req.on_event is not None:
             req.on_event(req, [], True)
 
+    def detach(self, req: Request) -> Request:
+        """Take a live request out of the engine without finishing it (its cache is released; no
+        event is sent). Re-add it with ``add_request`` and, if its cache was restored elsewhere,
+        ``attach``."""
+        self.scheduler.release(req)
+        self.requests.pop(req.id, None)
+        req.status = Status.WAITING
+        return req
+
+    def attach(self, req: Request, cache: RequestCache) -> None:
+        """Run a waiting request (added with ``add_request``) on an already restored cache."""
+        if self.requests.get(req.id) is not req or req.status is not Status.WAITING:
+            raise ValueError(f"request {req.id!r} is not waiting in this engine")
+        self.scheduler.attach(req, cache)
+
+    @staticmethod
+    def _tokens(req: Request, a: int, b: int) -> list[int]:
+        """``req.all_tokens[a:b]`` without building the whole list."""
+        p = len(req.prompt)
+        return req.prompt[a:min(b, p)] + req.output[max(0, a - p) : max(0, b - p)]
+
+    def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[int]:
+        """One token per request: greedy requests in one batched argmax (one transfer), the others
+        through their own seeded samplers."""
+        out: list[int | None] = [None] * len(rows)
+        greedy = [i for i, (req, _) in enumerate(rows) if req.params.temperature == 0]
+        if greedy:
+            lg = torch.stack([rows[i][1] for i in greedy])
+            for i, t in zip(greedy, lg.argmax(-1).tolist()):
+                out[i] = int(t)
+        for i, (req, lg) in enumerate(rows):
+            if out[i] is None:
+                out[i] = req.sampler(lg)
+        return out
+
     @torch.no_grad()
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        dev = self.model.embed.weight.device
-        inputs, states = [], []
-        for req, n in plan:
-            st = self.cache.state(req.cache, n)
-            ids = req.all_tokens[req.computed : req.computed + n]
-            states.append((st, ids))
-            inputs.append((torch.tensor(ids, device=dev), st))
+        chunks = [(req.cache, self._tokens(req, req.computed, req.computed + n)) for req, n in plan]
         with ops_mode(self.config.ops_mode):
-            logits = self.model.step(inputs)
+            logits = self.runner.run(chunks)
         self.stats.steps += 1
+        self.stats.last_step_cache_bytes = self.runner.last_bytes
+        self.stats.cache_bytes_written += self.runner.last_bytes
+        ready = []
+        for (req, n), lg in zip(plan, logits):
+            self.stats.tokens_computed += n
+            if not req.pending:
+                ready.append((req, lg))
+        with ops_mode(self.config.ops_mode):
+            toks = self._sample(ready)
         done = []
         now = time.perf_counter()
-        for (req, n), (st, ids), lg in zip(plan, states, logits):
-            self.cache.commit(req.cache, st, ids)
-            self.stats.tokens_computed += n
-            if req.pending:
-                continue
-            with ops_mode(self.config.ops_mode):
-                tok = req.sampler(lg[-1])
+        for (req, _), tok in zip(ready, toks):
             req.output.append(tok)
             req.token_times.append(now)
             self.stats.tokens_generated += 1
             if req.first_token_at is None:
                 req.first_token_at = now
                 self.stats.ttft.append(now - req.arrival)
-            finished = len(req.output) >= req.params.max_tokens or req.hit_stop()
+            stopped = tok in getattr(req.params, "stop_token_ids", ()) or req.hit_stop()
+            finished = len(req.output) >= req.params.max_tokens or stopped
             if req.on_event is not None:
                 req.on_event(req, [tok], False)
             if finished:
-                self._finish(req, "stop" if req.hit_stop() else "length")
+                self._finish(req, "stop" if stopped else "length")
                 done.append(req)
         return done
 

@@ -47,6 +47,13 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
+    def attach(self, req: Request, cache) -> None:
+        """Move a waiting request whose cache is already restored straight to running."""
+        self.waiting.remove(req)
+        req.cache, req.status = cache, Status.RUNNING
+        req.admitted_order = next(self._order)
+        self.running.append(req)
+
     def release(self, req: Request) -> None:
         if req.cache is not None:
             self.cache.free(req.cache)

@@ -1,8 +1,9 @@
-"""The cache manager: admission, prefix reuse, per-step gather / scatter, and release.
+"""The cache manager: admission, prefix reuse, per-step book-keeping, and release.
 
-Per request it keeps a state slot (window + compressor tails, in place) and a block table. Full
-blocks are published under a token-hash chain; at each published block's end the state slot is
-copied into a boundary snapshot. A new request reuses the longest prefix of whole blocks whose
+Per request it keeps a state slot (window + compressor tails, in place) and a block table. The
+model reads and writes both in place through ``paged`` (``model/paged.py``): nothing is gathered
+per step. Full blocks are published under a token-hash chain; at each published block's end the
+model writes the state as it stood there into a boundary snapshot slot the manager picked. A new request reuses the longest prefix of whole blocks whose
 compressed entries are all cached AND whose last block has a boundary snapshot (the minimum over
 cache groups); the rest of its prompt is computed. At least one prompt token is always computed,
 so the request has logits to sample from.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from v4stack.config import ModelConfig
-from v4stack.model.state import RequestState
+from v4stack.model.paged import PagedCache
 from v4stack.serve.cache.block_pool import BlockPool
 from v4stack.serve.cache.spec import CacheSpec
 from v4stack.serve.cache.state_pool import StatePool
@@ -58,6 +59,8 @@ class CacheManager:
         self.snap = StatePool(self.spec, n_layers, n_snapshots if n_snapshots is not None else n_blocks, device)
         self.snap_of: OrderedDict[int, int] = OrderedDict()  # block id -> snapshot slot, LRU order
         self.blocks.on_evict = self._drop_snapshot
+        self.paged = PagedCache(state=self.slots.tensors, snap=self.snap.tensors, blocks=self.blocks.storage,
+                                block_tokens=self.B)
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
@@ -145,51 +148,71 @@ class CacheManager:
 
     # ---- per step ----------------------------------------------------------------------
 
-    def state(self, rc: RequestCache, n_new: int = 0) -> RequestState:
-        """The model's view: state slot in place, compressed entries gathered from the blocks, and
-        a request to record the fixed-size state at every block boundary of the next ``n_new``
-        tokens (for the boundary snapshots)."""
-        st = self.slots.view(rc.slot, rc.pos)
-        first = rc.pos // self.B + 1
-        capture = tuple(range(first * self.B, rc.pos + n_new + 1, self.B))
-        for ls in st.layers:
-            ls.capture_at = capture
-        by_layer = {}
-        for g in self.spec.paged:
-            by_layer.setdefault(g.layer, {})[g.kind] = g
-        for layer, groups in by_layer.items():
-            ls = st.layers[layer]
-            ls.compressed_kv = self.blocks.gather(groups["compressed_kv"], rc.blocks, rc.pos // groups["compressed_kv"].ratio)
-            if "index_keys" in groups:
-                g = groups["index_keys"]
-                ls.index_keys = self.blocks.gather(g, rc.blocks, rc.pos // g.ratio)
-        return st
+    def _block_hash(self, rc: RequestCache, hashes: list[bytes], j: int, new_tokens: list[int]) -> bytes:
+        B, pos = self.B, rc.pos
+        lo, hi = j * B, (j + 1) * B
+        toks = rc.tokens[lo:min(hi, pos)] + new_tokens[max(0, lo - pos) : hi - pos]
+        return chain_hash(hashes[j - 1] if j else ROOT, toks)
 
-    def commit(self, rc: RequestCache, st: RequestState, new_tokens: list[int]) -> None:
-        """Store what a step produced: new closed entries into blocks; publish full blocks."""
+    def plan_captures(self, chunks: list[tuple[RequestCache, list[int]]]) -> list[dict[int, int]]:
+        """For one step (each request's cache and the tokens it feeds): which block ends inside
+        the step need a boundary snapshot, and the snapshot slot each is written to, as
+        ``{position: slot}`` per request. A block whose published copy already has a snapshot
+        needs none; when slots run out the least recently used snapshot goes, then the step's own
+        earliest capture (so the latest boundaries win, as if taken one after another)."""
+        out: list[dict[int, int]] = []
+        pending: list[tuple[dict, int]] = []
+        for rc, new in chunks:
+            caps: dict[int, int] = {}
+            out.append(caps)
+            hashes = list(rc.hashes)
+            while len(hashes) < rc.pos // self.B:  # a restored cache may not carry its chain
+                hashes.append(self._block_hash(rc, hashes, len(hashes), []))
+            for j in range(rc.pos // self.B, (rc.pos + len(new)) // self.B):
+                h = self._block_hash(rc, hashes, j, new)
+                hashes.append(h)
+                bid = self.blocks.lookup(h)
+                if bid is not None and bid in self.snap_of:
+                    continue
+                slot = self.snap.acquire()
+                if slot is None and self.snap_of:
+                    _, slot = self.snap_of.popitem(last=False)
+                if slot is None and pending:
+                    owner, P = pending.pop(0)
+                    slot = owner.pop(P)
+                if slot is None:
+                    continue
+                P = (j + 1) * self.B
+                caps[P] = slot
+                pending.append((caps, P))
+        return out
+
+    def advance(self, rc: RequestCache, new_tokens: list[int], captures: dict[int, int]) -> None:
+        """Book-keeping after a step fed ``new_tokens``: positions, fill counts, published full
+        blocks, and the boundary snapshots the step wrote (the model wrote all data in place)."""
         old = rc.pos
-        for g in self.spec.paged:
-            ls = st.layers[g.layer]
-            rows = ls.compressed_kv if g.kind == "compressed_kv" else ls.index_keys
-            a, b = old // g.ratio, st.pos // g.ratio
-            self.blocks.scatter(g, rc.blocks, a, rows[a:b])
         rc.tokens.extend(new_tokens)
-        rc.pos = st.pos
+        rc.pos += len(new_tokens)
         B = self.B
         for j in range(old // B, rc.pos // B + 1):
             if j < len(rc.blocks):
                 self.blocks.meta[rc.blocks[j]].filled = min(B, max(0, rc.pos - j * B))
         while len(rc.hashes) < rc.pos // B:
             j = len(rc.hashes)
-            prev = rc.hashes[-1] if rc.hashes else ROOT
-            h = chain_hash(prev, rc.tokens[j * B : (j + 1) * B])
+            h = self._block_hash(rc, rc.hashes, j, [])
             rc.hashes.append(h)
             self.blocks.register(rc.blocks[j], h)
-            # the published block for this prefix (ours, or an equal one published first)
-            bid = self.blocks.lookup(h)
-            P = (j + 1) * B
-            if bid is not None and P in st.layers[0].captured:
-                self._take_snapshot(bid, [ls.captured[P] for ls in st.layers])
+            bid = self.blocks.lookup(h)  # ours, or an equal block published first
+            slot = captures.get((j + 1) * B)
+            if bid is not None and bid in self.snap_of:
+                self.snap_of.move_to_end(bid)
+                if slot is not None:
+                    self.snap.release(slot)
+            elif slot is not None:
+                if bid is None:
+                    self.snap.release(slot)
+                else:
+                    self.snap_of[bid] = slot
 
     def free(self, rc: RequestCache) -> None:
         for b in rc.blocks:

@@ -1,1 +1,0 @@
-"""Reinforcement learning: tasks, the agent worker, the data path, GRPO, the fleet, the loop."""
