@@ -134,6 +134,10 @@ from v4stack.rollout.cli import app as rollout_app  # noqa: E402
 
 app.add_typer(rollout_app, name="rollout")
 
+from v4stack.rl.cli import loop_command  # noqa: E402 (typer only; torch and Ray load when it runs)
+
+app.command("loop")(loop_command)
+
 from v4stack.bench_cli import app as bench_app  # noqa: E402 (the benchmarks live in bench/, outside the library)
 
 app.add_typer(bench_app, name="bench")

@@ -3,7 +3,14 @@
 One record per event of one trajectory (``traj``):
 
 - ``BEGIN``    group, prompt ids, sampling params (seed included), policy version, sandbox id
-- ``TOKENS``   offset (tokens of the trajectory before these), ids, policy version
+- ``TOKENS``   offset (tokens of the trajectory before these), ids, policy version, and ``lp``: the
+               log-probability of each sampled id under the distribution it was drawn from
+               (optional; needed for importance ratios)
+- ``TOOL_CALL`` offset, the command, the sandbox and the sequence number its log will give the
+               call (written durably before the command runs)
+- ``OBS``      offset, observation token ids appended to the context (never sampled: loss mask 0),
+               and how the result was obtained (``ran``, ``fast_forward`` from the sandbox log, or
+               ``rerun`` on a fresh sandbox when the first one was lost)
 - ``PREEMPT``  offset, reason, KV handle (``None`` when no cache was saved)
 - ``RESUME``   offset, server, policy version, ``kv``: ``reused`` or ``reprefilled`` (and why)
 - ``END``      offset (total tokens), stop reason
@@ -21,12 +28,14 @@ from dataclasses import asdict
 
 from v4stack.serve.sampling import SamplingParams
 
-KINDS = ("BEGIN", "TOKENS", "PREEMPT", "RESUME", "END", "REWARD", "CONSUMED")
+KINDS = ("BEGIN", "TOKENS", "TOOL_CALL", "OBS", "PREEMPT", "RESUME", "END", "REWARD", "CONSUMED")
 
 # required fields per kind and their types (int fields are >= 0)
 _FIELDS: dict[str, dict[str, type | tuple]] = {
     "BEGIN": {"traj": str, "group": str, "prompt": list, "params": dict, "version": int, "sandbox": (str, type(None))},
     "TOKENS": {"traj": str, "off": int, "ids": list, "version": int},
+    "TOOL_CALL": {"traj": str, "off": int, "cmd": str, "sandbox": str, "seq": int},
+    "OBS": {"traj": str, "off": int, "ids": list, "how": str},
     "PREEMPT": {"traj": str, "off": int, "reason": str, "kv": (dict, type(None))},
     "RESUME": {"traj": str, "off": int, "server": str, "version": int, "kv": str, "why": str},
     "END": {"traj": str, "off": int, "reason": str},
@@ -57,8 +66,17 @@ def _check(rec: dict) -> dict:
     for name in ("prompt", "ids"):
         if name in rec and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in rec[name]):
             raise RecordError(f"{kind} record field '{name}': token ids must be ints >= 0")
-    if kind == "TOKENS" and not rec["ids"]:
-        raise RecordError("TOKENS record field 'ids': must hold at least one token")
+    if kind in ("TOKENS", "OBS") and not rec["ids"]:
+        raise RecordError(f"{kind} record field 'ids': must hold at least one token")
+    if kind == "TOKENS" and "lp" in rec:
+        lp = rec["lp"]
+        if not isinstance(lp, list) or len(lp) != len(rec["ids"]) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x <= 0 for x in lp):
+            raise RecordError("TOKENS record field 'lp': one log-probability (a number <= 0) per id")
+    if kind == "OBS" and rec["how"] not in ("ran", "fast_forward", "rerun"):
+        raise RecordError(f"OBS record field 'how': expected 'ran', 'fast_forward' or 'rerun', got {rec['how']!r}")
+    if kind == "TOOL_CALL" and not rec["cmd"]:
+        raise RecordError("TOOL_CALL record field 'cmd': must be a non-empty command")
     if kind == "BEGIN" and not rec["prompt"]:
         raise RecordError("BEGIN record field 'prompt': must hold at least one token")
     if kind == "RESUME" and rec["kv"] not in ("reused", "reprefilled"):
@@ -107,8 +125,19 @@ def begin(traj: str, prompt: list[int], params: SamplingParams, group: str = "",
             "params": params_to_dict(params), "version": version, "sandbox": sandbox}
 
 
-def tokens(traj: str, off: int, ids: list[int], version: int = 0) -> dict:
-    return {"t": "TOKENS", "traj": traj, "off": off, "ids": list(ids), "version": version}
+def tokens(traj: str, off: int, ids: list[int], version: int = 0, lp: list[float] | None = None) -> dict:
+    rec = {"t": "TOKENS", "traj": traj, "off": off, "ids": list(ids), "version": version}
+    if lp is not None:
+        rec["lp"] = [float(x) for x in lp]
+    return rec
+
+
+def tool_call(traj: str, off: int, cmd: str, sandbox: str, seq: int) -> dict:
+    return {"t": "TOOL_CALL", "traj": traj, "off": off, "cmd": cmd, "sandbox": sandbox, "seq": seq}
+
+
+def obs(traj: str, off: int, ids: list[int], how: str = "ran") -> dict:
+    return {"t": "OBS", "traj": traj, "off": off, "ids": list(ids), "how": how}
 
 
 def preempt(traj: str, off: int, reason: str, kv: dict | None) -> dict:

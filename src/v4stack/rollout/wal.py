@@ -45,6 +45,9 @@ class Trajectory:
     preemptions: int = 0
     resumes: list[str] = field(default_factory=list)  # 'reused' / 'reprefilled', in order
     token_versions: list[tuple[int, int]] = field(default_factory=list)  # (offset, policy version)
+    logprobs: list[float] = field(default_factory=list)  # one per token (nan: not recorded; 0.0: observation)
+    obs: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) of observation tokens
+    calls: list[dict] = field(default_factory=list)  # TOOL_CALL records (off, cmd, sandbox, seq), in order
 
     @property
     def finished(self) -> bool:
@@ -79,13 +82,13 @@ def _check(heads: dict[str, _Head | None], rec: dict) -> None:
     if "off" in rec and rec["off"] != h.n:
         raise WALInconsistent(f"{kind} for trajectory {tid!r}: field 'off' is {rec['off']}, "
                               f"the log holds {h.n} tokens")
-    allowed = {"TOKENS": ("running",), "PREEMPT": ("running",), "RESUME": ("running", "preempted"),
+    allowed = {"TOKENS": ("running",), "TOOL_CALL": ("running",), "OBS": ("running",), "PREEMPT": ("running",), "RESUME": ("running", "preempted"),
                "END": ("running", "preempted"), "REWARD": ("ended",), "CONSUMED": ("ended",)}[kind]
     if h.status not in allowed:
         raise WALInconsistent(f"{kind} for trajectory {tid!r}: it is {h.status}, expected {' or '.join(allowed)}")
-    if kind == "TOKENS":
+    if kind in ("TOKENS", "OBS"):
         if h.n + len(rec["ids"]) > h.max_tokens:
-            raise WALInconsistent(f"TOKENS for trajectory {tid!r}: field 'ids' goes past max_tokens={h.max_tokens}")
+            raise WALInconsistent(f"{kind} for trajectory {tid!r}: field 'ids' goes past max_tokens={h.max_tokens}")
         h.n += len(rec["ids"])
     elif kind == "CONSUMED":
         if h.consumed is not None:
@@ -106,6 +109,13 @@ def _apply(trajs: dict[str, Trajectory], rec: dict) -> None:
         if not tr.token_versions or tr.token_versions[-1][1] != rec["version"]:
             tr.token_versions.append((len(tr.tokens), rec["version"]))
         tr.tokens.extend(rec["ids"])
+        tr.logprobs.extend(rec["lp"] if "lp" in rec else [float("nan")] * len(rec["ids"]))
+    elif kind == "TOOL_CALL":
+        tr.calls.append({k: rec[k] for k in ("off", "cmd", "sandbox", "seq")})
+    elif kind == "OBS":
+        tr.obs.append((len(tr.tokens), len(rec["ids"])))
+        tr.tokens.extend(rec["ids"])
+        tr.logprobs.extend([0.0] * len(rec["ids"]))
     elif kind == "PREEMPT":
         tr.status, tr.kv = "preempted", rec["kv"]
         tr.preemptions += 1

@@ -24,6 +24,10 @@ With a ``prefix_store`` (``serve/cache/disk.py``) the worker saves the closed bl
 requests every ``save_every`` steps and restores a prompt's stored prefix before admitting it, so a
 re-prefill after a restart computes only what the store does not hold.
 
+Every TOKENS record carries the sampled tokens' log-probabilities (``lp``): the log-softmax of the
+logits at the request's temperature (1 when greedy), taken where the engine samples (the
+request's sampler is wrapped), which is what an importance ratio against the rollout policy needs.
+
 The worker preempts and resumes through the engine's public ``detach`` (take a request out
 without finishing it) and ``attach`` (run one whose cache is already restored).
 """
@@ -80,6 +84,30 @@ def _kv_name(traj: str, off: int) -> str:
     return f"{hashlib.blake2b(traj.encode(), digest_size=8).hexdigest()}-{off}.kv"
 
 
+class _LogprobSampler:
+    """Wraps a request's sampler: samples as before and keeps the chosen token's log-probability."""
+
+    def __init__(self, inner):
+        self.inner, self.params, self.lps = inner, inner.params, []
+
+    def advance(self, n: int) -> None:
+        self.inner.advance(n)
+
+    def __call__(self, logits):
+        import torch
+
+        tok = self.inner(logits)
+        t = self.params.temperature if self.params.temperature > 0 else 1.0
+        lg = logits.detach().to(torch.float64).cpu() / t
+        self.lps.append(min(0.0, float(lg[tok] - torch.logsumexp(lg, 0))))
+        return tok
+
+
+def track_logprobs(req: Request) -> None:
+    if not isinstance(req.sampler, _LogprobSampler):
+        req.sampler = _LogprobSampler(req.sampler)
+
+
 class RolloutWorker:
     def __init__(self, engine: Engine, wal: TokenWAL, expose: Callable[[Exposure], None] | None = None,
                  kv_dir: str | os.PathLike | None = None, server: str | None = None, policy_version: int = 0,
@@ -102,27 +130,38 @@ class RolloutWorker:
     # ---- the commit order ----------------------------------------------------------------
 
     def _on_event(self, req: Request, toks: list[int], finished: bool) -> None:
-        self._new.append((req.id, list(toks), finished, req.finish_reason))
+        lps = []
+        if toks and isinstance(req.sampler, _LogprobSampler):
+            lps, req.sampler.lps = req.sampler.lps[-len(toks):], []
+        self._new.append((req.id, list(toks), finished, req.finish_reason, lps))
 
     def _records(self) -> tuple[list[dict], list[tuple]]:
         """Turn buffered engine events into records and the exposures they will allow."""
         merged: dict[str, list] = {}
-        for tid, toks, finished, reason in self._new:
-            m = merged.setdefault(tid, [[], False, None])
+        for tid, toks, finished, reason, lps in self._new:
+            m = merged.setdefault(tid, [[], False, None, []])
             m[0].extend(toks)
+            m[3].extend(lps)
             if finished:
                 m[1], m[2] = True, reason
         self._new.clear()
         recs, items = [], []
-        for tid, (toks, finished, reason) in merged.items():
+        for tid, (toks, finished, reason, lps) in merged.items():
             off = len(self.wal.trajectories[tid].tokens)
             if toks:
-                recs.append(R.tokens(tid, off, toks, self.policy_version))
+                recs.append(R.tokens(tid, off, toks, self.policy_version, lps if len(lps) == len(toks) else None))
+            if finished and self._turn_ended(tid, reason):
+                finished = False  # a tool call follows: the trajectory stays open
             if finished:
                 recs.append(R.end(tid, off + len(toks), reason or "abort"))
                 self.live.pop(tid, None)
             items.append((tid, off, tuple(toks), finished, reason))
         return recs, items
+
+    def _turn_ended(self, traj: str, reason: str | None) -> bool:
+        """Whether the engine's finish of ``traj`` ends a turn of a multi-turn trajectory rather
+        than the trajectory (no END then); a multi-turn driver overrides this."""
+        return False
 
     def _expose(self, items: list[tuple], end: int) -> None:
         durable = self.wal.durable_lsn
@@ -185,6 +224,7 @@ class RolloutWorker:
         if traj in self.wal.trajectories:
             raise ValueError(f"trajectory id {traj!r} is already in the WAL")
         req = self.engine.add_request(prompt, params, traj, self._on_event)
+        track_logprobs(req)
         self._restore_prefix(prompt)
         try:
             self.wal.append([R.begin(traj, prompt, params, group, self.policy_version, sandbox)])
@@ -203,7 +243,7 @@ class RolloutWorker:
         if traj in self.live:
             self.engine.abort(traj)  # reports (req, [], finished) through _on_event
         else:
-            self._new.append((traj, [], True, "abort"))
+            self._new.append((traj, [], True, "abort", []))
         recs, items = self._records()
         end = self.wal.append(recs)
         self._expose(items, end)
@@ -257,6 +297,7 @@ class RolloutWorker:
         req = self.engine.add_request(tr.prompt, tr.params, traj, self._on_event)
         req.output = list(tr.tokens)
         req.sampler.advance(len(tr.tokens))
+        track_logprobs(req)
         mode, why, used = "reprefilled", "no saved cache", None
         if tr.kv is not None:
             path = self.kv_dir / tr.kv["file"]

@@ -21,7 +21,7 @@ from v4stack.ops.mode import mode as ops_mode
 from v4stack.serve.cache.manager import CacheManager, RequestCache
 from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
-from v4stack.serve.sampling import SamplingParams
+from v4stack.serve.sampling import Sampler, SamplingParams
 from v4stack.serve.scheduler import Scheduler
 
 
@@ -148,7 +148,8 @@ class Engine:
         """One token per request: greedy requests in one batched argmax (one transfer), the others
         through their own seeded samplers."""
         out: list[int | None] = [None] * len(rows)
-        greedy = [i for i, (req, _) in enumerate(rows) if req.params.temperature == 0]
+        greedy = [i for i, (req, _) in enumerate(rows)
+                  if req.params.temperature == 0 and type(req.sampler) is Sampler]  # not wrapped
         if greedy:
             lg = torch.stack([rows[i][1] for i in greedy])
             for i, t in zip(greedy, lg.argmax(-1).tolist()):

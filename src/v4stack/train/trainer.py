@@ -40,6 +40,7 @@ from v4stack.train.data import ByteBatches
 from v4stack.train.log import LossLog, Progress, plot_curves
 from v4stack.train.mesh import build_mesh
 from v4stack.train.pipeline import Stage, first_last_groups, run_1f1b, tie_embedding_grads
+from v4stack.train.recompute import apply_recompute
 
 OPTIMIZERS = ("muon", "adamw")
 
@@ -55,6 +56,7 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step and replica (the pipeline's micro-batches when pp > 1)
     pp: int = 1  # pipeline stages (under torchrun; the world is pp x dp)
+    recompute: str = "none"  # none, full, matmul (torch's selective policy) or plan:F (train/recompute.py)
     optimizer: str = "muon"  # "adamw": the AdamW-only baseline
     muon_lr: float = 0.02
     adamw_lr: float = 3e-3
@@ -87,6 +89,8 @@ class TrainConfig:
         need(self.warmup >= 0, f"train field 'warmup' must be >= 0, got {self.warmup}")
         need(self.mtp_weight >= 0, f"train field 'mtp_weight' must be >= 0 (0 = off), got {self.mtp_weight}")
         need(self.device in ("cpu", "cuda"), f"train field 'device' must be 'cpu' or 'cuda', got {self.device!r}")
+        need(self.recompute in ("none", "full", "matmul") or self.recompute.startswith("plan:"),
+             f"train field 'recompute' must be none, full, matmul or plan:F, got {self.recompute!r}")
         need(self.eval_every >= 0 and self.max_minutes >= 0 and self.threads >= 0 and self.keep >= 1,
              "train fields 'eval_every', 'max_minutes', 'threads' must be >= 0 and 'keep' >= 1")
         return self
@@ -185,6 +189,11 @@ def _train(cfg: TrainConfig) -> dict:
     else:
         params = dict(model.named_parameters())
     tie_group = first_last_groups(mesh) if stage is not None else None
+    if cfg.recompute != "none":
+        sample = batches.batch(0, 0).to(dev)
+        if cfg.recompute.startswith("plan:") and stage is not None:
+            raise ValueError("train field 'recompute': plan:F profiles the whole model; use it with pp = 1")
+        apply_recompute(model, cfg.recompute, (sample,), stage.layers if stage is not None else None)
     opt = _optimizer(cfg, params, mesh)
     if cmeta is not None:
         same = (cmeta["world"], cmeta.get("pp", 1)) == (world, mesh.pp)

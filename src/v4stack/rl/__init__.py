@@ -1,0 +1,1 @@
+"""Reinforcement learning: tasks, the agent worker, the data path, GRPO, the fleet, the loop."""

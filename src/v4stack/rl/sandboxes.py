@@ -1,0 +1,238 @@
+"""The sandbox side of the loop: a local DSec (apiserver in this process, edges as child
+processes) and a tool runner that executes a trajectory's commands in DSec sandboxes.
+
+``LocalDsec`` is the embedded default; with ``DSEC_API_URL`` set the loop uses that apiserver
+instead and starts nothing. ``ToolRunner`` keeps one process-substrate sandbox per rollout slot
+and runs every command through the client SDK (``v4stack.dsec.client.Sandbox``); a call that
+fails because its edge died is retried once on a fresh sandbox (the tasks' commands are pure, so
+a re-run gives the same observation), and the failure is counted.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def _free_sock() -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+class LocalDsec:
+    """apiserver and watcher (threads of this process) + ``edges`` edge processes over one home."""
+
+    def __init__(self, home: str | os.PathLike, edges: int = 1, pool: int = 2, token: str | None = None):
+        import uvicorn
+
+        from v4stack.dsec.apiserver import make_app
+        from v4stack.dsec.images import ImageStore
+
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.token = token or secrets.token_urlsafe(24)
+        self.pool = pool
+        ImageStore(self.home).build("busybox")
+        sock = _free_sock()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.home, self.token), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        from v4stack.dsec.watcher import Watcher
+
+        self.watcher = Watcher(self.home, self.token, dead_after=1.5, layer_grace=0)
+        threading.Thread(target=self.watcher.run, args=(0.5,), daemon=True).start()
+        self.edges: dict[str, subprocess.Popen] = {}
+        for i in range(edges):
+            self.start_edge(f"edge-{i}")
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {self.token}"})
+
+    def start_edge(self, name: str | None = None, timeout: float = 60.0) -> subprocess.Popen:
+        if name is None:
+            name = f"edge-{len(self.edges)}"
+        log = open(self.home / f"{name}.out", "ab")
+        p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", str(self.home),
+                              "--apiserver", self.url, "--id", name, "--pool", str(self.pool),
+                              "--heartbeat", "0.3"],
+                             env={**os.environ, "DSEC_TOKEN": self.token}, stdout=log, stderr=log)
+        self.edges[name] = p
+        deadline = time.time() + timeout
+        with self.api() as c:
+            while time.time() < deadline:
+                if p.poll() is not None:
+                    break
+                if self.server.started:
+                    rows = c.get("/v1/edges").json()
+                    if any(r["id"] == name and r["state"] == "alive" for r in rows):
+                        return p
+                time.sleep(0.1)
+        raise RuntimeError(f"edge {name} did not register: {(self.home / f'{name}.out').read_text()[-2000:]}")
+
+    def kill_edge(self, name: str) -> int:
+        """SIGKILL an edge (the fault tests' and the loop's fault injection); returns its pid."""
+        p = self.edges[name]
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        return p.pid
+
+    def close(self) -> None:
+        for p in self.edges.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+        self.watcher.stop.set()
+        self.server.should_exit = True
+        self.thread.join(10)
+        _cleanup(self.home)
+
+
+def _cleanup(home: Path) -> None:
+    """What a SIGKILLed edge leaves behind: its cgroups and the mounts under ``home``."""
+    try:
+        from v4stack.dsec.cgroups import Cgroup
+
+        for d in Path("/sys/fs/cgroup/pids").glob("dsec-*"):
+            c = Cgroup(d.name)
+            if c.dirs["pids"] == d and not any(c.dirs[k].joinpath("cgroup.procs").read_text().strip()
+                                                for k in ("pids",) if c.dirs[k].exists()):
+                c.destroy()
+    except Exception:
+        pass
+    prefix = str(home) + "/"
+    for _ in range(4):
+        with open("/proc/self/mountinfo") as f:
+            points = {line.split()[4] for line in f if line.split()[4].startswith(prefix)}
+        if not points:
+            return
+        for p in sorted(points, key=len, reverse=True):
+            subprocess.run(["umount", "-l", p], capture_output=True)
+
+
+@dataclass
+class ToolStats:
+    calls: int = 0
+    retried: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    sandboxes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class ToolRunner:
+    """Runs commands in process-substrate sandboxes through the client SDK.
+
+    ``reserve`` hands out a sandbox and the sequence number its log will give the next call (the
+    caller writes that into its TOOL_CALL record first); ``run`` executes with that number;
+    ``replay`` asks a sandbox again for a logged call (its log answers without re-running), or
+    re-runs on a fresh sandbox when that one is gone.
+    """
+
+    def __init__(self, api_url: str, token: str, slots: int = 4, timeout: float = 10.0):
+        self.api_url, self.token, self.timeout = api_url, token, timeout
+        self._free: list = []
+        self._next: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.slots = slots
+        self.stats = ToolStats()
+
+    def _new(self):
+        from v4stack.dsec.client import Sandbox
+
+        sbx = Sandbox.create(substrate="process", api_url=self.api_url, token=self.token, timeout=3600,
+                             idle_timeout=600, request_timeout=30)
+        self.stats.sandboxes += 1
+        self._next[sbx.id] = 0
+        return sbx
+
+    def reserve(self):
+        with self._lock:
+            sbx = self._free.pop() if self._free else None
+        if sbx is None:
+            sbx = self._new()
+        return sbx, sbx.id, self._next[sbx.id]
+
+    def _give(self, sbx) -> None:
+        with self._lock:
+            if len(self._free) < self.slots:
+                self._free.append(sbx)
+                return
+        try:
+            sbx.kill()
+        except Exception:
+            pass
+
+    def _exec(self, sbx, cmd: str, seq: int | None):
+        r = sbx.commands.run(["sh", "-c", cmd], timeout=self.timeout, idempotent=True, seq=seq)
+        self._next[sbx.id] = max(self._next.get(sbx.id, 0), r.seq + 1)
+        return r
+
+    def _fresh(self, cmd: str) -> tuple[str, str]:
+        from v4stack.dsec.client import SandboxError
+
+        self.stats.retried += 1
+        try:
+            sbx = self._new()
+            r = self._exec(sbx, cmd, None)
+        except SandboxError as e:
+            self.stats.failed += 1
+            self.stats.errors.append(str(e)[:200])
+            return "", "rerun"
+        self._give(sbx)
+        return r.stdout, "rerun"
+
+    def run(self, sbx, seq: int, cmd: str) -> tuple[str, str]:
+        """-> (stdout, how): 'ran', or 'rerun' on a fresh sandbox when ``sbx`` failed."""
+        from v4stack.dsec.client import SandboxError
+
+        t0 = time.perf_counter()
+        self.stats.calls += 1
+        try:
+            r = self._exec(sbx, cmd, seq)
+            self._give(sbx)
+            out = (r.stdout, "fast_forward" if r.fast_forward else "ran")
+        except SandboxError as e:  # its edge died or it was reclaimed: never handed out again
+            self.stats.errors.append(str(e)[:200])
+            out = self._fresh(cmd)
+        self.stats.seconds += time.perf_counter() - t0
+        return out
+
+    def replay(self, sandbox: str, seq: int, cmd: str) -> tuple[str, str]:
+        """A logged call whose answer the caller lost: from the sandbox's log, else re-run."""
+        from v4stack.dsec.client import Sandbox, SandboxError
+
+        self.stats.calls += 1
+        try:
+            sbx = Sandbox.connect(sandbox, api_url=self.api_url, token=self.token)
+            self._next.setdefault(sbx.id, seq)
+            r = self._exec(sbx, cmd, seq)
+            return r.stdout, "fast_forward" if r.fast_forward else "ran"
+        except SandboxError as e:
+            self.stats.errors.append(str(e)[:200])
+            return self._fresh(cmd)
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for s in free:
+            try:
+                s.kill()
+            except Exception:
+                pass
