@@ -16,6 +16,10 @@ inputs, alternating. Per (shape, routing, tokens, path):
   rate), the time a perfectly overlapped layer would take, and ``frac_of_limit`` = limit / p50;
 - ``bit_identical``: MegaMoE's output equals the baseline's bitwise on every rank.
 
+On CUDA a third path, ``megamoe_graph``, replays the same MegaMoE call captured as a CUDA graph
+(one per tokens-per-rank bucket, as a serving engine would): the call reads nothing back to the
+host, so it can be captured; the baseline cannot (its split sizes need a host read).
+
 On CUDA MegaMoE is the device-side pipeline and the baseline runs the same grouped kernels after
 an ``all_to_all_single`` exchange; on CPU both run the model's expert math (ratios only).
 """
@@ -39,7 +43,7 @@ SHAPES = {  # hidden, expert width, routed experts, top-k
     "tiny": (64, 32, 8, 2),
 }
 DEFAULTS = dict(shapes=("flash", "pro"), tokens=(1, 32, 512, 4096, 8192), routings=("uniform", "zipf"),
-                iters=20, warmup=3, device="cpu", dispatch="bf16", seed=0, world=2)
+                iters=20, warmup=3, device="cpu", dispatch="bf16", seed=0, world=2, graphs=True)
 
 
 def _pct(xs, q):
@@ -60,10 +64,11 @@ def _experts(shape: str, rank: int, world: int, device, seed: int):
     return LocalExperts.from_stacked(w[0], w[1], w[2], first=rank * nl, n_experts=E, topk=k, limit=10.0)
 
 
-def _ceilings(device, world: int, rank: int) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s, peer-read bytes/s) measured here (CPU: rough, for the ratio only)."""
+def _ceilings(device, world: int, rank: int) -> tuple[float, float, float]:
+    """(bf16 matmul FLOP/s, peer-read bytes/s, HBM bytes/s read+written) measured here (CPU: rough,
+    for the ratio only)."""
     if device.type != "cuda":
-        return 50e9, 5e9
+        return 50e9, 5e9, 20e9
     from v4stack.megamoe.symm import symmetric_buffer
 
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -78,7 +83,11 @@ def _ceilings(device, world: int, rank: int) -> tuple[float, float]:
     buf.barrier()
     torch.cuda.synchronize()
     buf.close()
-    return flops, (1 << 29) / statistics.median(ts)
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    big = torch.empty_like(src)
+    hbm = 2 * (1 << 30) / statistics.median(_cuda_times(lambda: big.copy_(src), 10))
+    del src, big
+    return flops, (1 << 29) / statistics.median(ts), hbm
 
 
 def _cuda_times(fn, reps):
@@ -106,7 +115,7 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     dd = FP8 if cfg["dispatch"] == "fp8" else torch.bfloat16
-    peak, link = _ceilings(device, world, rank)
+    peak, link, hbm = _ceilings(device, world, rank)
     rows = []
     for shape in cfg["shapes"]:
         h, d, E, k = SHAPES[shape]
@@ -117,11 +126,20 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
         if cuda:
             pipe = DevicePipeline(ex, max_tokens=mt, device=device, dispatch_dtype=dd)
             paths["megamoe"] = lambda x, w, i, n: pipe(x, w, i, peer_tokens=n)
+            graphs = {}
+
+            def graphed(x, w, i, n):  # one CUDA graph per tokens-per-rank bucket, captured on first use
+                if n not in graphs:
+                    graphs.clear()  # keep one graph's private pool alive at a time
+                    graphs[n] = pipe.graphed(n, peer_tokens=n)
+                return graphs[n](x, w, i)
         else:
             sym = make_transport("megamoe", n_experts=E, topk=k, hidden=h, max_tokens=mt, device=device)
             paths["megamoe"] = ExpertParallel(None, sym, experts=ex, dispatch_dtype=dd, kernels=False)
         calls = {"baseline": lambda x, w, i, n: paths["baseline"].infer(x, w, i),
                  "megamoe": paths["megamoe"] if cuda else (lambda x, w, i, n: paths["megamoe"].infer(x, w, i))}
+        if cuda and cfg["graphs"]:
+            calls["megamoe_graph"] = graphed
         for kind in cfg["routings"]:
             for n in cfg["tokens"]:
                 g = torch.Generator().manual_seed(cfg["seed"] * 1000 + n)
@@ -146,7 +164,7 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
                         outs[p] = fn(x, w, idx, n)
                         sync()
                         lat[p].append(time.perf_counter() - t0)
-                same = torch.tensor([int(torch.equal(outs["megamoe"], outs["baseline"]))])
+                same = torch.tensor([int(all(torch.equal(outs[p], outs["baseline"]) for p in calls))])
                 busy = {}
                 for p, fn in calls.items():
                     sync()
@@ -156,15 +174,20 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
                         fn(x, w, idx, n)
                     sync()
                     busy[p] = time.perf_counter() - t0
-                stats = torch.tensor([same.item(), mine_rows], dtype=torch.float64)
+                nl_ = E // world
+                active_mine = len(set((idx_all[owner == rank] - rank * nl_).tolist()))
+                stats = torch.tensor([same.item(), mine_rows, active_mine], dtype=torch.float64)
                 gathered = [torch.zeros_like(stats) for _ in range(world)]
                 dist.all_gather(gathered, stats)
                 ok = all(bool(t[0]) for t in gathered)
                 max_rows = max(float(t[1]) for t in gathered)
                 byte_row = h * (1 if dd == FP8 else 2) + (4 * -(-h // 128) if dd == FP8 else 0) + 4 + h * 4
                 link_bytes = remote * byte_row
-                limit = max(6 * h * d * max_rows / peak, link_bytes / link)
-                for p in ("megamoe", "baseline"):
+                active = max(float(t[2]) for t in gathered)
+                t_comp, t_link = 6 * h * d * max_rows / peak, link_bytes / link
+                t_hbm = active * 3 * h * d * 2 / hbm        # every active expert's weights read once
+                limit = max(t_comp, t_link, t_hbm)
+                for p in calls:
                     lt = torch.tensor(lat[p] + [busy[p]], dtype=torch.float64)
                     dist.all_reduce(lt, op=dist.ReduceOp.MAX)
                     ms = [v * 1e3 for v in lt[:-1].tolist()]
@@ -172,14 +195,21 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
                     rows.append(dict(shape=shape, routing=kind, tokens_per_rank=n, path=p, p50_ms=p50,
                                      p99_ms=_pct(ms, 0.99), mean_ms=statistics.fmean(ms),
                                      throughput_tok_s=world * n * iters / float(lt[-1]),
-                                     link_GB_s=link_bytes / (p50 * 1e-3) / 1e9, limit_ms=limit * 1e3,
-                                     frac_of_limit=limit * 1e3 / p50, bit_identical=ok, iters=iters))
+                                     link_GB_s=link_bytes / (p50 * 1e-3) / 1e9, compute_ms=t_comp * 1e3,
+                                     link_ms=t_link * 1e3, weights_hbm_ms=t_hbm * 1e3, limit_ms=limit * 1e3,
+                                     frac_of_limit=limit * 1e3 / p50,
+                                     frac_of_compute_link_limit=max(t_comp, t_link) * 1e3 / p50,
+                                     bit_identical=ok, iters=iters))
                 if rank == 0:
-                    a, b = rows[-2], rows[-1]
+                    last = {r["path"]: r for r in rows[-len(calls):]}
+                    a, b = last["megamoe"], last["baseline"]
+                    gr = f" graph {last['megamoe_graph']['p50_ms']:8.3f} ms" if "megamoe_graph" in last else ""
                     print(f"{shape:5s} {kind:7s} {n:5d}  mega {a['p50_ms']:8.3f} ms  base {b['p50_ms']:8.3f} ms  "
                           f"x{b['p50_ms'] / a['p50_ms']:.2f}  link {a['link_GB_s']:6.1f} GB/s  "
-                          f"limit {limit * 1e3:.3f} ms  same={ok}", flush=True)
+                          f"limit {limit * 1e3:.3f} ms{gr}  same={ok}", flush=True)
         if cuda:
+            graphs.clear()
+            torch.cuda.synchronize(device)
             pipe.close()
         else:
             paths["megamoe"].transport.close()
@@ -187,8 +217,9 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
         if cuda:
             torch.cuda.empty_cache()
         if checkpoint is not None and rank == 0:  # a partial report survives a later failure
-            checkpoint(rows, dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9, partial=True))
-    meta = dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9)
+            checkpoint(rows, dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9,
+                                  hbm_copy_GB_s=hbm / 1e9, partial=True))
+    meta = dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9, hbm_copy_GB_s=hbm / 1e9)
     return (rows, meta) if rank == 0 else None
 
 
@@ -198,10 +229,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (shape, kind, n, path), r in by.items():
         if path == "megamoe":
             b = by[(shape, kind, n, "baseline")]
-            out.append(dict(shape=shape, routing=kind, tokens_per_rank=n, speedup_p50=b["p50_ms"] / r["p50_ms"],
-                            speedup_throughput=r["throughput_tok_s"] / b["throughput_tok_s"],
-                            frac_of_limit=r["frac_of_limit"], link_GB_s=r["link_GB_s"],
-                            bit_identical=r["bit_identical"]))
+            g = by.get((shape, kind, n, "megamoe_graph"))
+            row = dict(shape=shape, routing=kind, tokens_per_rank=n, speedup_p50=b["p50_ms"] / r["p50_ms"],
+                       speedup_throughput=r["throughput_tok_s"] / b["throughput_tok_s"],
+                       frac_of_limit=r.get("frac_of_limit"), link_GB_s=r["link_GB_s"],
+                       bit_identical=r["bit_identical"])
+            if g:
+                row.update(graph_speedup_p50=b["p50_ms"] / g["p50_ms"], graph_frac_of_limit=g["frac_of_limit"],
+                           graph_frac_of_compute_link_limit=g["frac_of_compute_link_limit"],
+                           graph_link_GB_s=g["link_GB_s"])
+            out.append(row)
     return out
 
 
@@ -307,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(f"--{name}", type=int, default=DEFAULTS[name])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dispatch", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA-graph MegaMoE rows")
     ap.add_argument("--out", default="bench/results/megamoe.json")
     a = vars(ap.parse_args(argv))
     out = a.pop("out")

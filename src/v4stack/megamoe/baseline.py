@@ -44,15 +44,28 @@ class AllToAllTransport:
         send = counts.view(self.world, self.n_local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        rc = recv.cpu().long()                                      # [source, local expert]
-        send_rows = send.sum(1).cpu().tolist()
-        src_base = torch.cumsum(rc.sum(1), 0) - rc.sum(1)
-        exp_start = torch.cumsum(rc, 1) - rc
-        pos = [torch.arange(int(src_base[s] + exp_start[s, e]), int(src_base[s] + exp_start[s, e] + rc[s, e]))
-               for e in range(self.n_local) for s in range(self.world)]
-        perm = torch.cat(pos).to(self.device) if pos else torch.zeros(0, dtype=torch.long, device=self.device)
+        host = torch.cat([recv.reshape(-1), send.sum(1)]).cpu().long()   # the one host read of a call
+        rc = host[: recv.numel()].view_as(recv)                     # [source, local expert]
+        send_rows = host[recv.numel():].tolist()
+        perm = self._perm(recv.long(), int(rc.sum()))
         return Route(n=n, k=k, idx=idx, order=order, counts=rc.sum(0).tolist(), send_rows=send_rows,
                      recv_rows=rc.sum(1).tolist(), perm=perm)
+
+    def _perm(self, rc: torch.Tensor, rows: int) -> torch.Tensor:
+        """Expert-major position -> received row, built on the device with fixed-shape ops.
+        Received rows come source-major, expert-minor: the flattened ``[source, expert]`` order."""
+        dev = rc.device
+        flat = rc.reshape(-1)
+        cum = torch.cumsum(flat, 0)
+        j = torch.arange(rows, device=dev)
+        f = torch.searchsorted(cum, j, right=True)
+        s, e = f // self.n_local, f % self.n_local
+        exp_off = torch.cumsum(rc.sum(0), 0) - rc.sum(0)              # first row of each expert
+        src_off = torch.cumsum(rc, 0) - rc                            # rows of earlier sources, per expert
+        dest = exp_off[e] + src_off[s, e] + (j - (cum[f] - flat[f]))
+        perm = torch.empty(rows, dtype=torch.long, device=dev)
+        perm[dest] = j
+        return perm.to(self.device)
 
     def to_experts(self, route: Route, rows: torch.Tensor) -> torch.Tensor:
         """Rows in the source's sorted pair order -> expert side, canonical order."""

@@ -18,7 +18,11 @@ MegaMoE and the baseline get the same bits whatever the waves, the ring or the b
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+TUNED = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 try:
     import triton
@@ -63,6 +67,25 @@ if triton is not None:
                 wv = tl.load(srcw + p, mask=m, other=0.0)
                 tl.store(dstw + d, wv, mask=m)
 
+    def _configs(shapes):
+        return [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
+
+    def _prune(configs, named_args, **kw):
+        n, k = named_args["N"], named_args["K"]
+        ok = [c for c in configs if n % c.kwargs["BN"] == 0 and k % c.kwargs["BK"] == 0]
+        if ok:
+            return ok
+        bn, bk = min(128, n), min(64, k)  # small shapes (tests): one config that fits
+        return [triton.Config({"BN": bn, "BK": bk}, num_warps=4, num_stages=2)]
+
+    # The tile config is tuned once per (N, K) and kept for the process: it never depends on M,
+    # so every call in a process (MegaMoE's waves, the baseline's single launch) gets the same bits.
+    def _tuned(shapes):
+        if not TUNED:  # the interpreter (CPU checks) cannot time configs: the launcher passes one
+            return lambda f: f
+        return triton.autotune(configs=_configs(shapes), key=["N", "K"], prune_configs_by={"early_config_prune": _prune})
+
+    @_tuned([(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)])
     @triton.jit
     def _swiglu_gemm(x, wr, w1, w3, act, t_e, t_r0, t_r1, ts, ne, base, limit, N: tl.constexpr, K: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -94,6 +117,7 @@ if triton is not None:
             out = accg / (1.0 + tl.exp(-accg)) * accu * wv[:, None]
             tl.store(act + rows[:, None] * N + cols[None, :], out.to(act.dtype.element_ty), mask=rm[:, None])
 
+    @_tuned([(128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)])
     @triton.jit
     def _down_gemm(a, w2, y, t_e, t_r0, t_r1, ts, ne, base, N: tl.constexpr, K: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -120,12 +144,12 @@ BM = 128   # rows per tile (also the planner's block_m)
 BR = 16    # rows per copy program
 
 
-def _cfg(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages) from the GEMM's shape alone (never from the batch)."""
-    bn, bk = min(128, n), min(64, k)
-    if n % bn or k % bk or bn < 16 or bk < 16:
-        raise ValueError(f"expert GEMM shapes must be multiples of 16 (and of 128 / 64 above that), got N={n}, K={k}")
-    return bn, bk, 8 if bn >= 128 else 4, 3
+def _check(n: int, k: int) -> dict:
+    if n % 16 or k % 16:
+        raise ValueError(f"expert GEMM shapes must be multiples of 16, got N={n}, K={k}")
+    return {} if TUNED else {"BN": min(128, n), "BK": min(64, k)}
+
+
 
 
 def move_rows(src, dst, pairs, dest, span, base, *, k: int, bound_rows: int, pull: bool,
@@ -142,19 +166,18 @@ def move_rows(src, dst, pairs, dest, span, base, *, k: int, bound_rows: int, pul
 
 def swiglu_gemm(x, wr, w1, w3, act, tiles, ts, ne: int, base, limit: float, bound_tiles: int) -> None:
     n, k = w1.shape[1], w1.shape[2]
-    bn, bk, warps, stages = _cfg(n, k)
+    cfg = _check(n, k)
     t_e, t_r0, t_r1 = tiles
-    _swiglu_gemm[(max(1, bound_tiles), n // bn)](x, wr, w1, w3, act, t_e, t_r0, t_r1, ts, ne, base,
-                                                 float(limit), n, k, BM=BM, BN=bn, BK=bk, num_warps=warps,
-                                                 num_stages=stages)
+    _swiglu_gemm[lambda m: (max(1, bound_tiles), n // m["BN"])](
+        x, wr, w1, w3, act, t_e, t_r0, t_r1, ts, ne, base, float(limit), n, k, BM=BM, **cfg)
 
 
 def down_gemm(a, w2, y, tiles, ts, ne: int, base, bound_tiles: int) -> None:
     n, k = w2.shape[1], w2.shape[2]
-    bn, bk, warps, stages = _cfg(n, k)
+    cfg = _check(n, k)
     t_e, t_r0, t_r1 = tiles
-    _down_gemm[(max(1, bound_tiles), n // bn)](a, w2, y, t_e, t_r0, t_r1, ts, ne, base, n, k,
-                                               BM=BM, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    _down_gemm[lambda m: (max(1, bound_tiles), n // m["BN"])](a, w2, y, t_e, t_r0, t_r1, ts, ne, base, n, k,
+                                                             BM=BM, **cfg)
 
 
 def tile_map(per_expert: torch.Tensor, max_tiles: int):

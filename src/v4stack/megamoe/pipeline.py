@@ -36,6 +36,10 @@ from v4stack.megamoe.plan import H200, Hardware, experts_per_wave
 from v4stack.megamoe.symm import symmetric_buffer
 
 
+MIN_WAVES = 4        # at least this many waves once experts get MIN_WAVE_ROWS rows on average
+MIN_WAVE_ROWS = 64
+
+
 class DevicePipeline:
     def __init__(self, experts, *, max_tokens: int, group=None, device="cuda",
                  dispatch_dtype: torch.dtype = torch.bfloat16, combine_dtype: torch.dtype = torch.float32,
@@ -92,6 +96,11 @@ class DevicePipeline:
         hw = Hardware(self.hw.peak_flops, self.hw.link_bytes_per_s, self.hw.compute_units, K.BM)
         per = self.wave_experts or experts_per_wave(self.world * max(1, n_tokens), ex.topk, ex.n_experts,
                                                     ex.n_local, hw)
+        if self.wave_experts is None and self.world * n_tokens * ex.topk >= MIN_WAVE_ROWS * ex.n_experts:
+            # Each tile also spans the N/BN column blocks, so a wave of few experts still fills the
+            # GPU; with real work per expert, take at least MIN_WAVES waves so pulls and combines
+            # hide behind the GEMMs (DeepGEMM's rule alone gives one wave up to ~2 tiles/expert).
+            per = min(per, -(-ex.n_local // MIN_WAVES))
         return [(e, min(e + per, ex.n_local)) for e in range(0, ex.n_local, per)]
 
     # ---- the call ----------------------------------------------------------------------------
@@ -202,6 +211,34 @@ class DevicePipeline:
             cur.wait_stream(self.comb_stream)
         self.buf.barrier()
         return reduce_pairs(self.buf.local("comb")[: n * k], idx)
+
+    def graphed(self, n: int, *, peer_tokens: int | None = None):
+        """One call for ``n`` tokens captured as a CUDA graph (possible because no step of the call
+        reads anything back to the host): returns ``run(x, w, idx) -> out`` that copies the inputs
+        into static buffers and replays. The returned output tensor is reused by every replay."""
+        ex, dev = self.ex, self.device
+        sx = torch.randn(n, ex.hidden, device=dev).to(torch.bfloat16)
+        sw = torch.full((n, ex.topk), 1.0 / ex.topk, device=dev)
+        sidx = (torch.arange(n * ex.topk, device=dev) % ex.n_experts).view(n, ex.topk)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile, tune and cache before capturing
+            for _ in range(2):
+                self(sx, sw, sidx, peer_tokens=peer_tokens)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self(sx, sw, sidx, peer_tokens=peer_tokens)
+
+        def run(x, w, idx):
+            sx.copy_(x)
+            sw.copy_(w)
+            sidx.copy_(idx)
+            graph.replay()
+            return out
+
+        run.graph = graph
+        return run
 
     def close(self) -> None:
         self.buf.close()
