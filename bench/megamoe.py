@@ -116,6 +116,7 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     dd = FP8 if cfg["dispatch"] == "fp8" else torch.bfloat16
     peak, link, hbm = _ceilings(device, world, rank)
+    graph_error = None
     rows = []
     for shape in cfg["shapes"]:
         h, d, E, k = SHAPES[shape]
@@ -139,7 +140,11 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
         calls = {"baseline": lambda x, w, i, n: paths["baseline"].infer(x, w, i),
                  "megamoe": paths["megamoe"] if cuda else (lambda x, w, i, n: paths["megamoe"].infer(x, w, i))}
         if cuda and cfg["graphs"]:
-            calls["megamoe_graph"] = graphed
+            try:  # a capture that fails drops the graph rows and says why, rather than the run
+                graphs[min(cfg["tokens"])] = pipe.graphed(min(cfg["tokens"]), peer_tokens=min(cfg["tokens"]))
+                calls["megamoe_graph"] = graphed
+            except Exception as e:  # noqa: BLE001
+                graph_error = f"{type(e).__name__}: {e}"[:500]
         for kind in cfg["routings"]:
             for n in cfg["tokens"]:
                 g = torch.Generator().manual_seed(cfg["seed"] * 1000 + n)
@@ -219,7 +224,8 @@ def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:
         if checkpoint is not None and rank == 0:  # a partial report survives a later failure
             checkpoint(rows, dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9,
                                   hbm_copy_GB_s=hbm / 1e9, partial=True))
-    meta = dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9, hbm_copy_GB_s=hbm / 1e9)
+    meta = dict(bf16_matmul_tflops=peak / 1e12, peer_copy_GB_s=link / 1e9, hbm_copy_GB_s=hbm / 1e9,
+                graph_error=graph_error)
     return (rows, meta) if rank == 0 else None
 
 
