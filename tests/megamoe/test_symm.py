@@ -36,6 +36,7 @@ def _shm_world(rank, world):
     other.close()
 
 
+@pytest.mark.slow  # the default run checks this inside test_exact's EP2 processes (spawns are slow)
 def test_shm_symmetric_buffer_across_processes():
     run_world(_shm_world, 2)
 

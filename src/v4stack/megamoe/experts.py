@@ -8,8 +8,8 @@ The fixed order (the contract behind bit-identity):
 - An expert rank lays its rows out expert-major, and within one expert by (source rank, p): with
   tokens laid out rank after rank that is ascending global token, the order in which a
   single-process layer meets the expert's rows. Each expert's rows go through one GEMM batch
-  (on CPU and under autograd: the model's ``swiglu`` on the whole block of rows; on CUDA without
-  autograd: fixed-tile Triton kernels whose per-row result depends on that row alone).
+  (on CPU and under autograd: the model's own ``LocalGrouped`` backend on this rank's block; on
+  CUDA without autograd: fixed-tile Triton kernels whose per-row result depends on that row alone).
 - A source puts each routed output row back at its pair id and reduces with ``ops.moe_combine``
   (fp32, ascending expert id in invariant mode), exactly as the single-process layer does.
 """
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from v4stack import ops
-from v4stack.model.moe import MoE, swiglu
+from v4stack.model.linear import compute_dtype
+from v4stack.model.moe import LocalGrouped, MoE
 
 
 def route_order(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,18 +81,40 @@ class LocalExperts:
         return self._stacked
 
     def ffn(self, xe: torch.Tensor, we: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Expert math on expert-major rows: each local expert's rows in one ``swiglu`` call (the
-        model's function: compute dtype, V4 clamps, routing weight before ``w2``)."""
-        outs, lo = [], 0
-        for e, c in enumerate(counts):
-            if c:
-                outs.append(swiglu(xe[lo : lo + c], self.w1[e], self.w2[e], self.w3[e], self.limit, we[lo : lo + c]))
-            lo += c
-        if not outs:  # no rows here: an empty result still tied to xe and we, so every rank's
-            # backward reaches the dispatch (a collective) whatever its routing
-            cd = torch.float64 if xe.dtype == torch.float64 else torch.float32
-            return xe.new_zeros((0, self.hidden), dtype=cd) + (xe.sum() + we.sum()).to(cd) * 0
-        return torch.cat(outs)
+        """Expert math on expert-major rows (``counts`` rows per local expert), fp32 ``[R, h]``.
+
+        This is the model's own local backend (``LocalGrouped``: one grouped GEMM per projection,
+        V4 clamps, routing weight before ``w2``) run on this block as a layer of ``n_local``
+        experts with one slot per row, so each expert's rows meet exactly the GEMMs, in the same
+        row order, as in the single-process layer (and autograd records the same graph)."""
+        if not xe.shape[0]:  # no rows here: an empty result still tied to xe and we, so every
+            # rank's backward reaches the dispatch (a collective) whatever its routing
+            # (and to the block's weights, whose gradient is then zero, as for any idle expert)
+            cd = compute_dtype(xe.dtype)
+            tie = xe.sum().to(cd) + we.sum().to(cd)
+            if torch.is_grad_enabled() and self.w1[0].requires_grad:
+                tie = tie + sum(w.sum() for w in self.w1 + self.w2 + self.w3).to(cd)
+            return xe.new_zeros((0, self.hidden), dtype=cd) + tie * 0
+        ids = torch.repeat_interleave(torch.arange(self.n_local, device=xe.device),
+                                      torch.tensor(counts, device=xe.device)).unsqueeze(1)
+        return LocalGrouped()(_Block(self), xe, we.unsqueeze(1), ids)
+
+
+class _Block:
+    """A rank's block of experts seen as a layer of ``n_local`` experts (what ``LocalGrouped`` reads)."""
+
+    def __init__(self, ex: LocalExperts):
+        self.ex, self.n_experts, self.limit = ex, ex.n_local, ex.limit
+
+    def stacked_weights(self):
+        ex = self.ex
+        if torch.is_grad_enabled() and ex.w1[0].requires_grad:
+            return tuple(torch.stack(ws) for ws in (ex.w1, ex.w2, ex.w3))  # in the graph
+        if ex.moe is not None:  # the layer's own stacks (views of its parameters), our slice
+            return tuple(w[ex.first : ex.first + ex.n_local] for w in ex.moe.stacked_weights())
+        if getattr(ex, "_block", None) is None:
+            ex._block = tuple(torch.stack(ws) for ws in (ex.w1, ex.w2, ex.w3))
+        return ex._block
 
 
 def reduce_pairs(comb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
