@@ -16,7 +16,7 @@ import typer
 ROOT = Path(__file__).resolve().parents[2]
 # the names users type -> modules of the bench package
 BENCHES = {
-    "ops": "ops", "ops-check": "ops_check", "serve": "serve", "serve-engine": "serve_engine",
+    "ops": "ops", "ops-check": "ops_check", "serve": "serve", "serve-engine": "serve_engine", "serve-roofline": "serve_roofline",
     "megamoe": "megamoe", "megamoe-compute": "megamoe_compute", "dsec": "dsec", "wal": "rollout_wal",
     "prefix": "prefix", "train-tiny": "train_tiny", "muon-vs-adamw": "muon_vs_adamw",
     "muon-plan-table": "muon_plan_table",

@@ -1,0 +1,209 @@
+"""Decode speed of the engine against the memory-bandwidth roofline, per mode x batch x context.
+
+    python -m bench.serve_roofline --device cuda --out bench/results/serve_engine_h200.json
+
+Two configs (bf16): ``flash4`` = the V4-Flash preset cut to 4 layers (compress ratios 0, 0, 4,
+128; 8 routed experts; no MTP) and ``flash8`` = 8 layers of V4-Flash width (ratios 0, 0, 4, 128,
+4, 128, 4, 128; 64 routed experts; no MTP). Weights are random (drawn on the device).
+
+Each point: ``batch`` requests whose caches hold ``ctx`` tokens of history - blocks allocated
+through the cache manager and the pools filled with random values instead of running a prefill
+(a decode step reads the same bytes either way; the prefill path itself is covered by the tests) -
+then decode steps of one token per request through ``Engine.step`` (scheduling, the model runner,
+the model, sampling), timed with device synchronisation.
+
+Roofline: the bytes one decode step must read, over the measured device copy bandwidth:
+- weights: every parameter except the embedding table (only ``batch`` rows of it are read) and
+  the routed experts a step does not touch (expected touched: ``E (1 - (1 - k/E)^batch)``);
+- cache per request and layer: the window (``n_win`` rows), and for a CSA layer the indexer keys
+  of every closed entry plus ``min(top-k, entries)`` compressed entries, for an HCA layer every
+  closed entry.
+``fraction = roofline step time / measured step time``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.runner import write_result
+from bench.serve import copy_bandwidth
+from v4stack.config import ModelConfig, preset
+from v4stack.model import V4Model
+from v4stack.model.init import is_fp32_param
+from v4stack.serve.engine import Engine, EngineConfig
+from v4stack.serve.sampling import SamplingParams
+
+CONFIGS = {
+    "tiny": dict(),  # CPU smoke runs of this bench
+    "flash4": dict(num_hidden_layers=4, compress_ratios=[0, 0, 4, 128], n_routed_experts=8,
+                   num_nextn_predict_layers=0),
+    "flash8": dict(num_hidden_layers=8, compress_ratios=[0, 0, 4, 128, 4, 128, 4, 128], n_routed_experts=64,
+                   num_nextn_predict_layers=0),
+}
+
+
+def build_config(name: str) -> ModelConfig:
+    return ModelConfig.from_dict({**preset("tiny" if name == "tiny" else "flash").to_dict(), **CONFIGS[name]})
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0) -> V4Model:
+    """The model with random weights drawn on ``device`` (the scales of model/init.py)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = V4Model(cfg, seed=None)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight"):
+            p.normal_(1.0, 0.1)
+        elif leaf in ("attn_sink",) or name == "embed.weight":
+            p.normal_()
+        elif leaf.endswith("_base") or leaf == "ape":
+            p.normal_(0.0, 0.5)
+        elif leaf.endswith("_scale"):
+            p.uniform_(0.75, 1.25)
+        elif name.endswith("gate.bias"):
+            p.normal_(0.0, 0.1)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            b.copy_(torch.rand(b.shape[0], cfg.n_routed_experts, device=device).argsort(1)[:, : b.shape[1]])
+    for name, p in model.named_parameters():
+        if not is_fp32_param(name):
+            p.data = p.data.to(dtype)
+    return model.eval()
+
+
+def step_bytes(model: V4Model, cfg: ModelConfig, batch: int, ctx: int, es: int) -> dict:
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** batch)
+    w = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if name == "embed.weight":
+            n = batch * p.shape[1] * p.element_size()
+        elif ".ffn.experts." in name:
+            n = n * touched / E
+        w += n
+    cache = 0
+    for r in cfg.layer_ratios:
+        cache += cfg.sliding_window * cfg.head_dim * es
+        if r and cfg.is_csa(r):
+            ents = ctx // r
+            cache += ents * cfg.index_head_dim * es + min(cfg.index_topk, ents) * cfg.head_dim * es
+        elif r:
+            cache += (ctx // r) * cfg.head_dim * es
+    return {"weight_bytes": int(w), "cache_bytes_per_request": cache, "step_bytes": int(w + batch * cache),
+            "experts_touched": touched}
+
+
+def fill(engine: Engine, batch: int, ctx: int, max_tokens: int, seed: int) -> list:
+    """``batch`` running requests whose caches already hold ``ctx`` tokens (random pools)."""
+    g = torch.Generator().manual_seed(seed)
+    cm = engine.cache
+    for t in list(cm.blocks.storage.values()):
+        t.normal_()
+    for ts in cm.slots.tensors.values():
+        for t in ts:
+            t.normal_()
+    reqs = []
+    sp = SamplingParams(max_tokens=max_tokens)
+    for _ in range(batch):
+        prompt = torch.randint(0, engine.model.cfg.vocab_size, (ctx + 1,), generator=g).tolist()
+        req = engine.add_request(prompt, sp)
+        rc = cm.admit(prompt)
+        if not cm.reserve(rc, ctx):
+            raise RuntimeError("bench: cache too small")
+        rc.pos, rc.tokens = ctx, prompt[:ctx]
+        engine.attach(req, rc)
+        reqs.append(req)
+    return reqs
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float) -> dict:
+    B, dev = cfg.block_tokens, model.embed.weight.device.type
+    per = -(-(ctx + steps + 8) // B) + 1
+    engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
+                                        token_budget=max(batch, 256), max_running=batch, ops_mode=mode))
+    fill(engine, batch, ctx, steps + 4, seed=batch * 7 + ctx)
+    times, t_start = [], time.perf_counter()
+    for i in range(steps + 2):
+        _sync(dev)
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(dev)
+        if i >= 2:  # the first steps publish the synthetic history's blocks and warm kernels
+            times.append(time.perf_counter() - t0)
+        if time.perf_counter() - t_start > budget_s and len(times) >= 2:
+            break
+    times.sort()
+    p50 = times[len(times) // 2]
+    sb = step_bytes(model, cfg, batch, ctx, torch.empty((), dtype=model.dtype).element_size())
+    floor = sb["step_bytes"] / bw if bw else None
+    res = {"mode": mode, "batch": batch, "context": ctx, "steps_timed": len(times), "step_s_p50": p50,
+           "tok_s": batch / p50, "roofline_step_s": floor, "roofline_tok_s": batch / floor if floor else None,
+           "fraction": floor / p50 if floor else None, **sb,
+           "cache_bytes_written_last_step": engine.stats.last_step_cache_bytes}
+    del engine
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench serve-roofline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--configs", default="flash4,flash8")
+    ap.add_argument("--modes", default="fast,invariant")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="1024,16384")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--point-budget-s", type=float, default=6.0, help="stop timing a point after this (>= 2 steps)")
+    ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
+    a = ap.parse_args(argv)
+    bw = copy_bandwidth(a.device)
+    payload = {"copy_bandwidth_GBps": bw / 1e9 if bw else None, "configs": {}, "runs": []}
+    models = {}
+    for name in a.configs.split(","):
+        cfg = build_config(name)
+        t0 = time.perf_counter()
+        dt = torch.bfloat16 if a.device == "cuda" else torch.float32
+        models[name] = (cfg, random_model(cfg, a.device, dt))
+        payload["configs"][name] = {**CONFIGS[name], "hidden_size": cfg.hidden_size, "dtype": str(dt)[6:],
+                                    "params": sum(p.numel() for p in models[name][1].parameters()),
+                                    "build_s": time.perf_counter() - t0}
+    for mode in a.modes.split(","):  # every config's fast points first: they are the cheap ones
+        for name, (cfg, model) in models.items():
+            for ctx in map(int, a.contexts.split(",")):
+                for b in map(int, a.batches.split(",")):
+                    try:
+                        r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s)
+                    except Exception:  # record and go on: one failing point must not lose the rest
+                        import traceback
+
+                        r = {"mode": mode, "batch": b, "context": ctx, "error": traceback.format_exc()[-1500:]}
+                    r["config"] = name
+                    payload["runs"].append(r)
+                    if "error" in r:
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3}: ERROR {r['error']}", flush=True)
+                    else:
+                        roof = (f"  roofline {r['roofline_tok_s']:9.1f} tok/s ({100 * r['fraction']:.1f}%)"
+                                if r["fraction"] else "")
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
+                              f"{r['tok_s']:9.1f} tok/s{roof}", flush=True)
+                    write_result(a.out, payload)  # partial results survive a timeout
+
+
+if __name__ == "__main__":
+    main()
