@@ -13,6 +13,9 @@ dispatcher sees them):
   (an in-place draw cannot be cached; the checkpoint restores the RNG state before it recomputes);
 - **in-place** ops are recomputed, and so is any output an in-place op later writes into (a
   cached value must not change under the cache);
+- only outputs the backward itself keeps are candidates (autograd's saved tensors, seen through
+  saved-tensor hooks while profiling): caching anything else would hold memory a plain backward
+  frees;
 - the rest is a knapsack: keep the outputs with the most estimated recompute time per byte until
   the budget is spent. Time is ``flops / F + bytes / B`` with the machine's balance F/B (FLOPs
   from torch's flop counter for matrix ops; bytes read and written for the others).
@@ -47,6 +50,7 @@ class OpRecord:
     inplace: bool
     storages: tuple[int, ...] = ()
     in_storages: tuple[int, ...] = ()
+    needed: bool = False  # autograd keeps this output (or a view of it) for the backward
 
 
 def _tensors(x):
@@ -104,10 +108,19 @@ class _Recorder(TorchDispatchMode):
 
 
 def profile(fn, *args) -> list[OpRecord]:
-    """The aten ops of one forward of ``fn(*args)`` (gradients on, as under a checkpoint)."""
+    """The aten ops of one forward of ``fn(*args)`` (gradients on, as under a checkpoint), each
+    marked with whether autograd saves its output for the backward."""
     rec = _Recorder()
-    with torch.enable_grad(), rec:
+    kept: set[int] = set()
+
+    def pack(t: torch.Tensor):
+        kept.add(_storage(t))
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
         fn(*args)
+    for r in rec.records:
+        r.needed = bool(set(r.storages) & kept)
     return rec.records
 
 
@@ -151,6 +164,7 @@ class Plan:
         kept = [_density(self.records[i], balance) for i in self.save if not self.records[i].random]
         threshold = min(kept) if kept else float("inf")
         unsafe = {r.name for r in self.records if r.view or r.inplace} | _mutated_later(self.records)
+        unsafe |= {r.name for r in self.records} - {r.name for r in self.records if r.needed or r.random}
 
         stats = self.rule_stats = {"saved": 0, "recomputed": 0}
 
@@ -196,11 +210,13 @@ def _cost(r: OpRecord, balance: float) -> float:
 
 
 def _savable(records: list[OpRecord]) -> list[OpRecord]:
-    """Outputs a cache may hold: new storage, not a view, never written in place afterwards."""
+    """Outputs worth caching: what the backward needs (holding anything else only adds memory a
+    plain backward would not hold), with new storage, not a view, never written in place after."""
     written_after: set[int] = set()
     out = []
     for r in reversed(records):
-        if not r.view and not r.inplace and r.out_bytes > 0 and not (set(r.storages) & written_after):
+        if (r.needed or r.random) and not r.view and not r.inplace and r.out_bytes > 0 \
+                and not (set(r.storages) & written_after):
             out.append(r)
         if r.inplace:
             written_after |= set(r.storages)
