@@ -29,6 +29,7 @@ def loop_command(
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster instead of starting a local Ray."),
     edges: int = typer.Option(1, min=1, help="Sandbox edges to start (when DSEC_API_URL is not set)."),
     fault: List[str] = typer.Option([], help="Fault injection, KIND@STEP: worker@N, trainer@N, edge@N (repeatable)."),
+    fresh: bool = typer.Option(False, "--fresh", help="Start the RL steps over in --out (the supervised policy is kept)."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout (steps, evals, then the summary)."),
 ):
     """Agentic RL end to end: rollouts with tool calls in DSec sandboxes, the token WAL, the
@@ -46,6 +47,10 @@ def loop_command(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    if fresh:
+        from v4stack.rl.loop import clear_rl_state
+
+        clear_rl_state(out)
     summary = run(cfg, log=sys.stdout if as_json else None)
     if as_json:
         typer.echo(json.dumps({"event": "summary", **summary}))

@@ -402,6 +402,21 @@ def plot(doc: dict, path: Path) -> None:
     atomic_write(Path(path), buf.getvalue())
 
 
+def clear_rl_state(out: str | Path) -> None:
+    """Remove a run's RL state (trainer checkpoints, WALs, log, sandboxes), keeping policy/."""
+    import shutil
+
+    from v4stack.rl.sandboxes import _cleanup
+
+    out = Path(out)
+    if (out / "dsec").exists():
+        _cleanup(out / "dsec")
+    for name in ("trainer", "rollouts", "dsec"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("loop.json", "loop.png"):
+        (out / name).unlink(missing_ok=True)
+
+
 def run(cfg: LoopConfig, log=None) -> dict:
     loop = Loop(cfg, log)
     try:
