@@ -10,7 +10,9 @@ import torch
 from tests.megamoe.common import make_moe, offsets
 from tests.megamoe.reference import single_process_routed
 from tests.optim.distributed import run_world
-from v4stack.megamoe.backend import ExpertParallel, make_transport
+from v4stack.config import preset
+from v4stack.megamoe.backend import ExpertParallel, expert_parallel_factory, make_transport
+from v4stack.model import V4Model
 from v4stack.megamoe.experts import LocalExperts
 from v4stack.megamoe.routing import routing
 
@@ -35,6 +37,16 @@ def _world(rank, world):
             assert torch.equal(got, a2a(moe, x[mine], w[mine], idx[mine]))
             torch.testing.assert_close(got, single_process_routed(moe, x, w, idx)[mine], rtol=1e-5, atol=1e-5)
         pipe.close()
+    # the model with the pipeline installed by the factory (shared buffers, bound per layer)
+    cfg = preset("tiny")
+    toks = torch.randint(0, cfg.vocab_size, (1, 4 + 3 * rank), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        want = V4Model(cfg, seed=1).eval()(toks)
+        model = V4Model(cfg, seed=1).eval().set_expert_backend(expert_parallel_factory(
+            "megamoe", max_tokens=8, pipeline=True, pipeline_opts=dict(weight_dtype=torch.float32)))
+        assert model.layers[-1].ffn.backend.pipeline is not None
+        # rows are dispatched in bf16 here, so close to the fp32 model, not equal
+        torch.testing.assert_close(model(toks), want, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.slow
