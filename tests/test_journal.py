@@ -1,4 +1,5 @@
-"""The shared journal: round trip, group commit, torn-tail repair, rotation, iteration."""
+"""The shared journal: round trip, group commit, torn-tail cut, rotation, iteration (the disk-fault
+matrix is in tests/journal/)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import time
 
 import pytest
 
-from v4stack.journal import HEADER, Journal, JournalCorrupt, JournalError, read_records
+from v4stack.journal import HEADER, SEG_HEAD, Journal, JournalCorrupt, JournalError, read_records
 
 
 def test_round_trip_and_positions(tmp_path):
     with Journal(tmp_path / "j") as j:
         a = j.append(b"alpha")
         b, c = j.append_batch([b"", b"gamma" * 100])
-        assert a == 0 and b == HEADER.size + 5 and c == b + HEADER.size
+        assert a == SEG_HEAD and b == a + HEADER.size + 5 and c == b + HEADER.size
         assert j.durable_lsn == j.end_lsn
     with Journal(tmp_path / "j") as j:
         assert j.recovery.records == 3 and j.recovery.cut_bytes == 0
@@ -28,34 +29,71 @@ def test_round_trip_and_positions(tmp_path):
     assert [lsn for lsn, _ in read_records(tmp_path / "j")] == [a, b, c, d]
 
 
-@pytest.mark.parametrize("damage", ["half_header", "half_payload", "flip_byte", "zeros"])
+_UNSYNCED = r"""
+import os, sys
+from v4stack.journal import Journal
+j = Journal(sys.argv[1])
+j.append_batch([b"one", b"two"])
+j.write([b"three-three", b"four"])  # written, never fsynced: past the durable mark
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("damage", ["half_header", "zeros", "unsynced_flip", "unsynced_half"])
 def test_torn_tail_is_cut_and_reported(tmp_path, damage):
-    with Journal(tmp_path / "j") as j:
-        j.append_batch([b"one", b"two", b"three-three"])
-        last = list(j.iter())[-1][0]
+    """Bytes past the durable mark are a torn tail: cut, reported, and the log goes on."""
+    subprocess.run([sys.executable, "-c", _UNSYNCED, str(tmp_path / "j")], check=True)
     seg = sorted((tmp_path / "j").glob("seg-*.log"))[-1]
     data = bytearray(seg.read_bytes())
+    third = data.index(b"three-three") - HEADER.size
     if damage == "half_header":
         data += b"\x05\x00\x00"
-    elif damage == "half_payload":
-        data = data[:-4]
-    elif damage == "flip_byte":
-        data[-1] ^= 0xFF
-    else:
+    elif damage == "zeros":
         data += bytes(4096)
+    elif damage == "unsynced_flip":
+        data[third + HEADER.size + 2] ^= 0xFF
+    else:
+        data = data[: third + 7]
     seg.write_bytes(bytes(data))
     with Journal(tmp_path / "j") as j:
         rec = j.recovery
         assert rec.cut_bytes > 0 and rec.reason and rec.segment == seg.name
         kept = [p for _, p in j.iter()]
         if damage in ("half_header", "zeros"):
-            assert kept == [b"one", b"two", b"three-three"] and rec.cut_at == j.end_lsn
+            assert kept == [b"one", b"two", b"three-three", b"four"] and rec.cut_at == j.end_lsn
         else:
-            assert kept == [b"one", b"two"] and rec.cut_at == last
+            assert kept == [b"one", b"two"] and rec.cut_at == third
+        assert j.durable_lsn == j.end_lsn  # what recovery kept was fsynced
         j.append(b"after")
     with Journal(tmp_path / "j") as j:
         assert j.recovery.cut_bytes == 0
         assert [p for _, p in j.iter()][-1] == b"after"
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "half_payload"])
+def test_damage_before_the_durable_mark_is_not_a_tail(tmp_path, damage):
+    """The same damage inside acknowledged records is an error naming segment, offset and seq."""
+    with Journal(tmp_path / "j") as j:
+        j.append_batch([b"one", b"two", b"three-three"])
+        last = list(j.iter())[-1][0]
+    seg = sorted((tmp_path / "j").glob("seg-*.log"))[-1]
+    data = bytearray(seg.read_bytes())
+    if damage == "flip_byte":
+        data[-1] ^= 0xFF
+    else:
+        data = data[:-4]
+    seg.write_bytes(bytes(data))
+    with pytest.raises(JournalCorrupt, match=f"{seg.name}.* offset {last}; records from seq 2 on are lost") as e:
+        Journal(tmp_path / "j")
+    assert (e.value.segment, e.value.offset, e.value.first_lost_seq) == (seg.name, last, 2)
+    with pytest.raises(JournalCorrupt):
+        list(read_records(tmp_path / "j"))
+    assert seg.read_bytes() == bytes(data)  # nothing was changed without asking
+    with Journal(tmp_path / "j", repair=True) as j:
+        assert [p for _, p in j.iter()] == [b"one", b"two"]
+        j.append(b"after")
+    with Journal(tmp_path / "j") as j:
+        assert [p for _, p in j.iter()] == [b"one", b"two", b"after"]
 
 
 def test_rotation_and_drop_and_midlog_corruption(tmp_path):
@@ -69,7 +107,7 @@ def test_rotation_and_drop_and_midlog_corruption(tmp_path):
         assert [lsn for lsn, _ in j.iter()][0] <= lsns[10]
     segs = sorted((tmp_path / "j").glob("seg-*.log"))
     data = bytearray(segs[0].read_bytes())
-    data[HEADER.size + 3] ^= 1
+    data[SEG_HEAD + HEADER.size + 3] ^= 1
     segs[0].write_bytes(bytes(data))
     with pytest.raises(JournalCorrupt, match=segs[0].name):
         Journal(tmp_path / "j", segment_bytes=4096)

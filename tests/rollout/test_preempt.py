@@ -56,7 +56,7 @@ def reference(model, tmp_path_factory):
     return seen
 
 
-@pytest.mark.parametrize("damage", [None, "delete", "flip", "wrong-file"])
+@pytest.mark.parametrize("damage", [None, "delete", "flip", "wrong-file", "truncated", "foreign"])
 def test_preempt_resume(model, tmp_path, reference, damage):
     w, seen = make(model, tmp_path / "wal", pipeline=damage == "flip")
     start(w)
@@ -74,6 +74,16 @@ def test_preempt_resume(model, tmp_path, reference, damage):
         w.preempt("g", save_kv=True)  # g's file under s's name: right format, wrong digest
         path.write_bytes((w.kv_dir / w.wal.trajectories["g"].kv["file"]).read_bytes())
         assert w.resume("g") == "reused"
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-64])
+    elif damage == "foreign":  # the file another worker saved under the same name (same id, offset)
+        other = make(model, tmp_path / "other-wal")[0]
+        other.submit("s", TRAJ["s"][0] + [5], TRAJ["s"][1])
+        other.run(max_steps=6)
+        oh = other.preempt("s", save_kv=True)
+        assert oh["file"] == h["file"] and oh["digest"] != h["digest"]
+        path.write_bytes((other.kv_dir / oh["file"]).read_bytes())
+        other.close()
     w.run(max_steps=2)  # the other trajectory keeps going meanwhile
     before = w.engine.stats.tokens_computed
     mode = w.resume("s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from v4stack.journal import read_records
+from v4stack.journal import JournalCorrupt, read_records
 from v4stack.rollout import TokenWAL, WALInconsistent
 from v4stack.rollout import records as R
 from v4stack.serve.sampling import SamplingParams
@@ -74,7 +74,9 @@ def _log_with_tail(path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "zeros"])
-def test_damaged_tail_cut_exactly(tmp_path, damage):
+def test_damaged_tail(tmp_path, damage):
+    """Zeros past the durable end are a torn tail (cut); damage inside durable records is an error
+    naming the segment, offset and first lost record, and ``repair`` keeps everything before it."""
     last = _log_with_tail(tmp_path / "w")
     seg = sorted((tmp_path / "w").glob("seg-*.log"))[-1]
     data = bytearray(seg.read_bytes())
@@ -82,20 +84,23 @@ def test_damaged_tail_cut_exactly(tmp_path, damage):
     if damage == "truncated":
         data = data[: last + (size - last) // 2]  # mid-record
     elif damage == "flipped":
-        data[last + 12] ^= 0x20  # inside the last record's payload
+        data[last + 20] ^= 0x20  # inside the last record's payload
     else:
         data += bytes(512)  # a zero-filled tail after the last whole record
     seg.write_bytes(bytes(data))
-    with TokenWAL(tmp_path / "w") as w:
-        rec = w.recovery
-        if damage == "zeros":
-            assert rec.cut_at == size and rec.cut_bytes == 512 and w.trajectories["a"].tokens == [3, 4, 5, 6, 7]
-        else:
-            assert rec.cut_at == last and rec.cut_bytes == len(data) - last
+    if damage == "zeros":
+        with TokenWAL(tmp_path / "w") as w:
+            rec = w.recovery
+            assert rec.cut_at == size and rec.cut_bytes == 512 and rec.reason
+            assert w.trajectories["a"].tokens == [3, 4, 5, 6, 7]
+    else:
+        with pytest.raises(JournalCorrupt, match=f"{seg.name}.*offset {last}; records from seq 2 on are lost"):
+            TokenWAL(tmp_path / "w")
+        with TokenWAL(tmp_path / "w", repair=True) as w:
             assert w.trajectories["a"].tokens == [3, 4]  # everything before the damaged record
-        assert rec.reason
+    with TokenWAL(tmp_path / "w") as w:
         n = len(w.trajectories["a"].tokens)
-        w.append([R.tokens("a", n, [9])])  # the log goes on from the cut
+        w.append([R.tokens("a", n, [9])])  # the log goes on
     with TokenWAL(tmp_path / "w") as w:
         assert w.recovery.cut_bytes == 0 and w.trajectories["a"].tokens[-1] == 9
 

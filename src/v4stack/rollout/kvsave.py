@@ -1,11 +1,13 @@
 """A preempted request's cache on disk: its state slot and its compressed blocks, in one file.
 
-The file is ``MAGIC | blake2b-256(payload) | payload`` where the payload is a ``torch.save`` of
+The file is ``MAGIC | blake2b-256(file name, payload) | payload`` where the payload is a ``torch.save`` of
 the slot tensors (window and compressor tails of every layer), the closed entries of every paged
 group (compressed KV, indexer keys) gathered along the request's block table, the tokens the
 cache covers and the cache layout it was taken with. It is written temp + fsync + rename (+ fsync
-of the directory), so a reader sees the whole file or none; the handle that goes into the WAL's
-PREEMPT record carries the digest, so a file that was swapped, truncated or flipped is refused.
+of the directory), so a reader sees the whole file or none. The digest binds the content to the
+file's name (its key: trajectory and offset), and the handle that goes into the WAL's PREEMPT
+record carries it, so a file that was swapped, truncated, flipped or copied from another worker
+is refused - it is a miss, never a load.
 
 ``load`` raises ``KVUnavailable`` with the reason for any file that cannot be used; the caller
 then re-prefills the durable tokens instead.
@@ -24,8 +26,15 @@ import torch
 from v4stack.atomic import atomic_write
 from v4stack.serve.cache.manager import CacheFull, CacheManager, RequestCache
 
-MAGIC = b"V4KVSAV1"
+MAGIC = b"V4KVSAV2"
 _DIGEST = 32
+
+
+def _digest(name: str, payload: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    h.update(name.encode() + b"\0")
+    h.update(payload)
+    return h.digest()
 
 
 class KVUnavailable(RuntimeError):
@@ -55,7 +64,7 @@ def save(cache: CacheManager, rc: RequestCache, path: str | os.PathLike) -> dict
     torch.save({"pos": rc.pos, "tokens": list(rc.tokens[: rc.pos]), "layout": _layout(cache),
                 "slot": slot, "paged": paged}, buf)
     payload = buf.getvalue()
-    digest = hashlib.blake2b(payload, digest_size=_DIGEST).digest()
+    digest = _digest(path.name, payload)
     atomic_write(path, MAGIC + digest + payload)
     return {"file": path.name, "digest": digest.hex(), "pos": rc.pos, "bytes": len(payload) + len(MAGIC) + _DIGEST}
 
@@ -70,7 +79,7 @@ def load(cache: CacheManager, path: str | os.PathLike, handle: dict, tokens: lis
     if data[: len(MAGIC)] != MAGIC:
         raise KVUnavailable(f"saved cache {path.name}: bad magic")
     digest, payload = data[len(MAGIC) : len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST :]
-    if hashlib.blake2b(payload, digest_size=_DIGEST).digest() != digest or digest.hex() != handle["digest"]:
+    if _digest(path.name, payload) != digest or digest.hex() != handle["digest"] or path.name != handle["file"]:
         raise KVUnavailable(f"saved cache {path.name}: digest mismatch (corrupt or not the file the WAL names)")
     try:
         obj = torch.load(io.BytesIO(payload), weights_only=True)

@@ -1,7 +1,8 @@
 """The token write-ahead log: every generated token of every trajectory, durable before it is seen.
 
-A ``TokenWAL`` is a ``Journal`` (``v4stack/journal.py``: CRC per record, group commit, torn-tail
-cut on open) whose payloads are the records of ``rollout/records.py``. Opening it replays the log
+A ``TokenWAL`` is a ``Journal`` (``v4stack/journal.py``: sequence numbers and a CRC per record,
+group commit, a torn tail past the durable mark cut on open, any other damage an error naming the
+first lost record unless ``repair=True``) whose payloads are the records of ``rollout/records.py``. Opening it replays the log
 into one ``Trajectory`` per id: its prompt and sampling params, every durable token, whether it is
 running, preempted (with the saved-KV handle) or ended, its reward and the trainer step that
 consumed it. Each record is checked against that state before it is written (a TOKENS offset
@@ -146,7 +147,8 @@ def _replay(records, trajs: dict[str, Trajectory], path) -> int:
 
 def inspect(path: str | os.PathLike) -> dict:
     """A read-only summary of the WAL in ``path`` (no lock taken, nothing repaired; a torn tail
-    just ends the read): trajectories by status, tokens, preemptions and how they resumed."""
+    just ends the read, damage raises ``JournalCorrupt``): trajectories by status, tokens,
+    preemptions and how they resumed."""
     trajs: dict[str, Trajectory] = {}
     n = _replay(read_records(path), trajs, path)
     out = {"records": n, "trajectories": len(trajs), "tokens": sum(len(t.tokens) for t in trajs.values()),
@@ -162,8 +164,8 @@ def inspect(path: str | os.PathLike) -> dict:
 class TokenWAL:
     """The durable token log of a rollout worker, in directory ``path`` (one writer at a time)."""
 
-    def __init__(self, path: str | os.PathLike, segment_bytes: int = 64 << 20):
-        self.journal = Journal(path, segment_bytes=segment_bytes)
+    def __init__(self, path: str | os.PathLike, segment_bytes: int = 64 << 20, repair: bool = False):
+        self.journal = Journal(path, segment_bytes=segment_bytes, repair=repair)
         self.path = self.journal.path
         self.trajectories: dict[str, Trajectory] = {}
         self.records = 0
@@ -175,7 +177,7 @@ class TokenWAL:
 
     @property
     def recovery(self) -> Recovery:
-        """What opening the journal cut (``cut_bytes`` > 0: a torn or corrupt tail was removed)."""
+        """What opening the journal cut (``cut_bytes`` > 0: a torn tail past the durable mark was removed)."""
         return self.journal.recovery
 
     @property

@@ -1,11 +1,14 @@
 """The on-disk prefix store: closed blocks (compressed entries, indexer keys) and boundary states,
 content-addressed by the token-hash chain, so an evicted or restarted cache can take a prefix back.
 
-Files (one per block, one per kept boundary state), each ``MAGIC | blake2b-256(payload) | payload``
-with the raw tensor bytes as payload, in the order and shapes of the cache layout, written temp +
-fsync + rename; a file whose digest or size is wrong is removed and counts as absent. The store
-directory also holds ``LAYOUT`` (the cache layout it was written with); opening it with another
-layout is refused.
+Files (one per block, one per kept boundary state), each ``MAGIC | digest | payload`` with the raw
+tensor bytes as payload, in the order and shapes of the cache layout, written temp + fsync + rename.
+The digest (blake2b-256) covers the file's key - its kind, its chain hash and the store's identity -
+as well as the payload, so a file renamed to another key, copied from another store, truncated or
+flipped fails it: it is removed and counts as absent (a miss, never a load). The store directory
+also holds ``LAYOUT`` (the cache layout it was written with; opening it with another layout is
+refused) and ``STORE_ID`` (made once, at the first open). Temp files a killed save left behind are
+removed at open.
 
 - ``b-<hash>``: the paged groups of the full block whose chain value is ``hash``;
 - ``s-<hash>``: the fixed-size state (SWA window, compressor tails) at that block's end.
@@ -45,20 +48,28 @@ from v4stack.atomic import atomic_write
 from v4stack.model.state import CompressorTail, LayerState
 from v4stack.serve.cache.manager import ROOT, CacheFull, CacheManager, chain_hash
 
-MAGIC = b"V4PFX001"
+MAGIC = b"V4PFX002"
 _DIGEST = 32
 
 
-def pack(tensors: list[torch.Tensor]) -> bytes:
-    """Raw bytes of ``tensors`` in order, after the magic and a digest (the layout is the store's)."""
+def _digest(key: bytes, payload: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    h.update(len(key).to_bytes(4, "little") + key)
+    h.update(payload)
+    return h.digest()
+
+
+def pack(tensors: list[torch.Tensor], key: bytes = b"") -> bytes:
+    """Raw bytes of ``tensors`` in order, after the magic and a digest of ``key`` and the bytes."""
     payload = b"".join(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for t in tensors)
-    return MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload
+    return MAGIC + _digest(key, payload) + payload
 
 
-def unpack(data: bytes, layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
-    """The tensors of ``layout`` from ``data``, or ``None`` if the magic, digest or size is wrong."""
+def unpack(data: bytes, layout: list[tuple[tuple[int, ...], torch.dtype]], key: bytes = b"") -> list[torch.Tensor] | None:
+    """The tensors of ``layout`` from ``data``, or ``None`` if the magic, size or digest (of ``key``
+    and the bytes: a file under another key fails it) is wrong."""
     head, digest, payload = data[: len(MAGIC)], data[len(MAGIC) : len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST :]
-    if head != MAGIC or hashlib.blake2b(payload, digest_size=_DIGEST).digest() != digest:
+    if head != MAGIC or _digest(key, payload) != digest:
         return None
     sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in layout]
     if sum(sizes) != len(payload):
@@ -69,6 +80,24 @@ def unpack(data: bytes, layout: list[tuple[tuple[int, ...], torch.dtype]]) -> li
         out.append(raw[off : off + n].view(dt).reshape(shape))
         off += n
     return out
+
+
+def clean_temp_files(root: Path) -> int:
+    """Remove the temp files of whole-file writes (``.<name>.tmp-<pid>-<rand>``) whose writer is
+    gone; returns how many. A live writer's temp file is left alone."""
+    n = 0
+    for p in root.glob(".*.tmp-*"):
+        try:
+            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
+            os.kill(pid, 0)
+            continue  # its writer still runs
+        except ProcessLookupError:
+            pass
+        except (ValueError, IndexError, PermissionError):
+            continue
+        p.unlink(missing_ok=True)
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -128,11 +157,19 @@ class DiskPrefixStore:
                 raise ValueError(f"prefix store {self.root}: written with another cache layout (field 'root')")
         else:
             atomic_write(lp, desc)
+        ip = self.root / "STORE_ID"
+        if not ip.exists():
+            atomic_write(ip, os.urandom(16).hex().encode())
+        self.store_id = ip.read_bytes()
+        clean_temp_files(self.root)
         self.cone = cache.cfg.sliding_window * cache.cfg.num_hidden_layers if self.strategy.kind == "none" else 0
         self.bytes_written = 0
 
     def _path(self, kind: str, h: bytes) -> Path:
         return self.root / f"{kind}-{h.hex()}"
+
+    def _key(self, path: Path) -> bytes:
+        return self.store_id + b"/" + path.name.encode()
 
     def _hashes(self, tokens: list[int], limit: int) -> list[bytes]:
         out, prev, B = [], ROOT, self.cache.B
@@ -153,13 +190,13 @@ class DiskPrefixStore:
                 break
             bp = self._path("b", h)
             if not bp.exists():
-                data = pack([c.blocks.storage[k][bid] for k in self._bkeys])
+                data = pack([c.blocks.storage[k][bid] for k in self._bkeys], self._key(bp))
                 atomic_write(bp, data)
                 written += len(data)
             sp = self._path("s", h)
             if self.strategy.keeps((j + 1) * B) and not sp.exists() and bid in c.snap_of:
                 s = c.snap_of[bid]
-                data = pack([t[s] for k in self._skeys for t in c.snap.tensors[k]])
+                data = pack([t[s] for k in self._skeys for t in c.snap.tensors[k]], self._key(sp))
                 atomic_write(sp, data)
                 written += len(data)
         self.bytes_written += written
@@ -172,9 +209,9 @@ class DiskPrefixStore:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        obj = unpack(data, layout)
+        obj = unpack(data, layout, self._key(path))
         if obj is None:
-            path.unlink(missing_ok=True)  # corrupt: as good as absent
+            path.unlink(missing_ok=True)  # corrupt, or not this key's: as good as absent
             return None
         info.bytes_read += len(data)
         return obj
