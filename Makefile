@@ -1,5 +1,5 @@
 # Two set-up commands, both safe on a fresh machine:
-#   make run    create .venv, install v4stack, generate text from the tiny preset on the CPU
+#   make run    create .venv, install v4stack, run the closed loop (agentic RL) on the tiny preset on the CPU
 #   make test   create .venv if needed, install, run the default test suite (not slow, gpu skipped)
 PY ?= python3
 VENV := .venv
@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# the closed loop for LOOP_MINUTES of RL steps (the first run also teaches the supervised policy, ~3 min)
+LOOP_MINUTES ?= 3
 run: install
-	$(BIN)/v4stack generate --preset tiny --prompt "$(PROMPT)" --max-tokens 32
+	$(BIN)/v4stack loop --preset tiny --minutes $(LOOP_MINUTES) --out runs/loop
 
 # OS packages for the sandbox tests (crun, erofs-utils, debootstrap, ...): installed when missing
 sysdeps:

@@ -114,3 +114,14 @@ def test_group_advantages():
     assert adv[0] > 0 > adv[1] and abs(adv[:4].sum()) < 1e-5
     assert np.allclose(adv[4:], 0)  # a flat group has no advantage
     assert abs(np.std(adv[:4]) - 1) < 1e-3
+
+
+def test_rl_rounds_ask_questions_neither_demonstrated_nor_held_out():
+    import itertools
+
+    shown = T.demonstrated(30_000)
+    assert len(shown) > 100
+    asked = [t for t in itertools.islice(T.rl_stream(3, shown), 400)]
+    assert not any(t.question in shown or t.held_out for t in asked)
+    # inverse control: without the exclusion, the same stream does ask demonstrated questions
+    assert any(t.question in shown for t in itertools.islice(T.stream("train", 3), 400))

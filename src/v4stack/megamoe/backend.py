@@ -150,10 +150,15 @@ class ExpertParallel:
 
 
 def expert_parallel_factory(path: str = "megamoe", *, max_tokens: int = 4096, group=None, device="cpu",
-                            **opts):
+                            pipeline: bool | None = None, pipeline_opts: dict | None = None, **opts):
     """``factory(layer_id, moe) -> backend`` for ``V4Model.set_expert_backend``; all layers share
-    one transport (each move is self-contained, see ``pull.py``), built on first use."""
-    shared = {}
+    one transport (each move is self-contained, see ``pull.py``), built on first use.
+
+    With ``path="megamoe"`` on CUDA (or ``pipeline=True``), inference calls go through the
+    device-side pipeline, one set of buffers and streams shared by all layers (``bind``)."""
+    shared: dict = {}
+    device = torch.device(device)
+    use_pipe = (path == "megamoe" and device.type == "cuda" and K.available()) if pipeline is None else pipeline
 
     def factory(layer_id: int, moe):
         e0 = moe.experts[0]
@@ -161,6 +166,16 @@ def expert_parallel_factory(path: str = "megamoe", *, max_tokens: int = 4096, gr
         if key not in shared:
             shared[key] = make_transport(path, n_experts=key[0], topk=key[1], hidden=key[2],
                                          max_tokens=max_tokens, group=group, device=device)
-        return ExpertParallel(moe, shared[key], **opts)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        experts = LocalExperts(moe, rank, world)
+        pipe = None
+        if use_pipe:
+            from v4stack.megamoe.pipeline import DevicePipeline
+
+            if ("pipe",) + key not in shared:
+                shared[("pipe",) + key] = DevicePipeline(experts, max_tokens=max_tokens, group=group, device=device,
+                                                         **(pipeline_opts or {}))
+            pipe = shared[("pipe",) + key].bind(experts)
+        return ExpertParallel(moe, shared[key], experts=experts, pipeline=pipe, **opts)
 
     return factory

@@ -18,10 +18,11 @@ def loop_command(
     groups: int = typer.Option(8, min=1, help="Training questions per step."),
     group_size: int = typer.Option(4, min=2, help="Samples per question (GRPO group)."),
     max_tokens: int = typer.Option(48, min=8, help="Token budget of one episode (both turns and the observation)."),
+    temperature: float = typer.Option(0.5, min=0.01, help="Sampling temperature of rollouts and evaluations."),
     eval_n: int = typer.Option(128, min=1, help="Held-out questions per evaluation."),
     eval_every: int = typer.Option(0, min=0, help="Evaluate every N steps (0 = at the start and the end)."),
     muon_lr: float = typer.Option(0.004, min=0.0, help="Muon learning rate of the GRPO step."),
-    sft_steps: int = typer.Option(300, min=1, help="Steps of the supervised policy (reused once trained)."),
+    sft_steps: int = typer.Option(600, min=1, help="Steps of the supervised policy (reused once trained)."),
     sft_minutes: float = typer.Option(15.0, min=0.0, help="Wall-clock cap of the supervised run."),
     seed: int = typer.Option(0),
     threads: int = typer.Option(1, min=0, help="torch threads per actor (0 = torch default)."),
@@ -29,6 +30,7 @@ def loop_command(
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster instead of starting a local Ray."),
     edges: int = typer.Option(1, min=1, help="Sandbox edges to start (when DSEC_API_URL is not set)."),
     fault: List[str] = typer.Option([], help="Fault injection, KIND@STEP: worker@N, trainer@N, edge@N (repeatable)."),
+    fresh: bool = typer.Option(False, "--fresh", help="Start the RL steps over in --out (the supervised policy is kept)."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout (steps, evals, then the summary)."),
 ):
     """Agentic RL end to end: rollouts with tool calls in DSec sandboxes, the token WAL, the
@@ -39,13 +41,17 @@ def loop_command(
 
     try:
         cfg = LoopConfig(preset=preset, out=out, minutes=minutes, steps=steps, workers=workers, groups=groups,
-                         group_size=group_size, max_tokens=max_tokens, eval_n=eval_n, eval_every=eval_every,
+                         group_size=group_size, max_tokens=max_tokens, temperature=temperature, eval_n=eval_n, eval_every=eval_every,
                          seed=seed, threads=threads, ray=ray, address=address, edges=edges, faults=list(fault),
                          sft=SFTConfig(preset=preset, steps=sft_steps, minutes=sft_minutes, seed=seed, threads=threads),
                          grpo=GRPOConfig(muon_lr=muon_lr)).validate()
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    if fresh:
+        from v4stack.rl.loop import clear_rl_state
+
+        clear_rl_state(out)
     summary = run(cfg, log=sys.stdout if as_json else None)
     if as_json:
         typer.echo(json.dumps({"event": "summary", **summary}))

@@ -46,13 +46,15 @@ class GRPOConfig:
     weight_decay: float = 0.0
     temperature: float = 1.0
     micro_batch: int = 32
+    epochs: int = 2  # optimizer steps per batch (after the first the ratio and the clip are live)
     keep: int = 2
 
     def validate(self) -> "GRPOConfig":
         if not 0 < self.clip < 1:
             raise ValueError(f"grpo field 'clip' must be in (0, 1), got {self.clip}")
-        if self.muon_lr <= 0 or self.adamw_lr <= 0 or self.temperature <= 0 or self.micro_batch < 1:
-            raise ValueError("grpo fields 'muon_lr', 'adamw_lr', 'temperature' must be > 0 and 'micro_batch' >= 1")
+        if self.muon_lr <= 0 or self.adamw_lr <= 0 or self.temperature <= 0 or self.micro_batch < 1 or self.epochs < 1:
+            raise ValueError("grpo fields 'muon_lr', 'adamw_lr', 'temperature' must be > 0, 'micro_batch' and "
+                             "'epochs' >= 1")
         return self
 
 
@@ -162,21 +164,23 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         adv_t = torch.as_tensor(adv, dtype=torch.float32)
         n_tok = float(sum(int(np.sum(h["mask"])) for h in heavy)) or 1.0
-        stats: dict = {"loss": 0.0, "tokens": 0, "ratio_mean": 0.0, "clipped": 0.0, "kl_rollout": 0.0}
         mb = self.cfg.micro_batch
         with ops_mode("fast"):
             self.model.train()
-            for i in range(0, len(heavy), mb):
-                loss, s = grpo_loss(self.model, heavy[i : i + mb], adv_t[i : i + mb], self.cfg.clip,
-                                    self.cfg.temperature, n_tok)
-                loss.backward()
-                w = s["tokens"] / n_tok
-                stats["loss"] += float(loss)
-                stats["tokens"] += s["tokens"]
-                for k in ("ratio_mean", "clipped", "kl_rollout"):
-                    stats[k] += w * s[k]
-            self.opt.step()
-            self.opt.zero_grad()
+            for epoch in range(self.cfg.epochs):  # the stats reported are the last epoch's
+                stats: dict = {"loss": 0.0, "tokens": 0, "ratio_mean": 0.0, "clipped": 0.0, "kl_rollout": 0.0,
+                               "epochs": self.cfg.epochs}
+                for i in range(0, len(heavy), mb):
+                    loss, s = grpo_loss(self.model, heavy[i : i + mb], adv_t[i : i + mb], self.cfg.clip,
+                                        self.cfg.temperature, n_tok)
+                    loss.backward()
+                    w = s["tokens"] / n_tok
+                    stats["loss"] += float(loss)
+                    stats["tokens"] += s["tokens"]
+                    for k in ("ratio_mean", "clipped", "kl_rollout"):
+                        stats[k] += w * s[k]
+                self.opt.step()
+                self.opt.zero_grad()
         stats["update_s"] = time.perf_counter() - t0
         if not all(math.isfinite(v) for v in (stats["loss"], stats["ratio_mean"])):
             raise FloatingPointError(f"grpo step {step_no}: non-finite loss or ratio {stats}")

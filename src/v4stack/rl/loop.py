@@ -50,7 +50,7 @@ class LoopConfig:
     groups: int = 8  # questions per step
     group_size: int = 4  # samples per question
     max_tokens: int = 48
-    temperature: float = 1.0
+    temperature: float = 0.5  # rollouts and evaluations sample at it; the update's log-probs use it too
     max_lag: int = 1  # oldest policy version a trained trajectory may come from: current - max_lag
     eval_n: int = 128
     eval_every: int = 0  # 0 = start and end only
@@ -71,6 +71,8 @@ class LoopConfig:
                 raise ValueError(f"loop field '{name}' must be an integer >= 1, got {v!r}")
         if self.group_size < 2:
             raise ValueError(f"loop field 'group_size' must be >= 2 (advantages are relative), got {self.group_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"loop field 'temperature' must be > 0 (GRPO needs sampled groups), got {self.temperature}")
         if self.minutes < 0 or self.steps < 0 or self.eval_every < 0 or self.max_lag < 0:
             raise ValueError("loop fields 'minutes', 'steps', 'eval_every', 'max_lag' must be >= 0")
         if self.minutes == 0 and self.steps == 0:
@@ -85,10 +87,12 @@ class LoopConfig:
         return self
 
 
-def round_jobs(cfg: LoopConfig, step: int, workers: list[str]) -> dict[str, list[tuple]]:
-    """Round ``step``'s episodes, split over ``workers`` by group: a pure function of (seed, step)."""
+def round_jobs(cfg: LoopConfig, step: int, workers: list[str], exclude: frozenset[str] = frozenset()
+               ) -> dict[str, list[tuple]]:
+    """Round ``step``'s episodes, split over ``workers`` by group: a pure function of (seed, step).
+    ``exclude``: questions the round must not ask (the demonstrated ones)."""
     rng = random.Random(cfg.seed * 7_919 + step)
-    it = T.stream("train", rng.randrange(1 << 30))
+    it = T.rl_stream(rng.randrange(1 << 30), exclude)
     out: dict[str, list[tuple]] = {w: [] for w in workers}
     for g in range(cfg.groups):
         task = next(it)
@@ -152,7 +156,8 @@ class Loop:
             self.dsec = LocalDsec(self.out / "dsec", edges=cfg.edges, pool=2)
             url, token = self.dsec.url, self.dsec.token
         names = [f"w{i}" for i in range(cfg.workers)]
-        targs = (cfg.preset, str(self.out / "trainer"), str(self.sft_run), dataclasses.asdict(cfg.grpo), cfg.threads)
+        grpo = {**dataclasses.asdict(cfg.grpo), "temperature": cfg.temperature}
+        targs = (cfg.preset, str(self.out / "trainer"), str(self.sft_run), grpo, cfg.threads)
         root = str(self.out / "rollouts")
         if cfg.ray:
             self.fleet = RayFleet(names, root, cfg.preset, url, token, targs, cfg.threads, cfg.address)
@@ -222,7 +227,9 @@ class Loop:
 
     def _rollouts(self, step: int) -> float:
         t0 = time.perf_counter()
-        jobs = round_jobs(self.cfg, step, self.fleet.names)
+        if not hasattr(self, "_demonstrated"):
+            self._demonstrated = T.demonstrated(self.cfg.sft.corpus_bytes, self.cfg.sft.seed)
+        jobs = round_jobs(self.cfg, step, self.fleet.names, self._demonstrated)
         due = self._faults_at(step)
         timers = [self._arm("edge", step, 1.0)] if "edge" in due else []
         kill = {}
@@ -400,6 +407,21 @@ def plot(doc: dict, path: Path) -> None:
     fig.savefig(buf, format="png")
     plt.close(fig)
     atomic_write(Path(path), buf.getvalue())
+
+
+def clear_rl_state(out: str | Path) -> None:
+    """Remove a run's RL state (trainer checkpoints, WALs, log, sandboxes), keeping policy/."""
+    import shutil
+
+    from v4stack.rl.sandboxes import _cleanup
+
+    out = Path(out)
+    if (out / "dsec").exists():
+        _cleanup(out / "dsec")
+    for name in ("trainer", "rollouts", "dsec"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("loop.json", "loop.png"):
+        (out / name).unlink(missing_ok=True)
 
 
 def run(cfg: LoopConfig, log=None) -> dict:

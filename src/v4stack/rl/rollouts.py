@@ -64,15 +64,17 @@ def heavy_of(tr: Trajectory) -> dict:
 
 class RolloutServer:
     def __init__(self, name: str, root: str | os.PathLike, preset: str, dsec_url: str, dsec_token: str,
-                 threads: int = 1, max_running: int = 64):
+                 threads: int = 1, max_running: int = 64, ops_mode: str = "fast"):
         if threads:
             torch.set_num_threads(threads)
         self.name = name
         self.dir = Path(root) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = V4Model(get_preset(preset), seed=0)
+        # fast ops: a recovered trajectory is still re-prefilled from its durable tokens (never
+        # re-sampled), but its continuation is not bit-identical to an uninterrupted one
         self.engine_cfg = EngineConfig(n_blocks=512, n_slots=max_running + 8, token_budget=512,
-                                       max_running=max_running)
+                                       max_running=max_running, ops_mode=ops_mode)
         self.tools = ToolRunner(dsec_url, dsec_token)
         self.version = -1
         self.wal = TokenWAL(self.dir / "wal")

@@ -12,7 +12,9 @@ Kinds: ``add``/``sub`` (shell arithmetic with ``expr``) and ``rev``/``upper``/``
 tools). The formats keep every byte the command must copy from the question within the tiny
 preset's 16-token attention window.
 The split is a pure function of the question (a hash), so the held-out questions never appear
-in training rollouts or in the supervised demonstrations.
+in training rollouts or in the supervised demonstrations. RL rounds draw training-split questions
+that the demonstrations do not contain (``rl_stream``), so what RL improves is the skill, not
+recall of demonstrated answers - the same thing the held-out split measures.
 """
 
 from __future__ import annotations
@@ -89,6 +91,27 @@ def stream(split: str, seed: int, kinds: tuple[str, ...] = KINDS):
     while True:
         t = sample(rng, kinds)
         if t.held_out == want:
+            yield t
+
+
+def demonstrated(n_bytes: int, seed: int = 0) -> frozenset[str]:
+    """The questions the supervised corpus of (``n_bytes``, ``seed``) demonstrates."""
+    return frozenset(line for line in demonstrations(n_bytes, seed).split("\n")
+                     if line and not line.startswith(("$ ", "A: ")) and parse_ok(line))
+
+
+def parse_ok(line: str) -> bool:
+    try:
+        parse_question(line)
+        return True
+    except ValueError:
+        return False
+
+
+def rl_stream(seed: int, exclude: frozenset[str], kinds: tuple[str, ...] = KINDS):
+    """Training-split questions outside ``exclude`` (the demonstrated ones)."""
+    for t in stream("train", seed, kinds):
+        if t.question not in exclude:
             yield t
 
 
