@@ -1,264 +1,45 @@
-"""The durable append-only record log shared by the token WAL and the sandbox trajectory log.
-
-A journal is a directory: ``JOURNAL`` (its identity and where it starts) and segment files
-``seg-<lsn>.log``, ``<lsn>`` (20 digits) being the position of the segment's first byte in the
-journal's one global byte space. The LSN of a record is the global position of its header.
-
-    segment  = head | mark A | mark B | record*
-    head     = magic | journal id | segment number | first record's sequence | base lsn | crc
-    mark     = counter | durable bytes of this segment | crc       (two slots, newest wins)
-    record   = u32 length | u32 crc32(length, seq, payload) | u64 seq | payload
-
-Sequence numbers run on across segments without a gap; records never span segments.
-
-Durability: ``append`` / ``append_batch`` return only after an ``fsync`` covers the record.
-Concurrent appenders share fsyncs (group commit). After each fsync the writer records how far
-the segment is durable in a mark slot (the next fsync carries it to disk; a full segment is
-sealed with its final size before the next one is created), so the mark never claims more than
-was synced.
-
-Recovery (on open) checks every segment: header, identity, numbering, sequence continuity and
-every record. A bad record at or after the last segment's mark is a torn tail (bytes no fsync
-covered): it is cut and reported in ``recovery``. Anything else - a bad record before the mark,
-a short, missing, duplicated, reordered or foreign segment - is damage: ``JournalCorrupt``
-names the segment, the offset and the first lost sequence number, and nothing is changed.
-``Journal(path, repair=True)`` keeps everything before the damage and sets the rest aside
-(``*.lost``). What recovery keeps is fsynced before the journal is usable, so nothing that
-was never durable is reported as durable.
-
-Any write or fsync error poisons the writer (``JournalPoisoned``): no further append is
-acknowledged, a failed write is cut back so no partial record stays reachable, and the next
-open recovers from what is durable. One writer per directory: an exclusive ``flock`` on a
-descriptor of the directory itself. ``read_records`` reads without the lock.
+"""The durable append-only record log shared by the token WAL and the sandbox trajectory log: the
+writer (``Journal``). The on-disk format, the checks recovery and readers run, and what the journal
+promises are described in ``v4stack/journal_disk.py``.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import struct
 import threading
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from v4stack.atomic import atomic_write
-
-HEADER = struct.Struct("<IIQ")  # length, crc, seq
-MAX_RECORD = 64 << 20
-_HEAD = struct.Struct("<8s16sQQQ")  # magic, journal id, segment number, first seq, base lsn
-_MARK = struct.Struct("<QQ")  # counter, durable bytes of the segment
-_META = struct.Struct("<8s16sQQQQ")  # magic, journal id, first segment number, its seq, its lsn, last number
-SEG_MAGIC, META_MAGIC = b"V4JSEG02", b"V4JMETA2"
-_MARK_AT = (_HEAD.size + 4, _HEAD.size + 4 + _MARK.size + 4)
-SEG_HEAD = _MARK_AT[1] + _MARK.size + 4  # first record's offset in a segment
-_SEG_PREFIX, _SEG_SUFFIX, _META_NAME = "seg-", ".log", "JOURNAL"
-
-
-class JournalError(Exception):
-    """Bad use of a journal (bad argument, second writer, closed journal)."""
-
-
-class JournalPoisoned(JournalError):
-    """A write or fsync failed earlier: this writer acknowledges nothing more; reopen to recover."""
-
-
-class JournalCorrupt(JournalError):
-    """Damage that is not a torn tail: names the segment, offset and first lost sequence number."""
-
-    def __init__(self, path, segment: str, offset: int, seq: int, reason: str, more: str = ""):
-        self.segment, self.offset, self.first_lost_seq, self.reason = segment, offset, seq, reason
-        super().__init__(f"journal {path}: segment {segment}: {reason} at offset {offset}; records from "
-                         f"seq {seq} on are lost{more} (open with repair=True to keep everything before it)")
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """What opening the journal found: ``cut_bytes`` > 0 means a torn tail was truncated."""
-
-    end_lsn: int
-    records: int
-    cut_at: int | None = None
-    cut_bytes: int = 0
-    reason: str = ""
-    segment: str = ""
-    next_seq: int = 0
-    set_aside: tuple[str, ...] = ()  # segments a repair moved to ``*.lost``
-
-
-def _crc(data: bytes) -> bytes:
-    return struct.pack("<I", zlib.crc32(data))
-
-
-def _seg_name(lsn: int) -> str:
-    return f"{_SEG_PREFIX}{lsn:020d}{_SEG_SUFFIX}"
-
-
-def _segments(path: Path) -> list[tuple[int, Path]]:
-    out = []
-    for p in path.iterdir():
-        n = p.name
-        if n.startswith(_SEG_PREFIX) and n.endswith(_SEG_SUFFIX):
-            try:
-                out.append((int(n[len(_SEG_PREFIX) : -len(_SEG_SUFFIX)]), p))
-            except ValueError:
-                continue
-    return sorted(out)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def encode(payload: bytes, seq: int) -> bytes:
-    head = struct.pack("<IQ", len(payload), seq)
-    crc = zlib.crc32(payload, zlib.crc32(head))
-    return HEADER.pack(len(payload), crc, seq) + payload
-
-
-def _mark(counter: int, durable: int) -> bytes:
-    m = _MARK.pack(counter, durable)
-    return m + _crc(m)
-
-
-def _seg_head(jid: bytes, number: int, seq: int, base: int) -> bytes:
-    h = _HEAD.pack(SEG_MAGIC, jid, number, seq, base)
-    return h + _crc(h) + _mark(0, SEG_HEAD) + _mark(0, SEG_HEAD)
-
-
-@dataclass
-class _Meta:
-    jid: bytes
-    number: int  # first segment kept
-    seq: int
-    lsn: int
-    last: int  # number of the newest segment known to exist
-
-    def pack(self) -> bytes:
-        m = _META.pack(META_MAGIC, self.jid, self.number, self.seq, self.lsn, self.last)
-        return m + _crc(m)
-
-
-def _read_meta(path: Path) -> _Meta | None:
-    try:
-        data = (path / _META_NAME).read_bytes()
-    except FileNotFoundError:
-        return None
-    if len(data) != _META.size + 4 or _crc(data[:-4]) != data[-4:] or data[:8] != META_MAGIC:
-        raise JournalCorrupt(path, _META_NAME, 0, 0, "journal identity file damaged")
-    return _Meta(*_META.unpack_from(data)[1:])
-
-
-@dataclass
-class _Seg:
-    """One segment as recovery found it."""
-
-    path: Path
-    number: int
-    base: int
-    first_seq: int
-    records: list[tuple[int, bytes]]  # (offset, payload)
-    end: int  # end of the valid records
-    size: int
-    mark: int  # durable bytes recorded
-    counter: int  # the newest mark's counter (the writer goes on from it)
-    why: str  # why the scan stopped before ``size`` ('' = it did not)
-
-
-def _scan_segment(path: Path, meta: _Meta, number: int, seq: int, base: int, last: bool) -> _Seg:
-    """Check one segment against what must come next; raise JournalCorrupt for damage."""
-    name = path.name
-    with open(path, "rb") as f:  # the head (and its mark) first, then the data: a record the
-        head = f.read(SEG_HEAD)  # mark calls durable was written before the mark, so it is read
-        data = head + f.read()
-    if len(head) < SEG_HEAD or head[:8] != SEG_MAGIC or _crc(head[: _HEAD.size]) != head[_HEAD.size : _HEAD.size + 4]:
-        raise JournalCorrupt(path.parent, name, 0, seq, "segment header missing or damaged")
-    _, jid, h_number, h_seq, h_base = _HEAD.unpack_from(head)
-    if jid != meta.jid:
-        raise JournalCorrupt(path.parent, name, 0, seq, f"foreign segment (journal id {jid.hex()}, "
-                             f"this journal is {meta.jid.hex()})")
-    if h_base != int(name[len(_SEG_PREFIX) : -len(_SEG_SUFFIX)]):
-        raise JournalCorrupt(path.parent, name, 0, seq, f"segment header says lsn {h_base}, not its name's")
-    if (h_number, h_seq, h_base) != (number, seq, base):
-        got = f"segment {h_number}, seq {h_seq}, lsn {h_base}"
-        raise JournalCorrupt(path.parent, name, 0, seq, f"expected segment {number} starting at seq {seq}, "
-                             f"lsn {base}; found {got} (a segment is missing, duplicated or out of order)")
-    marks = []
-    for at in _MARK_AT:
-        m = head[at : at + _MARK.size + 4]
-        if _crc(m[:-4]) == m[-4:]:
-            marks.append(_MARK.unpack_from(m))
-    counter, mark = max(marks) if marks else (0, SEG_HEAD)
-    out, off, size, why = [], SEG_HEAD, len(data), ""
-    mv = memoryview(data)
-    while off < size:
-        if size - off < HEADER.size:
-            why = "short record header"
-            break
-        length, crc, rseq = HEADER.unpack_from(data, off)
-        end = off + HEADER.size + length
-        if length > MAX_RECORD or end > size:
-            why = "record runs past the end of the segment" if length <= MAX_RECORD else f"length {length} over the limit"
-            break
-        if zlib.crc32(mv[off + HEADER.size : end], zlib.crc32(struct.pack("<IQ", length, rseq))) != crc:
-            why = "crc mismatch"
-            break
-        if rseq != seq + len(out):
-            why = f"record seq {rseq} where seq {seq + len(out)} belongs"
-            break
-        out.append((off, bytes(mv[off + HEADER.size : end])))
-        off = end
-    if off < max(mark, SEG_HEAD if last else size) or (why and not last) or (why and len(marks) < 2):
-        if off >= size:
-            why = f"segment ends at {size} but {mark} bytes were durable"
-        elif len(marks) < 2:  # a mark slot is only ever rewritten whole: a bad one is damage, and
-            why = f"{why}, and a durable mark is damaged"  # the durable end it held is unknown
-        raise JournalCorrupt(path.parent, name, off, seq + len(out), why or "trailing bytes in a sealed segment")
-    return _Seg(path, number, base, seq, out, off, size, mark, counter, why)
-
-
-def _walk(path: Path, meta: _Meta, segs: list[tuple[int, Path]]) -> Iterator[_Seg]:
-    number, seq, base = meta.number, meta.seq, meta.lsn
-    for i, (_, p) in enumerate(segs):
-        s = _scan_segment(p, meta, number, seq, base, last=i == len(segs) - 1)
-        yield s
-        number, seq, base = number + 1, seq + len(s.records), base + s.end
-
-
-def _live_segments(path: Path, meta: _Meta) -> list[tuple[int, Path]]:
-    return [(b, p) for b, p in _segments(path) if b >= meta.lsn]
-
-
-def read_records(path: str | os.PathLike, start: int = 0) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(lsn, payload)`` from ``start`` on; a torn tail ends the read quietly, damage raises
-    ``JournalCorrupt``. Safe while a writer appends (it sees a prefix); takes no lock."""
-    path = Path(path)
-    if not path.is_dir():
-        return
-    listed = _segments(path)  # before the identity file: drop_before moves that first
-    meta = _read_meta(path)
-    if meta is None:
-        if listed:
-            raise JournalCorrupt(path, _META_NAME, 0, 0, "journal identity file missing")
-        return
-    segs = [(b, p) for b, p in listed if b >= meta.lsn]
-    number, seq, end = meta.number - 1, meta.seq, meta.lsn
-    for i, s in enumerate(_walk(path, meta, segs)):
-        number, seq, end = s.number, s.first_seq + len(s.records), s.base + s.end
-        nxt = segs[i + 1][0] if i + 1 < len(segs) else None
-        if nxt is not None and nxt <= start:
-            continue
-        for off, payload in s.records:
-            if s.base + off >= start:
-                yield s.base + off, payload
-    if number < meta.last and not [b for b, _ in _segments(path) if b >= end]:  # not a rotation just now
-        raise JournalCorrupt(path, _seg_name(end), 0, seq, f"segment {number + 1} (to segment {meta.last}, "
-                             f"the newest the journal made) is missing")
+from v4stack.journal_disk import (  # noqa: F401  (re-exported: the journal's public names)
+    HEADER,
+    JournalCorrupt,
+    JournalError,
+    JournalPoisoned,
+    MARK_AT,
+    MAX_RECORD,
+    META_NAME,
+    Meta,
+    Recovery,
+    SEG_HEAD,
+    SEG_HEADER,
+    SEG_MAGIC,
+    SEG_PREFIX,
+    Seg,
+    crc4,
+    encode,
+    fsync_dir,
+    list_segments,
+    live_segments,
+    mark_bytes,
+    read_meta,
+    read_records,
+    scan_segment,
+    seg_head_bytes,
+    seg_name,
+    walk,
+)
 
 
 def writer_alive(path: str | os.PathLike) -> bool:
@@ -327,28 +108,28 @@ class Journal:
                 d.mkdir()
             except FileExistsError:
                 pass
-            _fsync_dir(d.parent)
+            fsync_dir(d.parent)
 
     # -- recovery ---------------------------------------------------------------------------
     def _recover(self, repair: bool) -> Recovery:
-        for p in self.path.glob(f".{_SEG_PREFIX}*.tmp"):  # a rotation that never finished
+        for p in self.path.glob(f".{SEG_PREFIX}*.tmp"):  # a rotation that never finished
             p.unlink()
-        meta = _read_meta(self.path)
+        meta = read_meta(self.path)
         if meta is None:
             meta = self._adopt()
         self._meta = meta
-        for b, p in _segments(self.path):  # left behind by a drop_before that was cut short
+        for b, p in list_segments(self.path):  # left behind by a drop_before that was cut short
             if b < meta.lsn:
                 p.unlink()
-        segs = _live_segments(self.path, meta)
-        kept: list[_Seg] = []
+        segs = live_segments(self.path, meta)
+        kept: list[Seg] = []
         aside: list[str] = []
         try:
-            for s in _walk(self.path, meta, segs):
+            for s in walk(self.path, meta, segs):
                 kept.append(s)
             if not kept or kept[-1].number < meta.last:
                 number, seq, base = self._next(kept)
-                raise JournalCorrupt(self.path, _seg_name(base), 0, seq, f"segment {number} (to segment "
+                raise JournalCorrupt(self.path, seg_name(base), 0, seq, f"segment {number} (to segment "
                                      f"{meta.last}, the newest the journal made) is missing")
         except JournalCorrupt as e:
             if not repair:
@@ -357,7 +138,7 @@ class Journal:
                 raise JournalCorrupt(self.path, e.segment, e.offset, e.first_lost_seq, e.reason, more) from None
             aside = self._set_aside(segs, len(kept), e)
             if e.offset >= SEG_HEAD:  # the damaged segment's header is good: keep its records before it
-                kept.append(_scan_segment(segs[len(kept)][1], meta, *self._next(kept), last=True))
+                kept.append(scan_segment(segs[len(kept)][1], meta, *self._next(kept), last=True))
         number, seq, base = self._next(kept)
         count = sum(len(s.records) for s in kept)
         if not kept:  # a repair set every segment aside: start again where they started
@@ -386,34 +167,34 @@ class Journal:
         self._seg_number, self._seg_base, self._seq = last.number, last.base, seq
         self._end = last.base + last.end
         self._marks = last.counter + 1
-        os.pwrite(self._fd, _mark(self._marks, last.end), _MARK_AT[self._marks % 2])
+        os.pwrite(self._fd, mark_bytes(self._marks, last.end), MARK_AT[self._marks % 2])
         if cut:
             return Recovery(self._end, count, cut[0], cut[1], cut[2], cut[3], seq, tuple(aside))
         return Recovery(self._end, count, next_seq=seq, set_aside=tuple(aside))
 
-    def _adopt(self) -> _Meta:
+    def _adopt(self) -> Meta:
         """No ``JOURNAL``: a new journal, or one whose creation stopped before it was written
         (then its only segment is segment 0 holding nothing). Anything else is damage."""
-        segs = _segments(self.path)
+        segs = list_segments(self.path)
         if not segs:
-            self._meta = _Meta(os.urandom(16), 0, 0, 0, 0)
+            self._meta = Meta(os.urandom(16), 0, 0, 0, 0)
             self._create_segment(0, 0, 0)  # the segment first, then the file that says it exists
         else:
             with open(segs[0][1], "rb") as f:
                 head = f.read()
             ok = len(segs) == 1 and len(head) == SEG_HEAD and head[:8] == SEG_MAGIC and \
-                _crc(head[: _HEAD.size]) == head[_HEAD.size : _HEAD.size + 4]
-            if not ok or _HEAD.unpack_from(head)[2:] != (0, 0, 0):
-                raise JournalCorrupt(self.path, _META_NAME, 0, 0, "journal identity file missing")
-            self._meta = _Meta(_HEAD.unpack_from(head)[1], 0, 0, 0, 0)
-        atomic_write(self.path / _META_NAME, self._meta.pack())
+                crc4(head[: SEG_HEADER.size]) == head[SEG_HEADER.size : SEG_HEADER.size + 4]
+            if not ok or SEG_HEADER.unpack_from(head)[2:] != (0, 0, 0):
+                raise JournalCorrupt(self.path, META_NAME, 0, 0, "journal identity file missing")
+            self._meta = Meta(SEG_HEADER.unpack_from(head)[1], 0, 0, 0, 0)
+        atomic_write(self.path / META_NAME, self._meta.pack())
         return self._meta
 
     def _set_meta(self, **changes) -> None:
-        self._meta = _Meta(**{**self._meta.__dict__, **changes})
-        atomic_write(self.path / _META_NAME, self._meta.pack())
+        self._meta = Meta(**{**self._meta.__dict__, **changes})
+        atomic_write(self.path / META_NAME, self._meta.pack())
 
-    def _next(self, kept: list[_Seg]) -> tuple[int, int, int]:
+    def _next(self, kept: list[Seg]) -> tuple[int, int, int]:
         if not kept:
             return self._meta.number, self._meta.seq, self._meta.lsn
         s = kept[-1]
@@ -434,9 +215,9 @@ class Journal:
                     atomic_write(self.path / (segs[i][1].name + f".{e.offset}.lost"), data)
                 f.truncate(e.offset)
                 os.fsync(f.fileno())
-                mark = _mark(1 << 62, e.offset)  # the cut segment's records are all durable
-                os.pwrite(f.fileno(), mark, _MARK_AT[0])
-                os.pwrite(f.fileno(), mark, _MARK_AT[1])
+                mark = mark_bytes(1 << 62, e.offset)  # the cut segment's records are all durable
+                os.pwrite(f.fileno(), mark, MARK_AT[0])
+                os.pwrite(f.fileno(), mark, MARK_AT[1])
                 os.fsync(f.fileno())
         os.fsync(self._dirfd)
         return moved
@@ -444,11 +225,11 @@ class Journal:
     def _create_segment(self, number: int, seq: int, base: int) -> None:
         """Create segment ``number`` whole (temp, fsync, rename, fsync dir) and make it current;
         the previous descriptor stays open until the new one is in place."""
-        final = self.path / _seg_name(base)
+        final = self.path / seg_name(base)
         tmp = self.path / f".{final.name}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.pwrite(fd, _seg_head(self._meta.jid, number, seq, base), 0)
+            os.pwrite(fd, seg_head_bytes(self._meta.jid, number, seq, base), 0)
             os.fsync(fd)
             os.rename(tmp, final)
             os.fsync(self._dirfd)
@@ -513,7 +294,7 @@ class Journal:
         try:
             os.fsync(self._fd)  # the old segment is whole and durable, then sealed at its size
             self._marks += 1
-            os.pwrite(self._fd, _mark(self._marks, self._end - self._seg_base), _MARK_AT[self._marks % 2])
+            os.pwrite(self._fd, mark_bytes(self._marks, self._end - self._seg_base), MARK_AT[self._marks % 2])
             os.fsync(self._fd)
             with self._cond:
                 self._durable = max(self._durable, self._end)
@@ -574,7 +355,7 @@ class Journal:
                         if self._seg_base == base and self._failed is None and not self._closed:
                             self._marks += 1
                             try:
-                                os.pwrite(self._fd, _mark(self._marks, target - base), _MARK_AT[self._marks % 2])
+                                os.pwrite(self._fd, mark_bytes(self._marks, target - base), MARK_AT[self._marks % 2])
                             except OSError as e:
                                 raise self._poison(e, "durable mark write") from e
                 finally:
@@ -603,13 +384,13 @@ class Journal:
         ``JOURNAL`` moves its start first, so a missing early segment is never mistaken for loss."""
         with self._wlock:
             self._check_open()
-            segs = _live_segments(self.path, self._meta)
+            segs = live_segments(self.path, self._meta)
             gone = [p for i, (_, p) in enumerate(segs[:-1]) if segs[i + 1][0] <= lsn]
             if not gone:
                 return 0
             first = segs[len(gone)][1]
             with open(first, "rb") as f:
-                _, _, number, seq, base = _HEAD.unpack_from(f.read(_HEAD.size))
+                _, _, number, seq, base = SEG_HEADER.unpack_from(f.read(SEG_HEADER.size))
             self._set_meta(number=number, seq=seq, lsn=base)
             for p in gone:
                 p.unlink()

@@ -6,7 +6,6 @@ restart the client's token stream equals the uninterrupted run's."""
 from __future__ import annotations
 
 import errno
-import json
 
 import pytest
 import torch
