@@ -108,6 +108,19 @@ def _backward(rank, world, ci, case, transports):
                 g, gr = getattr(moe.experts[e], name).weight.grad, getattr(ref_moe.experts[e], name).weight.grad
                 assert (g is None and gr is None) or torch.equal(g, gr), (case, path, e, name)
         assert xm.grad.abs().sum() > 0 or case.counts[rank] == 0
+    if case.dtype == torch.bfloat16 and world == 2:
+        # control: the per-pair row gradients, added per token in expert order, give the reference's
+        # bits; added in slot order (as plain per-pair code would) they do not - the order matters
+        # and the equalities above see it
+        n, k = idx.shape
+        xp = x.repeat_interleave(k, 0).requires_grad_()
+        y = single_process_routed(make_moe(topk=case.topk, seed=ci), xp, w.reshape(-1, 1), idx.reshape(-1, 1))
+        (y.view(n, k, -1).sum(1) * r).sum().backward()
+        order = torch.sort(idx.reshape(-1), stable=True).indices
+        by_expert = torch.zeros_like(x).index_put_((order // k,), xp.grad[order], accumulate=True)
+        by_slot = torch.zeros_like(x).index_put_((torch.arange(n * k) // k,), xp.grad, accumulate=True)
+        assert torch.equal(by_expert, xa.grad)
+        assert not torch.equal(by_slot, xa.grad)
 
 
 def _world(rank, world, cases, grads):
