@@ -31,6 +31,18 @@ def test_softmax_and_log_softmax(monkeypatch, block):
     close(tr.log_softmax(x), torch.log_softmax(x.double(), -1), 1e-5)
 
 
+def test_rms_norm_and_dense_attention_through_the_sparse_kernel():
+    x, w = r(4, 300), r(300)
+    want = x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    close(tr.rms_norm(x, w, 1e-6), want, 1e-6)
+    ta = pytest.importorskip("v4stack.kernels.triton_attention")
+    from v4stack.ops import core
+    q, keys, sink = r(3, 4, 32), r(3, 70, 32), r(4)
+    mask = torch.rand(3, 70, generator=g) > 0.3
+    want = core.attention_with_sink(q.double(), keys.double(), mask, sink.double(), 0.2)
+    close(ta.attention_with_sink(q, keys, mask, sink, 0.2), want, 1e-5)
+
+
 def test_weighted_pool_and_moe_combine():
     kv, s = r(6, 5, 40), r(6, 5, 40)
     close(tr.weighted_pool(kv, s, 1), (torch.softmax(s.double(), 1) * kv.double()).sum(1), 1e-6)

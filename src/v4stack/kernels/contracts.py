@@ -74,3 +74,13 @@ def moe_combine(y, idx) -> bool:
 
 def topk(x, k, stable=False) -> bool:
     return str(x.dtype) in _FLOATS and x.shape[-1] < 2**31
+
+
+def rms_norm(x, weight, eps) -> bool:
+    return str(x.dtype) in _FLOATS and (weight is None or weight.shape == x.shape[-1:])
+
+
+def attention_with_sink(q, keys, mask, sink, scale) -> bool:
+    D = q.shape[2]
+    return (keys.dtype == q.dtype and _pow2(D) and 16 <= D <= 512 and keys.is_contiguous()
+            and keys.shape[0] * keys.shape[1] < 2**31)

@@ -22,12 +22,18 @@ def installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _lazy(module: str, attr: str):
+def _lazy(module: str, attr: str, spec: str | None = None):
+    """The kernel wrapper ``module.attr``, imported on first call; its contract ``spec`` is proved
+    with Z3 then (``specs.build``), before the kernel is built."""
     fn = None
 
     def call(*args, **kw):
         nonlocal fn
         if fn is None:
+            if spec is not None:
+                from v4stack.kernels import specs
+
+                specs.build(spec)
             fn = getattr(importlib.import_module(f"v4stack.kernels.{module}"), attr)
         return fn(*args, **kw)
 
@@ -63,7 +69,7 @@ def _fp8_linear(x, qw):
     return _lazy_fp8(x, qw.data, sc)
 
 
-_lazy_fp8 = _lazy("triton_gemm", "fp8_linear")
+_lazy_fp8 = _lazy("triton_gemm", "fp8_linear", "fp8_gemm")
 
 
 def register_all(register) -> None:
@@ -77,18 +83,22 @@ def register_all(register) -> None:
                  fmt=dt, device="cuda", accepts=_with("tilelang", C.tilelang_attention))
     trit = lambda check: _with("triton", check)  # noqa: E731
     register("linear", "triton_fp8_block_gemm", _fp8_linear, fmt="fp8", device="cuda", accepts=trit(C.fp8_linear))
-    register("linear", "triton_fp32_gemm", _lazy("triton_gemm", "linear"), mode=inv, fmt="float32", device="cuda",
+    register("linear", "triton_fp32_gemm", _lazy("triton_gemm", "linear", "gemm_tile"), mode=inv, fmt="float32", device="cuda",
              accepts=trit(C.linear))
     for dt in ("bfloat16", "float16"):  # where TileLang is absent or refuses the shape
-        register("linear", "triton_gemm", _lazy("triton_gemm", "linear"), mode=inv, fmt=dt, device="cuda",
+        register("linear", "triton_gemm", _lazy("triton_gemm", "linear", "gemm_tile"), mode=inv, fmt=dt, device="cuda",
                  accepts=trit(C.linear))
-    register("hc_mix", "triton_hc_mix", _lazy("triton_gemm", "hc_mix"), mode=inv, fmt="float32", device="cuda",
+    register("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm"), mode=inv, device="cuda",
+             accepts=trit(C.rms_norm))
+    register("attention_with_sink", "triton_sparse_attention", _lazy("triton_attention", "attention_with_sink",
+             "sparse_attention"), mode=inv, device="cuda", accepts=trit(C.attention_with_sink))
+    register("hc_mix", "triton_hc_mix", _lazy("triton_gemm", "hc_mix", "hc_mix"), mode=inv, fmt="float32", device="cuda",
              accepts=trit(C.hc_mix))
     register("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores"), mode=inv,
              device="cuda", accepts=trit(C.indexer_scores))
-    register("softmax", "triton_softmax", _lazy("triton_rows", "softmax"), mode=inv, device="cuda",
+    register("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax_rows"), mode=inv, device="cuda",
              accepts=trit(C.softmax))
-    register("log_softmax", "triton_log_softmax", _lazy("triton_rows", "log_softmax"), mode=inv, device="cuda",
+    register("log_softmax", "triton_log_softmax", _lazy("triton_rows", "log_softmax", "softmax_rows"), mode=inv, device="cuda",
              accepts=trit(C.softmax))
     register("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool"), mode=inv,
              device="cuda", accepts=trit(C.weighted_pool))
@@ -97,7 +107,7 @@ def register_all(register) -> None:
     register("topk", "packed_key_topk", _lazy("topk", "stable_topk"), mode=inv, device="cuda", accepts=C.topk)
     register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=C.torch_grouped_mm)
     for mode in (inv, fast):
-        register("grouped_linear", "triton_grouped_gemm", _lazy("triton_gemm", "grouped_linear"), mode=mode,
+        register("grouped_linear", "triton_grouped_gemm", _lazy("triton_gemm", "grouped_linear", "gemm_tile"), mode=mode,
                  device="cuda", accepts=_with("triton", C.grouped_linear))
-        register("sparse_attention", "triton_sparse_attention", _lazy("triton_attention", "sparse_attention"),
+        register("sparse_attention", "triton_sparse_attention", _lazy("triton_attention", "sparse_attention", "sparse_attention"),
                  mode=mode, device="cuda", accepts=_with("triton", C.sparse_attention))

@@ -21,6 +21,8 @@ Which one runs depends on the batch, the arithmetic does not (checked on the GPU
 import triton
 import triton.language as tl
 
+from v4stack.kernels.launch import launch
+
 CHUNK = 64
 BLOCK_H = 16
 
@@ -147,14 +149,25 @@ def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None)
     if path is None:
         path = "split" if T * hg < SPLIT_BELOW else "fused"
     if path == "fused" or nch == 0:
-        fused_kernel[(T, hg)](q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, out,
+        launch(fused_kernel, (T, hg), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, out,
                               out.stride(0), out.stride(1), H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK,
                               IEEE=ieee)
         return out
     pm = torch.empty(T, nch, H, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty(T, nch, H, D, dtype=torch.float32, device=q.device)
-    split_kernel[(T, hg, nch)](q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, pm, pl, pa,
+    launch(split_kernel, (T, hg, nch), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, pm, pl, pa,
                                H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK, IEEE=ieee)
-    merge_kernel[(T, hg)](pm, pl, pa, sink, out, out.stride(0), out.stride(1), H, nch, D=D, BH=BLOCK_H)
+    launch(merge_kernel, (T, hg), pm, pl, pa, sink, out, out.stride(0), out.stride(1), H, nch, D=D, BH=BLOCK_H)
     return out
+
+
+def attention_with_sink(q, keys, mask, sink, scale: float):
+    """Dense candidates ``keys [T, K, D]`` with ``mask [T, K]`` as one pool of ``T * K`` rows,
+    each row's candidates its own ``K`` rows (``-1`` where hidden): the same kernel, no copy."""
+    import torch
+
+    T, K, D = keys.shape
+    rows = torch.arange(T * K, device=q.device, dtype=torch.int32).view(T, K)
+    idx = torch.where(mask, rows, torch.full_like(rows, -1))
+    return sparse_attention(q, [keys.reshape(T * K, D)], [idx], sink, scale)

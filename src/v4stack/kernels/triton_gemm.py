@@ -10,6 +10,8 @@ result therefore depends on its own inputs only. fp32 inputs use ``input_precisi
 import triton
 import triton.language as tl
 
+from v4stack.kernels.launch import launch
+
 GROUPED_TILE = dict(BM=64, BN=128, BK=64)
 F32_TILE = dict(BM=32, BN=64, BK=32)
 
@@ -70,7 +72,7 @@ def grouped_linear(x, w, offsets):
     tile_e = torch.where(valid, ec, -1).to(torch.int32)
     xc, wc = x.contiguous(), w.contiguous()
     grid = (P, triton.cdiv(N, GROUPED_TILE["BN"]))
-    grouped_kernel[grid](xc, wc, y, tile_e, r0, off, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
+    launch(grouped_kernel, grid, xc, wc, y, tile_e, r0, off, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
                          BM=bm, BN=GROUPED_TILE["BN"], BK=GROUPED_TILE["BK"], IEEE=x.dtype == torch.float32)
     return y
 
@@ -99,7 +101,7 @@ def linear(x, weight):
     if M:
         t = F32_TILE if x.dtype == torch.float32 else GROUPED_TILE
         grid = (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
-        linear_kernel[grid](a, w, y, M, N, K, a.stride(0), w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"],
+        launch(linear_kernel, grid, a, w, y, M, N, K, a.stride(0), w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"],
                             BK=t["BK"], IEEE=x.dtype == torch.float32)
     return y.view(*x.shape[:-1], N)
 
@@ -161,9 +163,9 @@ def hc_mix(flat, fn, eps):
     pss = torch.empty(S, M, dtype=torch.float32, device=flat.device)
     bm = 16
     w = fn.contiguous()
-    hc_mix_kernel[(triton.cdiv(M, bm), S)](x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn, BK=32,
+    launch(hc_mix_kernel, (triton.cdiv(M, bm), S), x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn, BK=32,
                                            SPLIT=HC_SPLIT)
-    hc_finish_kernel[(triton.cdiv(M, bm),)](pacc, pss, y, M, N, K, S, float(eps), BM=bm, BN=bn)
+    launch(hc_finish_kernel, (triton.cdiv(M, bm),), pacc, pss, y, M, N, K, S, float(eps), BM=bm, BN=bn)
     return y.view(*flat.shape[:-1], N)
 
 
@@ -195,7 +197,7 @@ def indexer_scores(q, w, k):
     if T and S:
         qc, wc, kc = q.contiguous(), w.contiguous(), k.contiguous()
         bs = 64
-        indexer_kernel[(T, triton.cdiv(S, bs))](qc, wc, kc, out, S, H, qc.stride(0), qc.stride(1), wc.stride(0),
+        launch(indexer_kernel, (T, triton.cdiv(S, bs)), qc, wc, kc, out, S, H, qc.stride(0), qc.stride(1), wc.stride(0),
                                                 kc.stride(0), out.stride(0), D=D, BH=max(16, triton.next_power_of_2(H)),
                                                 BS=bs, IEEE=q.dtype == torch.float32)
     return out
@@ -236,7 +238,7 @@ def fp8_linear(x, weight, scale):
     if M:
         sc = scale.float().contiguous()
         bm = 64
-        fp8_kernel[(triton.cdiv(M, bm), triton.cdiv(N, FP8_BLOCK))](a, weight, sc, y, M, N, K, a.stride(0),
+        launch(fp8_kernel, (triton.cdiv(M, bm), triton.cdiv(N, FP8_BLOCK)), a, weight, sc, y, M, N, K, a.stride(0),
                                                                      weight.stride(0), sc.stride(0), y.stride(0),
                                                                      BM=bm, BN=FP8_BLOCK, BK=FP8_BLOCK)
     return y.view(*x.shape[:-1], N)

@@ -9,6 +9,8 @@ the call has.
 import triton
 import triton.language as tl
 
+from v4stack.kernels.launch import launch
+
 ROW_BLOCK = 4096  # widest row handled in one slice; wider rows loop over slices of this size
 
 
@@ -56,7 +58,7 @@ def softmax(x, dim=-1, log=False):
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] and N:
         block = min(ROW_BLOCK, triton.next_power_of_2(N))
-        softmax_kernel[(x2.shape[0],)](x2, y, N, x2.stride(0), y.stride(0), LOG=log, BLOCK=block, ONE=N <= block,
+        launch(softmax_kernel, (x2.shape[0],), x2, y, N, x2.stride(0), y.stride(0), LOG=log, BLOCK=block, ONE=N <= block,
                                        num_warps=8 if block >= 2048 else 4)
     return y.view(x.shape)
 
@@ -90,7 +92,7 @@ def weighted_pool(kv, score, dim):
     y = torch.empty(kv3.shape[0], C, dtype=out_dtype, device=kv.device)
     if kv3.shape[0] and C:
         bc = min(256, triton.next_power_of_2(C))
-        pool_kernel[(kv3.shape[0], triton.cdiv(C, bc))](kv3, s3, y, P, C, kv3.stride(0), kv3.stride(1), s3.stride(0),
+        launch(pool_kernel, (kv3.shape[0], triton.cdiv(C, bc)), kv3, s3, y, P, C, kv3.stride(0), kv3.stride(1), s3.stride(0),
                                                          s3.stride(1), y.stride(0), BP=triton.next_power_of_2(P),
                                                          BC=bc)
     return y.view(*kv.shape[:-2], C)
@@ -121,6 +123,39 @@ def moe_combine(y, idx):
     out = torch.empty(N, D, dtype=torch.float32, device=y.device)
     if N and D:
         bd = min(1024, triton.next_power_of_2(D))
-        combine_kernel[(N, triton.cdiv(D, bd))](yc, ic, out, k, D, yc.stride(0), yc.stride(1), ic.stride(0),
+        launch(combine_kernel, (N, triton.cdiv(D, bd)), yc, ic, out, k, D, yc.stride(0), yc.stride(1), ic.stride(0),
                                                 out.stride(0), BK=max(2, triton.next_power_of_2(k)), BD=bd)
     return out
+
+
+@triton.jit
+def rms_norm_kernel(X, W, Y, N, s_x, s_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c in range(0, N, BLOCK):
+        x = tl.load(X + r * s_x + c + o, mask=c + o < N, other=0.0).to(tl.float32)
+        acc += x * x
+    inv = 1.0 / tl.sqrt_rn(tl.sum(acc, 0) / N + eps)
+    for c in range(0, N, BLOCK):
+        x = tl.load(X + r * s_x + c + o, mask=c + o < N, other=0.0).to(tl.float32)
+        y = x * inv
+        if HAS_W:
+            y = y * tl.load(W + c + o, mask=c + o < N, other=0.0).to(tl.float32)
+        tl.store(Y + r * s_y + c + o, y.to(Y.dtype.element_ty), mask=c + o < N)
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm of each row: fp32 sum of squares in a fixed order, ``1 / sqrt`` correctly rounded."""
+    import torch
+
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and N:
+        w = weight.contiguous() if weight is not None else x2
+        launch(rms_norm_kernel, (x2.shape[0],), x2, w, y, N, x2.stride(0), y.stride(0), float(eps),
+               HAS_W=weight is not None, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(N)))
+    return y.view(x.shape)

@@ -1,0 +1,149 @@
+"""The contracts of the Triton kernels, as ``prove.Spec``s of their index arithmetic.
+
+Each mirrors its kernel's loads and stores (``triton_gemm``, ``triton_rows``,
+``triton_attention``): sizes and strides are symbols, tile sizes the kernel's constants.
+``build(name)`` proves a spec once, when its kernel is first built (``gpu._lazy``); the tests
+prove all of them on the CPU.
+"""
+
+from __future__ import annotations
+
+from v4stack.kernels.prove import Access, Spec, cdiv, require
+
+
+def gemm(name="gemm_tile", BM=64, BN=128, BK=64, mask_k=True, k_multiple=1, row_bound=None) -> Spec:
+    """``Y[M, N] = X[M, K] @ W[N, K]^T`` (strided rows), one program per BM x BN tile, K in BK
+    slices. ``mask_k=False`` drops the K mask (a contract must then make BK divide K);
+    ``row_bound`` replaces the row mask (to show an off-by-one is caught)."""
+
+    def row(n):
+        return n.pm * BM + n.i
+
+    def col(n):
+        return n.pn * BN + n.j
+
+    def kidx(n):
+        return n.kb * BK + n.kk
+
+    def rmask(n):
+        return row_bound(n) if row_bound else row(n) < n.M
+
+    def amask(n):
+        import z3
+
+        return z3.And(rmask(n), kidx(n) < n.K) if mask_k else rmask(n)
+
+    def bmask(n):
+        import z3
+
+        return z3.And(col(n) < n.N, kidx(n) < n.K) if mask_k else col(n) < n.N
+
+    def smask(n):
+        import z3
+
+        return z3.And(rmask(n), col(n) < n.N)
+
+    return Spec(
+        name=name, dims=("M", "N", "K"), requires=lambda n: [n.K % k_multiple == 0],
+        grid=lambda n: {"pm": cdiv(n.M, BM), "pn": cdiv(n.N, BN)},
+        lanes=lambda n: {"i": BM, "j": BN, "kb": cdiv(n.K, BK), "kk": BK},
+        accesses=(
+            Access("X", "load", lambda n: (row(n), kidx(n)), lambda n: (n.M, n.K), amask),
+            Access("W", "load", lambda n: (col(n), kidx(n)), lambda n: (n.N, n.K), bmask),
+            Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.M, n.N), smask, lanes=("i", "j")),
+        ),
+        divides=(() if mask_k else ((f"{BK} | K", lambda n: n.K % BK == 0),)),
+    )
+
+
+def fp8_gemm(BM=64, B=128) -> Spec:
+    """The block-scaled FP8 GEMM: the weight scale read per (N tile, K slice) is the block's own
+    because the tile and the slice are the scale block (``B`` x ``B``)."""
+    import z3
+
+    g = gemm("fp8_gemm", BM=BM, BN=B, BK=B)
+    scale = Access("Scale", "load", lambda n: ((n.pn * B) / B, (n.kb * B) / B), lambda n: (cdiv(n.N, B), cdiv(n.K, B)),
+                   lambda n: z3.And(n.pm * BM + n.i < n.M))
+    return Spec(name=g.name, dims=g.dims, requires=g.requires, grid=g.grid, lanes=g.lanes,
+                accesses=g.accesses + (scale,))
+
+
+def softmax(BLOCK=4096) -> Spec:
+    """Row softmax, rows of N looped in BLOCK slices (loads, and the store of the last pass)."""
+    return Spec(
+        name="softmax_rows", dims=("R", "N"),
+        grid=lambda n: {"r": n.R},
+        lanes=lambda n: {"c": cdiv(n.N, BLOCK), "o": BLOCK},
+        accesses=(
+            Access("X", "load", lambda n: (n.r, n.c * BLOCK + n.o), lambda n: (n.R, n.N),
+                   lambda n: n.c * BLOCK + n.o < n.N),
+            Access("Y", "store", lambda n: (n.r, n.c * BLOCK + n.o), lambda n: (n.R, n.N),
+                   lambda n: n.c * BLOCK + n.o < n.N),
+        ),
+    )
+
+
+def sparse_attention(D=512, BH=16, CH=64) -> Spec:
+    """The fused sparse attention: index loads per chunk column, pool rows read by index (the
+    indices are data: the contract is ``-1 <= idx < rows of its pool``), the output per head."""
+    import z3
+
+    def j(n):
+        return n.c * CH + n.jj
+
+    def h(n):
+        return n.hg * BH + n.hh
+
+    return Spec(
+        name="sparse_attention", dims=("T", "H", "K0", "K1", "N0", "N1"), zero_ok=("K0", "K1", "N0", "N1"),
+        requires=lambda n: [n.K0 + n.K1 >= 1],
+        grid=lambda n: {"t": n.T, "hg": cdiv(n.H, BH)},
+        lanes=lambda n: {"c": cdiv(n.K0 + n.K1, CH), "jj": CH, "hh": BH, "d": D},
+        data=lambda n: {"r0": (-1, n.N0), "r1": (-1, n.N1)},
+        accesses=(
+            Access("Q", "load", lambda n: (n.t, h(n), n.d), lambda n: (n.T, n.H, D), lambda n: h(n) < n.H),
+            Access("I0", "load", lambda n: (n.t, j(n)), lambda n: (n.T, n.K0), lambda n: j(n) < n.K0),
+            Access("I1", "load", lambda n: (n.t, j(n) - n.K0), lambda n: (n.T, n.K1),
+                   lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1)),
+            Access("P0", "load", lambda n: (n.r0, n.d), lambda n: (n.N0, D), lambda n: z3.And(j(n) < n.K0, n.r0 >= 0)),
+            Access("P1", "load", lambda n: (n.r1, n.d), lambda n: (n.N1, D),
+                   lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1, n.r1 >= 0)),
+            Access("Sink", "load", lambda n: (h(n),), lambda n: (n.H,), lambda n: h(n) < n.H),
+            Access("O", "store", lambda n: (n.t, h(n), n.d), lambda n: (n.T, n.H, D), lambda n: h(n) < n.H,
+                   lanes=("hh", "d")),
+        ),
+    )
+
+
+def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024) -> Spec:
+    """hc_mix's first kernel: K cut into SPLIT slices; partials [S, M, BN] and [S, M]."""
+    import z3
+
+    def row(n):
+        return n.pm * BM + n.i
+
+    def k(n):
+        return n.s * SPLIT + n.kb * BK + n.kk
+
+    return Spec(
+        name="hc_mix", dims=("M", "N", "K"), requires=lambda n: [n.N <= BN],
+        grid=lambda n: {"pm": cdiv(n.M, BM), "s": cdiv(n.K, SPLIT)},
+        lanes=lambda n: {"i": BM, "j": BN, "kb": SPLIT // BK, "kk": BK},
+        accesses=(
+            Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
+                   lambda n: z3.And(row(n) < n.M, k(n) < n.K)),
+            Access("Fn", "load", lambda n: (n.j, k(n)), lambda n: (n.N, n.K), lambda n: z3.And(n.j < n.N, k(n) < n.K)),
+            Access("Pacc", "store", lambda n: (n.s, row(n), n.j), lambda n: (cdiv(n.K, SPLIT), n.M, BN),
+                   lambda n: row(n) < n.M, lanes=("i", "j")),
+        ),
+        divides=((f"{BK} | {SPLIT}", lambda n: SPLIT % BK == 0),),
+    )
+
+
+ALL = {"gemm_tile": gemm, "fp8_gemm": fp8_gemm, "softmax_rows": softmax, "sparse_attention": sparse_attention,
+       "hc_mix": hc_mix}
+
+
+def build(name: str) -> None:
+    """Prove kernel ``name``'s contract (once per process); raises ``ContractError`` if it fails."""
+    require(ALL[name]())
