@@ -84,7 +84,7 @@ def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, P1, I1, s_i1, K1, Sink, O, s_o
     for c in range(0, NCH):
         m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, P1, I1, s_i1, K1, sink, scale, D, CH, IEEE)
         M, L, A = _merge(M, L, A, m, ls, acc)
-    out = A / L[:, None]
+    out = tl.div_rn(A, L[:, None])
     d = tl.arange(0, D)
     tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty), mask=(h < H)[:, None])
 
@@ -120,7 +120,7 @@ def merge_kernel(Pm, Pl, Pa, Sink, O, s_ot, s_oh, H, NCH, D: tl.constexpr, BH: t
         ls = tl.load(Pl + base, mask=h < H, other=0.0)
         acc = tl.load(Pa + base[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
         M, L, A = _merge(M, L, A, m, ls, acc)
-    out = A / L[:, None]
+    out = tl.div_rn(A, L[:, None])
     tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty), mask=(h < H)[:, None])
 
 

@@ -132,7 +132,7 @@ def hc_mix_kernel(X, W, Pacc, Pss, M, N, K, s_xm, s_wn, BM: tl.constexpr, BN: tl
 
 
 @triton.jit
-def hc_finish_kernel(Pacc, Pss, Y, M, N, K, S, eps, BM: tl.constexpr, BN: tl.constexpr):
+def hc_finish_kernel(Pacc, Pss, Y, M, N, Kf, S, eps, BM: tl.constexpr, BN: tl.constexpr):
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rmask = rows < M
     cols = tl.arange(0, BN)
@@ -142,7 +142,7 @@ def hc_finish_kernel(Pacc, Pss, Y, M, N, K, S, eps, BM: tl.constexpr, BN: tl.con
         base = s * M + rows
         acc += tl.load(Pacc + base[:, None] * BN + cols[None, :], mask=rmask[:, None], other=0.0)
         ss += tl.load(Pss + base, mask=rmask, other=0.0)
-    r = 1.0 / tl.sqrt_rn(ss / K + eps)
+    r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, Kf) + eps))
     tl.store(Y + rows[:, None] * N + cols[None, :], acc * r[:, None], mask=rmask[:, None] & (cols < N)[None, :])
 
 
@@ -165,7 +165,7 @@ def hc_mix(flat, fn, eps):
     w = fn.contiguous()
     launch(hc_mix_kernel, (triton.cdiv(M, bm), S), x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn, BK=32,
                                            SPLIT=HC_SPLIT)
-    launch(hc_finish_kernel, (triton.cdiv(M, bm),), pacc, pss, y, M, N, K, S, float(eps), BM=bm, BN=bn)
+    launch(hc_finish_kernel, (triton.cdiv(M, bm),), pacc, pss, y, M, N, float(K), S, float(eps), BM=bm, BN=bn)
     return y.view(*flat.shape[:-1], N)
 
 

@@ -26,7 +26,7 @@ def softmax_kernel(X, Y, N, s_x, s_y, LOG: tl.constexpr, BLOCK: tl.constexpr, ON
         if LOG:
             y = (x - m) - tl.log(s)
         else:
-            y = e / s
+            y = tl.div_rn(e, s)
         tl.store(Y + r * s_y + o, y.to(Y.dtype.element_ty), mask=o < N)
     else:
         mv = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -44,7 +44,7 @@ def softmax_kernel(X, Y, N, s_x, s_y, LOG: tl.constexpr, BLOCK: tl.constexpr, ON
             if LOG:
                 y = (x - m) - tl.log(s)
             else:
-                y = tl.exp(x - m) / s
+                y = tl.div_rn(tl.exp(x - m), s)
             tl.store(Y + r * s_y + c + o, y.to(Y.dtype.element_ty), mask=c + o < N)
 
 
@@ -77,7 +77,7 @@ def pool_kernel(KV, S, Y, P, C, s_kr, s_kp, s_sr, s_sp, s_yr, BP: tl.constexpr, 
     kv = tl.load(KV + r * s_kr + p[:, None] * s_kp + c[None, :], mask=m2, other=0.0).to(tl.float32)
     m = tl.max(s, 0)
     e = tl.exp(s - m[None, :])
-    w = e / tl.sum(e, 0)[None, :]
+    w = tl.div_rn(e, tl.sum(e, 0)[None, :])
     y = tl.sum(w * kv, 0)
     tl.store(Y + r * s_yr + c, y.to(Y.dtype.element_ty), mask=c < C)
 
@@ -129,14 +129,14 @@ def moe_combine(y, idx):
 
 
 @triton.jit
-def rms_norm_kernel(X, W, Y, N, s_x, s_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(X, W, Y, N, Nf, s_x, s_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for c in range(0, N, BLOCK):
         x = tl.load(X + r * s_x + c + o, mask=c + o < N, other=0.0).to(tl.float32)
         acc += x * x
-    inv = 1.0 / tl.sqrt_rn(tl.sum(acc, 0) / N + eps)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(acc, 0), Nf) + eps))
     for c in range(0, N, BLOCK):
         x = tl.load(X + r * s_x + c + o, mask=c + o < N, other=0.0).to(tl.float32)
         y = x * inv
@@ -156,6 +156,6 @@ def rms_norm(x, weight, eps):
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] and N:
         w = weight.contiguous() if weight is not None else x2
-        launch(rms_norm_kernel, (x2.shape[0],), x2, w, y, N, x2.stride(0), y.stride(0), float(eps),
+        launch(rms_norm_kernel, (x2.shape[0],), x2, w, y, N, float(N), x2.stride(0), y.stride(0), float(eps),
                HAS_W=weight is not None, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(N)))
     return y.view(x.shape)

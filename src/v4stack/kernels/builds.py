@@ -1,0 +1,61 @@
+"""Ahead-of-time builds of the Triton kernels for Hopper (``sm_90a``) without a GPU: the
+signatures the wrappers launch with, compiled to cubin by Triton's bundled ptxas (CPU tests)."""
+
+P, F, I = "*fp32", "fp32", "i32"
+BF = "*bf16"
+
+
+def _sig(names: str, types: list[str]) -> dict:
+    return dict(zip(names.split(), types))
+
+
+def kernels() -> dict:
+    """name -> (jit function, signature, constexprs) at V4-Flash widths."""
+    from v4stack.kernels import triton_attention as ta
+    from v4stack.kernels import triton_gemm as tg
+    from v4stack.kernels import triton_rows as tr
+
+    attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 P1 I1 s_i1 K1 Sink"
+    attn_types = [BF, I, I, BF, "*i64", I, I, BF, "*i64", I, I, P]
+    cx = dict(D=512, BH=16, CH=64, IEEE=False)
+    return {
+        "sparse_attention_fused": (ta.fused_kernel, _sig(attn_args + " O s_ot s_oh H scale NCH",
+                                                         attn_types + [BF, I, I, I, F, I]), cx),
+        "sparse_attention_split": (ta.split_kernel, _sig(attn_args + " Pm Pl Pa H scale NCH",
+                                                         attn_types + [P, P, P, I, F, I]), cx),
+        "sparse_attention_merge": (ta.merge_kernel, _sig("Pm Pl Pa Sink O s_ot s_oh H NCH",
+                                                         [P, P, P, P, BF, I, I, I, I]), dict(D=512, BH=16)),
+        "grouped_gemm_bf16": (tg.grouped_kernel, _sig("X W Y TileE TileR0 Off N K s_xm s_we s_wn s_ym",
+                                                      [BF, BF, BF, "*i32", "*i64", "*i64", I, I, I, I, I, I]),
+                              dict(BM=64, BN=128, BK=64, IEEE=False)),
+        "gemm_fp32_ieee": (tg.linear_kernel, _sig("X W Y M N K s_xm s_wn s_ym", [P, P, P, I, I, I, I, I, I]),
+                           dict(BM=32, BN=64, BK=32, IEEE=True)),
+        "hc_mix": (tg.hc_mix_kernel, _sig("X W Pacc Pss M N K s_xm s_wn", [P, P, P, P, I, I, I, I, I]),
+                   dict(BM=16, BN=32, BK=32, SPLIT=1024)),
+        "hc_finish": (tg.hc_finish_kernel, _sig("Pacc Pss Y M N Kf S eps", [P, P, P, I, I, F, I, F]),
+                      dict(BM=16, BN=32)),
+        "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Y S H s_qt s_qh s_wt s_ks s_yt",
+                                                   [BF, P, BF, P, I, I, I, I, I, I, I]),
+                           dict(D=128, BH=64, BS=64, IEEE=False)),
+        "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
+                     dict(BM=64, BN=128, BK=128)),
+        "softmax_looped": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]),
+                           dict(LOG=True, BLOCK=4096, ONE=False)),
+        "weighted_pool": (tr.pool_kernel, _sig("KV S Y P C s_kr s_kp s_sr s_sp s_yr", [P, P, P] + [I] * 7),
+                          dict(BP=8, BC=256)),
+        "moe_combine": (tr.combine_kernel, _sig("Yin Idx Out k D s_yn s_yk s_in s_on", [P, "*i64", P] + [I] * 6),
+                        dict(BK=8, BD=1024)),
+        "rms_norm": (tr.rms_norm_kernel, _sig("X W Y N Nf s_x s_y eps", [BF, BF, BF, I, F, I, I, F]),
+                     dict(HAS_W=True, BLOCK=4096)),
+    }
+
+
+def build(name: str, arch: int = 90):
+    """Compile kernel ``name`` for ``sm_{arch}`` (no GPU needed); returns Triton's compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, sig, cx = kernels()[name]
+    sig = {**sig, **{k: "constexpr" for k in cx}}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32))
