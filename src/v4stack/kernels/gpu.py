@@ -48,11 +48,24 @@ def _with(lib: str, check):
     return accepts
 
 
+_grouped_mm_refused = False
+
+
 def _grouped_mm(x, w, offsets):
-    """The framework's grouped GEMM (fast mode): ``torch._grouped_mm`` with int32 row ends."""
+    """The framework's grouped GEMM (fast mode): ``torch._grouped_mm`` with int32 row ends. A shape
+    or build it refuses turns it off for the process (the Triton grouped GEMM serves instead)."""
+    global _grouped_mm_refused
     import torch
 
-    return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32))
+    try:
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets[1:].to(torch.int32), out_dtype=x.dtype)
+    except (RuntimeError, TypeError, NotImplementedError):
+        _grouped_mm_refused = True
+        return _lazy_grouped(x, w, offsets)
+
+
+def _grouped_mm_ok(x, w, offsets) -> bool:
+    return not _grouped_mm_refused and C.torch_grouped_mm(x, w, offsets)
 
 
 def _fp8_linear(x, qw):
@@ -70,6 +83,7 @@ def _fp8_linear(x, qw):
 
 
 _lazy_fp8 = _lazy("triton_gemm", "fp8_linear", "fp8_gemm")
+_lazy_grouped = _lazy("triton_gemm", "grouped_linear", "gemm_tile")
 
 
 def register_all(register) -> None:
@@ -105,9 +119,9 @@ def register_all(register) -> None:
     register("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine"), mode=inv, device="cuda",
              accepts=trit(C.moe_combine))
     register("topk", "packed_key_topk", _lazy("topk", "stable_topk"), mode=inv, device="cuda", accepts=C.topk)
-    register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=C.torch_grouped_mm)
+    register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=_grouped_mm_ok)
     for mode in (inv, fast):
-        register("grouped_linear", "triton_grouped_gemm", _lazy("triton_gemm", "grouped_linear", "gemm_tile"), mode=mode,
+        register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=mode,
                  device="cuda", accepts=_with("triton", C.grouped_linear))
         register("sparse_attention", "triton_sparse_attention", _lazy("triton_attention", "sparse_attention", "sparse_attention"),
                  mode=mode, device="cuda", accepts=_with("triton", C.sparse_attention))

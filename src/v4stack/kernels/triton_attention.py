@@ -151,14 +151,14 @@ def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None)
     if path == "fused" or nch == 0:
         launch(fused_kernel, (T, hg), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, out,
                               out.stride(0), out.stride(1), H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK,
-                              IEEE=ieee)
+                              IEEE=ieee, num_warps=8)
         return out
     pm = torch.empty(T, nch, H, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty(T, nch, H, D, dtype=torch.float32, device=q.device)
     launch(split_kernel, (T, hg, nch), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, pm, pl, pa,
-                               H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK, IEEE=ieee)
-    launch(merge_kernel, (T, hg), pm, pl, pa, sink, out, out.stride(0), out.stride(1), H, nch, D=D, BH=BLOCK_H)
+                               H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK, IEEE=ieee, num_warps=8)
+    launch(merge_kernel, (T, hg), pm, pl, pa, sink, out, out.stride(0), out.stride(1), H, nch, D=D, BH=BLOCK_H, num_warps=8)
     return out
 
 

@@ -1,0 +1,196 @@
+"""One GPU call that checks and times every op at V4-Flash widths, writing stamped JSON:
+
+- ``ops_gpu_invariance_h200.json``: per op and mode, for M = 1..4096 (31 sizes), whether rows 0-3
+  and the batch's last row, computed in a batch of M, are bit-identical to the same rows computed
+  alone; the sparse attention also with 300 extra trailing ``-1`` columns;
+- ``ops_h200.json``: time per call (CUDA events, calls back to back) in fast and invariant mode
+  at M in {1, 8, 64, 256, 4096}, the framework's own implementation beside them, and which
+  implementation the dispatch table ran;
+- ``launch_h200.json``: host time of a contract check, of the dispatch lookup, of a light
+  launch, of Triton's own launch and of ``torch.add``, each p50 over batches of 100 calls.
+
+    python -m bench.ops_gpu_check --out-dir bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import traceback
+
+import torch
+
+from bench.ops_gpu_cases import CASES, build
+from bench.runner import write_result
+from v4stack import ops
+
+TIME_MS = (1, 8, 64, 256, 4096)
+INV_MS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512,
+          1000, 1024, 2047, 2048, 4095, 4096)
+
+
+def _rows(rows, a, b):
+    return tuple(t[a:b] for t in rows)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def invariance(name: str, mode: str) -> dict:
+    case = build(name, max(INV_MS))
+    out = {}
+    with ops.mode(mode), torch.no_grad():
+        alone = {i: case.call(*_rows(case.rows, i, i + 1)) for i in range(4)}
+        for M in INV_MS:
+            y = case.call(*_rows(case.rows, 0, M))
+            ok = all(torch.equal(_bits(y[i : i + 1]), _bits(alone[i])) for i in range(min(M, 4)))
+            last = case.call(*_rows(case.rows, M - 1, M))
+            ok = ok and torch.equal(_bits(y[M - 1 : M]), _bits(last))
+            out[M] = ok
+        if name == "sparse_attention":  # trailing -1 columns change no bit
+            q, a, b = _rows(case.rows, 0, 256)
+            pad = torch.cat([b, torch.full((b.shape[0], 300), -1, device=b.device, dtype=b.dtype)], 1)
+            out["trailing_minus_one_same_bits"] = torch.equal(_bits(case.call(q, a, b)), _bits(case.call(q, a, pad)))
+    return out
+
+
+def _time(fn, target_s=0.03) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    one = s.elapsed_time(e) / 1e3
+    n = max(3, min(200, int(target_s / max(one, 1e-6))))
+    ts = []
+    for _ in range(3):
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3 / n)
+    return statistics.median(ts)
+
+
+def timings(name: str) -> list[dict]:
+    rows = []
+    case = build(name, max(TIME_MS))
+    with torch.no_grad():
+        for M in TIME_MS:
+            args = _rows(case.rows, 0, M)
+            row = {"op": name, "M": M}
+            for mode in ("fast", "invariant"):
+                ops.reset_counters()
+                with ops.mode(mode):
+                    row[f"{mode}_s"] = _time(lambda: case.call(*args))
+                row[f"{mode}_served"] = ops.counters()
+            if case.framework is not None:
+                row["framework_s"] = _time(lambda: case.framework(*args))
+            row["ratio"] = row["invariant_s"] / row["fast_s"]
+            if "framework_s" in row:
+                row["invariant_vs_framework"] = row["invariant_s"] / row["framework_s"]
+            rows.append(row)
+            print(f"{name:<20}{M:>6} fast {row['fast_s'] * 1e6:9.1f}us inv {row['invariant_s'] * 1e6:9.1f}us "
+                  f"fw {row.get('framework_s', 0) * 1e6:9.1f}us ratio {row['ratio']:.2f}", flush=True)
+    return rows
+
+
+def _p50_per_call(fn, batches=200, per=100) -> float:
+    ts = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        ts.append((time.perf_counter() - t0) / per)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def launch_tax() -> dict:
+    from v4stack.kernels import contracts as C
+    from v4stack.kernels import triton_rows as tr
+    from v4stack.kernels.launch import launch
+    from v4stack.ops import dispatch
+
+    x = torch.randn(1, 64, device="cuda")
+    y = torch.empty_like(x)
+    a, b, c = torch.randn(64, device="cuda"), torch.randn(64, device="cuda"), torch.empty(64, device="cuda")
+    consts = dict(LOG=False, BLOCK=64, ONE=True)
+    launch(tr.softmax_kernel, (1,), x, y, 64, 64, 64, **consts)  # compile + cache
+    res = {
+        "contract_check_s": _p50_per_call(lambda: C.softmax(x, -1)),
+        "dispatch_resolve_s": _p50_per_call(lambda: dispatch.resolve("softmax", "invariant", "float32", "cuda", x, -1)),
+        "light_launch_s": _p50_per_call(lambda: launch(tr.softmax_kernel, (1,), x, y, 64, 64, 64, **consts)),
+        "triton_launch_s": _p50_per_call(lambda: tr.softmax_kernel[(1,)](x, y, 64, 64, 64, **consts)),
+        "torch_add_s": _p50_per_call(lambda: torch.add(a, b, out=c)),
+        "torch_add_alloc_s": _p50_per_call(lambda: a + b),
+    }
+    with ops.mode("invariant"):
+        res["ops_softmax_invariant_s"] = _p50_per_call(lambda: ops.softmax(x, -1))
+    res["ops_softmax_fast_s"] = _p50_per_call(lambda: ops.softmax(x, -1))
+    res["light_launch_bits_equal_triton"] = True
+    launch(tr.softmax_kernel, (1,), x, y, 64, 64, 64, **consts)
+    y2 = torch.empty_like(x)
+    tr.softmax_kernel[(1,)](x, y2, 64, 64, 64, **consts)
+    res["light_launch_bits_equal_triton"] = bool(torch.equal(y, y2))
+    res["contract_check_under_1us"] = res["contract_check_s"] < 1e-6
+    res["light_launch_le_torch_add"] = res["light_launch_s"] <= res["torch_add_s"]
+    print({k: (f"{v * 1e6:.2f}us" if isinstance(v, float) else v) for k, v in res.items()}, flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--skip", default="", help="comma list of phases to skip: launch,inv,time")
+    a = p.parse_args(argv)
+    skip, names = set(a.skip.split(",")), a.cases.split(",")
+    t0 = time.time()
+    print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    meta = {"widths": "flash", "device_name": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if "launch" not in skip:
+        write_result(os.path.join(a.out_dir, "launch_h200.json"), {**meta, "bench": "launch", **launch_tax()})
+        print("launch done", round(time.time() - t0), flush=True)
+    if "inv" not in skip:
+        inv = {}
+        for n in names:
+            inv[n] = {}
+            for m in ("invariant", "fast"):
+                try:
+                    inv[n][m] = invariance(n, m)
+                except Exception as e:  # a failing op is recorded, the rest still run
+                    inv[n][m] = {"error": repr(e)[:500]}
+                    traceback.print_exc()
+            iv, fv = inv[n]["invariant"], inv[n]["fast"]
+            print(f"inv {n:<20} invariant all equal: {all(v for v in iv.values() if isinstance(v, bool))} "
+                  f"fast differs at M={[m for m, v in fv.items() if v is False][:6]}", flush=True)
+            torch.cuda.empty_cache()
+        write_result(os.path.join(a.out_dir, "ops_gpu_invariance_h200.json"),
+                     {**meta, "bench": "ops_gpu_invariance", "ms": list(INV_MS), "probe_rows": "0-3 and M-1",
+                      "results": inv})
+        print("invariance done", round(time.time() - t0), flush=True)
+    if "time" not in skip:
+        rows = []
+        for n in names:
+            try:
+                rows += timings(n)
+            except Exception as e:
+                rows.append({"op": n, "error": repr(e)[:500]})
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+        write_result(os.path.join(a.out_dir, "ops_h200.json"),
+                     {**meta, "bench": "ops", "ms": list(TIME_MS), "timing": "CUDA events, calls back to back, "
+                      "median of 3 batches", "results": rows})
+        print("timing done", round(time.time() - t0), flush=True)
+
+
+if __name__ == "__main__":
+    main()
