@@ -52,3 +52,17 @@ def test_recorded_proofs_are_for_the_current_specs():
     rec = json.loads(specs.PROOFS.read_text())
     assert rec["source_sha256"] == specs.source_hash(), "run: python -m v4stack.kernels.specs"
     assert rec["proved"] == sorted(specs.ALL)
+
+
+def test_without_z3_a_build_takes_only_a_proof_recorded_for_these_sources(monkeypatch, tmp_path):
+    import importlib.util
+    import json
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "z3" else real(n, *a))
+    specs.build("sparse_attention")  # the recorded proof matches
+    stale = tmp_path / "proofs.json"
+    stale.write_text(json.dumps({"source_sha256": "0" * 64, "proved": sorted(specs.ALL)}))
+    monkeypatch.setattr(specs, "PROOFS", stale)
+    with pytest.raises(prove.ContractError, match="no proof is recorded"):
+        specs.build("sparse_attention")
