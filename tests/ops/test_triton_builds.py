@@ -10,9 +10,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-FAST = ("sparse_attention_fused", "gemm_fp32_ieee", "softmax_looped")
+FAST = ("sparse_attention_fused", "gemm_fp32_ieee", "gemm_bf16_small")
 SLOW = ("sparse_attention_split", "sparse_attention_merge", "grouped_gemm_bf16", "hc_mix", "hc_finish",
-        "indexer_scores", "fp8_gemm", "weighted_pool", "moe_combine", "rms_norm")
+        "indexer_scores", "fp8_gemm", "weighted_pool", "moe_combine", "rms_norm", "softmax_row",
+        "log_softmax_chunks", "gemm_bf16_mid", "gemm_bf16_large")
 
 
 def _ptx(names):
@@ -34,6 +35,9 @@ def _check(ptx: dict):
         assert "div.approx" not in src and "div.full" not in src and "sqrt.approx" not in src, name
     if "gemm_fp32_ieee" in ptx:
         assert "fma.rn.f32" in ptx["gemm_fp32_ieee"] and "mma" not in ptx["gemm_fp32_ieee"]
+    for name, src in ptx.items():  # every bf16 GEMM tile shape on the same instruction (wgmma)
+        if name.startswith("gemm_bf16"):
+            assert "wgmma.mma_async" in src, name
 
 
 def test_main_kernels_build_for_hopper():

@@ -10,7 +10,7 @@ def _sig(names: str, types: list[str]) -> dict:
 
 
 def kernels() -> dict:
-    """name -> (jit function, signature, constexprs) at V4-Flash widths."""
+    """name -> (jit function, signature, constexprs[, options]) at V4-Flash widths."""
     from v4stack.kernels import triton_attention as ta
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_rows as tr
@@ -28,8 +28,12 @@ def kernels() -> dict:
         "grouped_gemm_bf16": (tg.grouped_kernel, _sig("X W Y TileE TileR0 Off N K s_xm s_we s_wn s_ym",
                                                       [BF, BF, BF, "*i32", "*i64", "*i64", I, I, I, I, I, I]),
                               dict(BM=64, BN=128, BK=64, IEEE=False)),
-        "gemm_fp32_ieee": (tg.linear_kernel, _sig("X W Y M N K s_xm s_wn s_ym", [P, P, P, I, I, I, I, I, I]),
-                           dict(BM=32, BN=64, BK=32, IEEE=True)),
+        "gemm_fp32_ieee": (tg.f32_slice_kernel, _sig("X W P M N K s_xm s_wn", [P, P, P, I, I, I, I, I]),
+                           dict(SPLIT=1024, BM=64, BN=64, BK=32)),
+        **{f"gemm_bf16_{size}": (tg.linear_kernel, _sig("X W Y M N K s_xm s_wn s_ym", [BF, BF, BF] + [I] * 6),
+                                 dict(BM=t["BM"], BN=t["BN"], BK=t["BK"], IEEE=False),
+                                 dict(num_warps=t["num_warps"], num_stages=t["num_stages"]))
+           for size, (_, t) in zip(("small", "mid", "large"), tg.HALF_TILES)},
         "hc_mix": (tg.hc_mix_kernel, _sig("X W Pacc Pss M N K s_xm s_wn", [P, P, P, P, I, I, I, I, I]),
                    dict(BM=16, BN=32, BK=32, SPLIT=1024)),
         "hc_finish": (tg.hc_finish_kernel, _sig("Pacc Pss Y M N Kf S eps", [P, P, P, I, I, F, I, F]),
@@ -39,8 +43,9 @@ def kernels() -> dict:
                            dict(D=128, BH=64, BS=64, IEEE=False)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
                      dict(BM=64, BN=128, BK=128)),
-        "softmax_looped": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]),
-                           dict(LOG=True, BLOCK=4096, ONE=False)),
+        "softmax_row": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]), dict(LOG=False, BLOCK=4096)),
+        "log_softmax_chunks": (tr.chunk_write_kernel, _sig("X Y Pm Ps N s_x s_y S", [P, P, P, P, I, I, I, I]),
+                               dict(LOG=True, BLOCK=4096, SB=32)),
         "weighted_pool": (tr.pool_kernel, _sig("KV S Y P C s_kr s_kp s_sr s_sp s_yr", [P, P, P] + [I] * 7),
                           dict(BP=8, BC=256)),
         "moe_combine": (tr.combine_kernel, _sig("Yin Idx Out k D s_yn s_yk s_in s_on", [P, "*i64", P] + [I] * 6),
@@ -56,6 +61,8 @@ def build(name: str, arch: int = 90):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, cx = kernels()[name]
+    fn, sig, cx, *opts = kernels()[name]
     sig = {**sig, **{k: "constexpr" for k in cx}}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32))
+    opts = opts[0] if opts else {}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32),
+                          options=opts)

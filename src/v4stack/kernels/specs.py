@@ -74,16 +74,25 @@ def fp8_gemm(BM=64, B=128) -> Spec:
 
 
 def softmax(BLOCK=4096) -> Spec:
-    """Row softmax, rows of N looped in BLOCK slices (loads, and the store of the last pass)."""
+    """Wide-row softmax: chunk c of row r reads its BLOCK elements, writes its statistics at
+    [r, c] (pass 1), reads all S statistics of its row and writes its elements (pass 2)."""
+    import z3
+
+    def col(n):
+        return n.c * BLOCK + n.o
+
     return Spec(
         name="softmax_rows", dims=("R", "N"),
-        grid=lambda n: {"r": n.R},
-        lanes=lambda n: {"c": cdiv(n.N, BLOCK), "o": BLOCK},
+        grid=lambda n: {"r": n.R, "c": cdiv(n.N, BLOCK)},
+        lanes=lambda n: {"o": BLOCK, "j": 64},
+        requires=lambda n: [cdiv(n.N, BLOCK) <= 64],  # SB = 64 statistics lanes at most
         accesses=(
-            Access("X", "load", lambda n: (n.r, n.c * BLOCK + n.o), lambda n: (n.R, n.N),
-                   lambda n: n.c * BLOCK + n.o < n.N),
-            Access("Y", "store", lambda n: (n.r, n.c * BLOCK + n.o), lambda n: (n.R, n.N),
-                   lambda n: n.c * BLOCK + n.o < n.N),
+            Access("X", "load", lambda n: (n.r, col(n)), lambda n: (n.R, n.N), lambda n: col(n) < n.N),
+            Access("Pstats", "store", lambda n: (n.r, n.c), lambda n: (n.R, cdiv(n.N, BLOCK)), lanes=()),
+            Access("Pstats", "load", lambda n: (n.r, n.j), lambda n: (n.R, cdiv(n.N, BLOCK)),
+                   lambda n: n.j < cdiv(n.N, BLOCK)),
+            Access("Y", "store", lambda n: (n.r, col(n)), lambda n: (n.R, n.N), lambda n: col(n) < n.N,
+                   lanes=("o",)),
         ),
     )
 
@@ -170,11 +179,15 @@ def record() -> dict:
     return rec
 
 
+def have_z3() -> bool:
+    return importlib.util.find_spec("z3") is not None
+
+
 def build(name: str) -> None:
     """Prove kernel ``name``'s contract (once per process) before the kernel is built; raises
     ``ContractError`` with counterexamples if it fails. Where Z3 is not installed (the GPU
     image), the proof recorded in ``proofs.json`` stands if it was made for these exact sources."""
-    if importlib.util.find_spec("z3") is not None:
+    if have_z3():
         require(ALL[name]())
         return
     rec = json.loads(PROOFS.read_text()) if PROOFS.exists() else {}

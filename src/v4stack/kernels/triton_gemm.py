@@ -1,10 +1,13 @@
 """Fixed-tile GEMMs (Triton): grouped expert GEMM, fp32 GEMM, block-scaled FP8 GEMM.
 
-Invariant by construction: the tile shape is a constant of the kernel (never chosen from M or
-from how many rows an expert got), each output tile is written by exactly one program, and
-its K loop runs the ``BK``-wide slices in order with no split-K, accumulating in fp32. A row's
-result therefore depends on its own inputs only. fp32 inputs use ``input_precision="ieee"``
-(FMA on the CUDA cores: no TF32 rounding).
+Invariant by construction: each output element is written by exactly one program, and its
+K-sum is one fixed chain - bf16 / fp16: the 16-wide tensor-core MMA steps (Hopper ``wgmma``)
+in K order, accumulating into fp32 registers; fp32: ``input_precision="ieee"`` (FMA on the
+CUDA cores, no TF32), one FMA per k in order within fixed K slices of ``F32_SPLIT`` whose
+partials are added in slice order. Only the M x N tile shape follows M (small tiles so a
+few rows still spread over the SMs, large ones for throughput); it never changes an element's
+chain. That a row's bits are the same in every tile shape is checked on the GPU
+(``bench/ops_gpu_check.py``: rows alone, in the smallest tile, against rows in a batch of 4096).
 """
 
 import triton
@@ -13,7 +16,13 @@ import triton.language as tl
 from v4stack.kernels.launch import launch
 
 GROUPED_TILE = dict(BM=64, BN=128, BK=64)
-F32_TILE = dict(BM=32, BN=64, BK=32)
+# (largest M, tile): bf16 / fp16 stay on wgmma (BM >= 64, 4+ warps) in every bucket
+HALF_TILES = ((64, dict(BM=64, BN=32, BK=128, num_warps=4, num_stages=4)),
+              (256, dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)),
+              (1 << 62, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)))
+F32_TILES = ((64, dict(BM=16, BN=32, BK=32, num_warps=4)),
+             (1 << 62, dict(BM=64, BN=64, BK=32, num_warps=4)))
+F32_SPLIT = 1024  # K per fp32 slice: a constant, so the slice sums depend on K alone
 
 
 @triton.jit
@@ -87,8 +96,36 @@ def linear_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym, BM: tl.constexpr, BN: tl.c
              mask=rmask[:, None] & (cols < N)[None, :])
 
 
+@triton.jit
+def f32_slice_kernel(X, W, P, M, N, K, s_xm, s_wn, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    s = tl.program_id(2)
+    k0 = s * SPLIT
+    kend = tl.minimum(k0 + SPLIT, K)
+    acc, cols = _mm_tile(X + k0, W + k0, rows, rmask, tl.program_id(1) * BN, s_xm, s_wn, N, kend - k0, BN, BK,
+                         True, BM)
+    tl.store(P + (s * M + rows)[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def slice_sum_kernel(P, Y, MN, S, BLOCK: tl.constexpr):
+    o = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    acc = tl.load(P + o, mask=o < MN, other=0.0)
+    for s in range(1, S):
+        acc += tl.load(P + s * MN + o, mask=o < MN, other=0.0)
+    tl.store(Y + o, acc, mask=o < MN)
+
+
+def _tile(table, M):
+    for top, t in table:
+        if M <= top:
+            return t
+
+
 def linear(x, weight):
-    """``x @ weight.T`` with a fixed tile (fp32: IEEE FMA, no TF32)."""
+    """``x @ weight.T``: bf16 / fp16 on tensor cores, fp32 as IEEE FMA in fixed K slices."""
     import torch
 
     N, K = weight.shape
@@ -98,11 +135,21 @@ def linear(x, weight):
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     M = a.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M:
-        t = F32_TILE if x.dtype == torch.float32 else GROUPED_TILE
-        grid = (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
-        launch(linear_kernel, grid, a, w, y, M, N, K, a.stride(0), w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"],
-                            BK=t["BK"], IEEE=x.dtype == torch.float32)
+    if M == 0:
+        return y.view(*x.shape[:-1], N)
+    if x.dtype != torch.float32:
+        t = _tile(HALF_TILES, M)
+        launch(linear_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
+               w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"], BK=t["BK"], IEEE=False, num_warps=t["num_warps"],
+               num_stages=t["num_stages"])
+        return y.view(*x.shape[:-1], N)
+    t = _tile(F32_TILES, M)
+    S = triton.cdiv(K, F32_SPLIT)
+    p = y if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x.device)
+    launch(f32_slice_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]), S), a, w, p, M, N, K, a.stride(0),
+           w.stride(0), SPLIT=F32_SPLIT, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"])
+    if S > 1:
+        launch(slice_sum_kernel, (triton.cdiv(M * N, 1024),), p, y, M * N, S, BLOCK=1024)
     return y.view(*x.shape[:-1], N)
 
 
@@ -161,10 +208,10 @@ def hc_mix(flat, fn, eps):
     bn = max(16, triton.next_power_of_2(N))
     pacc = torch.empty(S, M, bn, dtype=torch.float32, device=flat.device)
     pss = torch.empty(S, M, dtype=torch.float32, device=flat.device)
-    bm = 16
+    bm = 16 if M <= 256 else 64  # the K order (BK = 32 lanes, then the slices) never changes
     w = fn.contiguous()
-    launch(hc_mix_kernel, (triton.cdiv(M, bm), S), x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn, BK=32,
-                                           SPLIT=HC_SPLIT)
+    launch(hc_mix_kernel, (triton.cdiv(M, bm), S), x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn,
+           BK=32, SPLIT=HC_SPLIT)
     launch(hc_finish_kernel, (triton.cdiv(M, bm),), pacc, pss, y, M, N, float(K), S, float(eps), BM=bm, BN=bn)
     return y.view(*flat.shape[:-1], N)
 

@@ -11,55 +11,82 @@ import triton.language as tl
 
 from v4stack.kernels.launch import launch
 
-ROW_BLOCK = 4096  # widest row handled in one slice; wider rows loop over slices of this size
+ROW_BLOCK = 4096  # widest row one program handles; wider rows run in chunks of this size
 
 
 @triton.jit
-def softmax_kernel(X, Y, N, s_x, s_y, LOG: tl.constexpr, BLOCK: tl.constexpr, ONE: tl.constexpr):
+def softmax_kernel(X, Y, N, s_x, s_y, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    """A row of at most BLOCK in one program."""
     r = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
-    if ONE:
-        x = tl.load(X + r * s_x + o, mask=o < N, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, 0)
-        e = tl.exp(x - m)
-        s = tl.sum(e, 0)
-        if LOG:
-            y = (x - m) - tl.log(s)
-        else:
-            y = tl.div_rn(e, s)
-        tl.store(Y + r * s_y + o, y.to(Y.dtype.element_ty), mask=o < N)
+    x = tl.load(X + r * s_x + o, mask=o < N, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    e = tl.exp(x - m)
+    s = tl.sum(e, 0)
+    if LOG:
+        y = (x - m) - tl.log(s)
     else:
-        mv = tl.full([BLOCK], float("-inf"), tl.float32)
-        for c in range(0, N, BLOCK):
-            x = tl.load(X + r * s_x + c + o, mask=c + o < N, other=float("-inf")).to(tl.float32)
-            mv = tl.maximum(mv, x)
-        m = tl.max(mv, 0)
-        sv = tl.zeros([BLOCK], tl.float32)
-        for c in range(0, N, BLOCK):
-            x = tl.load(X + r * s_x + c + o, mask=c + o < N, other=float("-inf")).to(tl.float32)
-            sv += tl.exp(x - m)
-        s = tl.sum(sv, 0)
-        for c in range(0, N, BLOCK):
-            x = tl.load(X + r * s_x + c + o, mask=c + o < N, other=float("-inf")).to(tl.float32)
-            if LOG:
-                y = (x - m) - tl.log(s)
-            else:
-                y = tl.div_rn(tl.exp(x - m), s)
-            tl.store(Y + r * s_y + c + o, y.to(Y.dtype.element_ty), mask=c + o < N)
+        y = tl.div_rn(e, s)
+    tl.store(Y + r * s_y + o, y.to(Y.dtype.element_ty), mask=o < N)
+
+
+@triton.jit
+def chunk_stats_kernel(X, Pm, Ps, N, s_x, S, BLOCK: tl.constexpr):
+    """Wide rows, pass 1: chunk c of row r -> its max and its sum of exp(x - max)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    o = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + r * s_x + o, mask=o < N, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    tl.store(Pm + r * S + c, m)
+    tl.store(Ps + r * S + c, tl.sum(tl.exp(x - m), 0))
+
+
+@triton.jit
+def chunk_write_kernel(X, Y, Pm, Ps, N, s_x, s_y, S, LOG: tl.constexpr, BLOCK: tl.constexpr, SB: tl.constexpr):
+    """Wide rows, pass 2: every chunk merges the row's chunk statistics in the same fixed tree
+    (so all chunks agree on the row's max and sum), then writes its own elements."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    j = tl.arange(0, SB)
+    ms = tl.load(Pm + r * S + j, mask=j < S, other=float("-inf"))
+    ss = tl.load(Ps + r * S + j, mask=j < S, other=0.0)
+    m = tl.max(ms, 0)
+    s = tl.sum(ss * tl.exp(ms - m), 0)
+    o = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + r * s_x + o, mask=o < N, other=float("-inf")).to(tl.float32)
+    if LOG:
+        y = (x - m) - tl.log(s)
+    else:
+        y = tl.div_rn(tl.exp(x - m), s)
+    tl.store(Y + r * s_y + o, y.to(Y.dtype.element_ty), mask=o < N)
 
 
 def softmax(x, dim=-1, log=False):
+    """Softmax / log-softmax of each row. Rows up to ``ROW_BLOCK`` wide: one program per row.
+    Wider rows (a vocabulary): chunks of ``ROW_BLOCK`` in parallel, two passes; the chunking
+    depends on the row width alone."""
     import torch
 
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    R = x2.shape[0]
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0] and N:
-        block = min(ROW_BLOCK, triton.next_power_of_2(N))
-        launch(softmax_kernel, (x2.shape[0],), x2, y, N, x2.stride(0), y.stride(0), LOG=log, BLOCK=block, ONE=N <= block,
-                                       num_warps=8 if block >= 2048 else 4)
+    if R == 0 or N == 0:
+        return y.view(x.shape)
+    if N <= ROW_BLOCK:
+        block = triton.next_power_of_2(N)
+        launch(softmax_kernel, (R,), x2, y, N, x2.stride(0), y.stride(0), LOG=log, BLOCK=block,
+               num_warps=8 if block >= 2048 else 4)
+        return y.view(x.shape)
+    S = triton.cdiv(N, ROW_BLOCK)
+    pm = torch.empty(R, S, dtype=torch.float32, device=x.device)
+    ps = torch.empty_like(pm)
+    launch(chunk_stats_kernel, (R, S), x2, pm, ps, N, x2.stride(0), S, BLOCK=ROW_BLOCK, num_warps=8)
+    launch(chunk_write_kernel, (R, S), x2, y, pm, ps, N, x2.stride(0), y.stride(0), S, LOG=log, BLOCK=ROW_BLOCK,
+           SB=triton.next_power_of_2(S), num_warps=8)
     return y.view(x.shape)
 
 
@@ -159,3 +186,60 @@ def rms_norm(x, weight, eps):
         launch(rms_norm_kernel, (x2.shape[0],), x2, w, y, N, float(N), x2.stride(0), y.stride(0), float(eps),
                HAS_W=weight is not None, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(N)))
     return y.view(x.shape)
+
+
+@triton.jit
+def hc_read_kernel(X, Pre, Y, n, D, s_xn, s_xj, s_pn, s_yn, NB: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    j = tl.arange(0, NB)
+    m2 = (j < n)[:, None] & (d < D)[None, :]
+    x = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    p = tl.load(Pre + r * s_pn + j, mask=j < n, other=0.0).to(tl.float32)
+    y = tl.sum(p[:, None] * x, 0)
+    tl.store(Y + r * s_yn + d, y.to(Y.dtype.element_ty), mask=d < D)
+
+
+def hc_read(x, pre):
+    """mHC read ``sum_j pre_j x_j`` per token and channel block (a fixed tree over the streams)."""
+    import torch
+
+    N, n, D = x.shape
+    xc, pc = x.contiguous(), pre.contiguous()
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    if N and D:
+        bd = min(1024, triton.next_power_of_2(D))
+        launch(hc_read_kernel, (N, triton.cdiv(D, bd)), xc, pc, y, n, D, xc.stride(0), xc.stride(1), pc.stride(0),
+               y.stride(0), NB=max(2, triton.next_power_of_2(n)), BD=bd)
+    return y
+
+
+@triton.jit
+def hc_write_kernel(X, Out, Post, Comb, Y, n, D, s_xn, s_xj, s_on, s_pn, s_cn, s_cj, s_yn, s_yk,
+                    NB: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    j = tl.arange(0, NB)
+    m2 = (j < n)[:, None] & (d < D)[None, :]
+    x = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    o = tl.load(Out + r * s_on + d, mask=d < D, other=0.0).to(tl.float32)
+    for k in range(0, n):
+        c = tl.load(Comb + r * s_cn + j * s_cj + k, mask=j < n, other=0.0).to(tl.float32)
+        pk = tl.load(Post + r * s_pn + k).to(tl.float32)
+        y = pk * o + tl.sum(c[:, None] * x, 0)
+        tl.store(Y + r * s_yn + k * s_yk + d, y.to(Y.dtype.element_ty), mask=d < D)
+
+
+def hc_write(x, out, post, comb):
+    """mHC write ``x'_k = post_k * out + sum_j comb[j, k] x_j`` (a fixed tree over j)."""
+    import torch
+
+    N, n, D = x.shape
+    xc, oc, pc, cc = x.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous()
+    y = torch.empty(N, n, D, dtype=x.dtype, device=x.device)
+    if N and D:
+        bd = min(1024, triton.next_power_of_2(D))
+        launch(hc_write_kernel, (N, triton.cdiv(D, bd)), xc, oc, pc, cc, y, n, D, xc.stride(0), xc.stride(1),
+               oc.stride(0), pc.stride(0), cc.stride(0), cc.stride(1), y.stride(0), y.stride(1),
+               NB=max(2, triton.next_power_of_2(n)), BD=bd)
+    return y

@@ -23,8 +23,6 @@ opt-in.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from v4stack.ops import dispatch as _dispatch
@@ -43,13 +41,20 @@ from v4stack.ops.mode import (
 )
 from v4stack.ops.mode import admit as _admit
 from v4stack.ops.mode import cuda_float_flags as _cuda_flags
+from v4stack.ops.mode import ieee_cuda_flags as _ieee_flags
 from v4stack.ops.quantized import QuantizedWeight
 
 _call = _dispatch.call
 
 
+_FMT: dict = {}
+
+
 def _fmt(t: torch.Tensor) -> str:
-    return str(t.dtype)[6:]  # "torch.bfloat16" -> "bfloat16"
+    f = _FMT.get(t.dtype)
+    if f is None:
+        f = _FMT[t.dtype] = str(t.dtype)[6:]  # "torch.bfloat16" -> "bfloat16"
+    return f
 
 
 def _run(op: str, t: torch.Tensor, *args, **kw):
@@ -61,9 +66,10 @@ def _gemm(op: str, x: torch.Tensor, wfmt: torch.Tensor, fp: FloatSemantics | Non
     the call site opted in, and never in invariant mode)."""
     fp = _admit(op, fp)
     m = get_mode()
-    ctx = _cuda_flags(fp) if x.is_cuda and m == "fast" else contextlib.nullcontext()
-    with ctx:
-        return _call(op, m, _fmt(wfmt), x.device.type, *args, **kw)
+    if m == "fast" and x.is_cuda and (fp.relaxed or not _ieee_flags()):
+        with _cuda_flags(fp):
+            return _call(op, m, _fmt(wfmt), x.device.type, *args, **kw)
+    return _call(op, m, _fmt(wfmt), x.device.type, *args, **kw)
 
 
 def linear(x: torch.Tensor, weight, fp: FloatSemantics | None = None) -> torch.Tensor:

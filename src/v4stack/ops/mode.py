@@ -135,6 +135,26 @@ def recorded() -> dict[str, dict]:
         return {s: {"tf32": fp.tf32, "fast_math": fp.fast_math, "calls": _uses.get(s, 0)} for s, fp in _sites.items()}
 
 
+_ieee_set = False
+
+
+def ieee_cuda_flags() -> bool:
+    """True when torch's CUDA matmul flags are IEEE (no TF32, no reduced-precision reductions).
+    The first call sets them so for the process (torch's defaults allow reduced-precision bf16 /
+    fp16 reductions); later calls only read them, so a GEMM under IEEE semantics pays no
+    set-and-restore."""
+    global _ieee_set
+    import torch
+
+    m = torch.backends.cuda.matmul
+    if not _ieee_set:
+        m.allow_tf32 = False
+        m.allow_bf16_reduced_precision_reduction = False
+        m.allow_fp16_reduced_precision_reduction = False
+        _ieee_set = True
+    return not (m.allow_tf32 or m.allow_bf16_reduced_precision_reduction or m.allow_fp16_reduced_precision_reduction)
+
+
 @contextlib.contextmanager
 def cuda_float_flags(fp: FloatSemantics) -> Iterator[None]:
     """Set torch's CUDA TF32 / reduced-precision flags to exactly ``fp`` for one call."""
