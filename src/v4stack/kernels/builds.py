@@ -42,7 +42,7 @@ def kernels() -> dict:
                                                    [BF, P, BF, P, I, I, I, I, I, I, I]),
                            dict(D=128, BH=64, BS=64, IEEE=False)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
-                     dict(BM=64, BN=128, BK=128)),
+                     dict(BM=64, BN=128, BK=128, SB=128)),
         "softmax_row": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]), dict(LOG=False, BLOCK=4096)),
         "log_softmax_chunks": (tr.chunk_write_kernel, _sig("X Y Pm Ps N s_x s_y S", [P, P, P, P, I, I, I, I]),
                                dict(LOG=True, BLOCK=4096, SB=32)),

@@ -83,7 +83,7 @@ def _fp8_linear(x, qw):
 
 
 _lazy_fp8 = _lazy("triton_gemm", "fp8_linear", "fp8_gemm")
-_lazy_grouped = _lazy("triton_gemm", "grouped_linear", "gemm_tile")
+_lazy_grouped = _lazy("triton_gemm", "grouped_linear", "gemm_grouped")
 
 
 def register_all(register) -> None:
@@ -97,10 +97,10 @@ def register_all(register) -> None:
                  fmt=dt, device="cuda", accepts=_with("tilelang", C.tilelang_attention))
     trit = lambda check: _with("triton", check)  # noqa: E731
     register("linear", "triton_fp8_block_gemm", _fp8_linear, fmt="fp8", device="cuda", accepts=trit(C.fp8_linear))
-    register("linear", "triton_fp32_gemm", _lazy("triton_gemm", "linear", "gemm_tile"), mode=inv, fmt="float32", device="cuda",
+    register("linear", "triton_fp32_gemm", _lazy("triton_gemm", "linear", "gemm_half"), mode=inv, fmt="float32", device="cuda",
              accepts=trit(C.linear))
     for dt in ("bfloat16", "float16"):  # where TileLang is absent or refuses the shape
-        register("linear", "triton_gemm", _lazy("triton_gemm", "linear", "gemm_tile"), mode=inv, fmt=dt, device="cuda",
+        register("linear", "triton_gemm", _lazy("triton_gemm", "linear", "gemm_half"), mode=inv, fmt=dt, device="cuda",
                  accepts=trit(C.linear))
     register("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm"), mode=inv, device="cuda",
              accepts=trit(C.rms_norm))

@@ -13,6 +13,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from v4stack.kernels import tiles
 from v4stack.kernels.prove import Access, ContractError, Spec, cdiv, require
 
 
@@ -61,16 +62,17 @@ def gemm(name="gemm_tile", BM=64, BN=128, BK=64, mask_k=True, k_multiple=1, row_
     )
 
 
-def fp8_gemm(BM=64, B=128) -> Spec:
+def fp8_gemm(BM=64, BN=128, B=128, name="fp8_gemm") -> Spec:
     """The block-scaled FP8 GEMM: the weight scale read per (N tile, K slice) is the block's own
-    because the tile and the slice are the scale block (``B`` x ``B``)."""
+    because the K slice is the scale block's width ``B`` and the N tile lies inside one block
+    (``BN`` divides ``B``: claimed, and proved from the constants)."""
     import z3
 
-    g = gemm("fp8_gemm", BM=BM, BN=B, BK=B)
-    scale = Access("Scale", "load", lambda n: ((n.pn * B) / B, (n.kb * B) / B), lambda n: (cdiv(n.N, B), cdiv(n.K, B)),
+    g = gemm(name, BM=BM, BN=BN, BK=B)
+    scale = Access("Scale", "load", lambda n: ((n.pn * BN) / B, (n.kb * B) / B), lambda n: (cdiv(n.N, B), cdiv(n.K, B)),
                    lambda n: z3.And(n.pm * BM + n.i < n.M))
     return Spec(name=g.name, dims=g.dims, requires=g.requires, grid=g.grid, lanes=g.lanes,
-                accesses=g.accesses + (scale,))
+                accesses=g.accesses + (scale,), divides=((f"{BN} | {B}", lambda n: z3.IntVal(B) % BN == 0),))
 
 
 def softmax(BLOCK=4096) -> Spec:
@@ -154,8 +156,16 @@ def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024) -> Spec:
     )
 
 
-ALL = {"gemm_tile": gemm, "fp8_gemm": fp8_gemm, "softmax_rows": softmax, "sparse_attention": sparse_attention,
-       "hc_mix": hc_mix}
+ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "hc_mix": hc_mix}
+for _i, (_, _t) in enumerate(tiles.HALF_TILES):
+    ALL[f"gemm_half_{_i}"] = (lambda t, i: lambda: gemm(f"gemm_half_{i}", t["BM"], t["BN"], t["BK"]))(_t, _i)
+for _i, (_, _t) in enumerate(tiles.GROUPED_TILES):
+    ALL[f"gemm_grouped_{_i}"] = (lambda t, i: lambda: gemm(f"gemm_grouped_{i}", t["BM"], t["BN"], t["BK"]))(_t, _i)
+for _i, (_, _t) in enumerate(tiles.FP8_TILES):
+    ALL[f"fp8_gemm_{_i}"] = (lambda t, i: lambda: fp8_gemm(t["BM"], t["BN"], tiles.FP8_BLOCK, f"fp8_gemm_{i}"))(_t, _i)
+GROUPS = {"gemm_half": [n for n in ALL if n.startswith("gemm_half")],
+          "gemm_grouped": [n for n in ALL if n.startswith("gemm_grouped")],
+          "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")]}
 
 
 PROOFS = Path(__file__).with_name("proofs.json")
@@ -164,7 +174,7 @@ PROOFS = Path(__file__).with_name("proofs.json")
 def source_hash() -> str:
     """Hash of the specs and the prover: a recorded proof holds for exactly these sources."""
     h = hashlib.sha256()
-    for f in ("specs.py", "prove.py"):
+    for f in ("specs.py", "prove.py", "tiles.py"):
         h.update(Path(__file__).with_name(f).read_bytes())
     return h.hexdigest()
 
@@ -187,13 +197,16 @@ def build(name: str) -> None:
     """Prove kernel ``name``'s contract (once per process) before the kernel is built; raises
     ``ContractError`` with counterexamples if it fails. Where Z3 is not installed (the GPU
     image), the proof recorded in ``proofs.json`` stands if it was made for these exact sources."""
+    names = GROUPS.get(name, [name])
     if have_z3():
-        require(ALL[name]())
+        for n in names:
+            require(ALL[n]())
         return
     rec = json.loads(PROOFS.read_text()) if PROOFS.exists() else {}
-    if rec.get("source_sha256") != source_hash() or name not in rec.get("proved", ()):
-        raise ContractError(name, [{"property": "unproved", "access": "",
-                                    "counterexample": "z3 is not installed and no proof is recorded for these sources"}])
+    for n in names:
+        if rec.get("source_sha256") != source_hash() or n not in rec.get("proved", ()):
+            raise ContractError(n, [{"property": "unproved", "access": "",
+                                     "counterexample": "z3 is not installed and no proof is recorded for these sources"}])
 
 
 if __name__ == "__main__":

@@ -15,14 +15,7 @@ import triton.language as tl
 
 from v4stack.kernels.launch import launch
 
-GROUPED_TILE = dict(BM=64, BN=128, BK=64)
-# (largest M, tile): bf16 / fp16 stay on wgmma (BM >= 64, 4+ warps) in every bucket
-HALF_TILES = ((64, dict(BM=64, BN=32, BK=128, num_warps=4, num_stages=4)),
-              (256, dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)),
-              (1 << 62, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)))
-F32_TILES = ((64, dict(BM=16, BN=32, BK=32, num_warps=4)),
-             (1 << 62, dict(BM=64, BN=64, BK=32, num_warps=4)))
-F32_SPLIT = 1024  # K per fp32 slice: a constant, so the slice sums depend on K alone
+from v4stack.kernels.tiles import F32_SPLIT, F32_TILES, FP8_BLOCK, FP8_TILES, GROUPED_TILES, HALF_TILES, pick
 
 
 @triton.jit
@@ -65,7 +58,8 @@ def grouped_linear(x, w, offsets):
 
     T, K = x.shape
     E, N, _ = w.shape
-    bm = GROUPED_TILE["BM"]
+    t = pick(GROUPED_TILES, T)
+    bm = t["BM"]
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
@@ -80,9 +74,10 @@ def grouped_linear(x, w, offsets):
     r0 = off[ec] + (pid - first[ec]) * bm
     tile_e = torch.where(valid, ec, -1).to(torch.int32)
     xc, wc = x.contiguous(), w.contiguous()
-    grid = (P, triton.cdiv(N, GROUPED_TILE["BN"]))
+    grid = (P, triton.cdiv(N, t["BN"]))
     launch(grouped_kernel, grid, xc, wc, y, tile_e, r0, off, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
-                         BM=bm, BN=GROUPED_TILE["BN"], BK=GROUPED_TILE["BK"], IEEE=x.dtype == torch.float32)
+                         BM=bm, BN=t["BN"], BK=t["BK"], IEEE=x.dtype == torch.float32, num_warps=t["num_warps"],
+           num_stages=t["num_stages"])
     return y
 
 
@@ -118,12 +113,6 @@ def slice_sum_kernel(P, Y, MN, S, BLOCK: tl.constexpr):
     tl.store(Y + o, acc, mask=o < MN)
 
 
-def _tile(table, M):
-    for top, t in table:
-        if M <= top:
-            return t
-
-
 def linear(x, weight):
     """``x @ weight.T``: bf16 / fp16 on tensor cores, fp32 as IEEE FMA in fixed K slices."""
     import torch
@@ -138,12 +127,12 @@ def linear(x, weight):
     if M == 0:
         return y.view(*x.shape[:-1], N)
     if x.dtype != torch.float32:
-        t = _tile(HALF_TILES, M)
+        t = pick(HALF_TILES, M)
         launch(linear_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
                w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"], BK=t["BK"], IEEE=False, num_warps=t["num_warps"],
                num_stages=t["num_stages"])
         return y.view(*x.shape[:-1], N)
-    t = _tile(F32_TILES, M)
+    t = pick(F32_TILES, M)
     S = triton.cdiv(K, F32_SPLIT)
     p = y if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x.device)
     launch(f32_slice_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]), S), a, w, p, M, N, K, a.stride(0),
@@ -250,11 +239,11 @@ def indexer_scores(q, w, k):
     return out
 
 
-FP8_BLOCK = 128  # weight scale block (rows x columns), V4's checkpoint format
 
 
 @triton.jit
-def fp8_kernel(X, W, Sc, Y, M, N, K, s_xm, s_wn, s_sn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def fp8_kernel(X, W, Sc, Y, M, N, K, s_xm, s_wn, s_sn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               SB: tl.constexpr):
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     n0 = tl.program_id(1) * BN
     cols = n0 + tl.arange(0, BN)
@@ -266,7 +255,7 @@ def fp8_kernel(X, W, Sc, Y, M, N, K, s_xm, s_wn, s_sn, s_ym, BM: tl.constexpr, B
         a = tl.load(X + rows[:, None] * s_xm + (k0 + kk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(W + cols[None, :] * s_wn + (k0 + kk)[:, None], mask=(cols < N)[None, :] & kmask[:, None],
                     other=0.0)
-        sc = tl.load(Sc + (n0 // BK) * s_sn + k0 // BK)
+        sc = tl.load(Sc + (n0 // SB) * s_sn + k0 // SB)  # BN divides SB, BK == SB: one block per slice
         acc += tl.dot(a, b.to(a.dtype)) * sc
     tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
              mask=rmask[:, None] & (cols < N)[None, :])
@@ -284,8 +273,7 @@ def fp8_linear(x, weight, scale):
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         sc = scale.float().contiguous()
-        bm = 64
-        launch(fp8_kernel, (triton.cdiv(M, bm), triton.cdiv(N, FP8_BLOCK)), a, weight, sc, y, M, N, K, a.stride(0),
-                                                                     weight.stride(0), sc.stride(0), y.stride(0),
-                                                                     BM=bm, BN=FP8_BLOCK, BK=FP8_BLOCK)
+        t = pick(FP8_TILES, M)
+        launch(fp8_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, weight, sc, y, M, N, K, a.stride(0),
+               weight.stride(0), sc.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"], BK=FP8_BLOCK, SB=FP8_BLOCK)
     return y.view(*x.shape[:-1], N)
