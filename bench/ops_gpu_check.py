@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--skip", default="", help="comma list of phases to skip: launch,inv,time")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: launch,inv,model,time")
     a = p.parse_args(argv)
     skip, names = set(a.skip.split(",")), a.cases.split(",")
     t0 = time.time()
@@ -181,6 +181,24 @@ def main(argv: list[str] | None = None) -> None:
                      {**meta, "bench": "ops_gpu_invariance", "ms": list(INV_MS), "probe_rows": "0-3 and M-1",
                       "results": inv})
         print("invariance done", round(time.time() - t0), flush=True)
+    if "model" not in skip:  # the whole model (tiny preset, serving path) through the table on the GPU
+        from v4stack import check
+
+        rep = {}
+        for m in ("invariant", "fast"):
+            ops.reset_counters()
+            try:
+                r = check.check_invariance(preset="tiny", prompts=16, mode=m, batch_sizes=(4, 16), dtype="bfloat16",
+                                           device="cuda")
+                rep[m] = {k: v for k, v in r.items() if isinstance(v, (int, float, bool, str))}
+            except Exception as e:
+                rep[m] = {"error": repr(e)[:500]}
+                traceback.print_exc()
+            rep[m]["served"] = ops.counters()
+            print("model", m, {k: v for k, v in rep[m].items() if k != "served"}, flush=True)
+        write_result(os.path.join(a.out_dir, "model_invariance_tiny_h200.json"),
+                     {**meta, "bench": "model_invariance", "preset": "tiny", "dtype": "bfloat16", "results": rep})
+        print("model done", round(time.time() - t0), flush=True)
     if "time" not in skip:
         rows = []
         for n in names:
