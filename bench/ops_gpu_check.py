@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -150,6 +151,26 @@ def launch_tax() -> dict:
     return res
 
 
+BISECT = ("none", "linear", "grouped_linear", "sparse_attention", "attention_with_sink", "indexer_scores", "hc_mix",
+          "rms_norm", "softmax", "hc_read", "hc_write", "weighted_pool", "moe_combine")
+
+
+@contextlib.contextmanager
+def _without_cuda_kernels(op: str):
+    """The table with ``op``'s CUDA kernels taken off (its torch references serve), for one block."""
+    from v4stack.ops import dispatch
+
+    saved = {k: v for k, v in dispatch._table.items() if k[0] == op and k[3] == "cuda"}
+    for k in saved:
+        del dispatch._table[k]
+    dispatch._resolved.clear()
+    try:
+        yield
+    finally:
+        dispatch._table.update(saved)
+        dispatch._resolved.clear()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
@@ -196,6 +217,17 @@ def main(argv: list[str] | None = None) -> None:
                 traceback.print_exc()
             rep[m]["served"] = ops.counters()
             print("model", m, {k: v for k, v in rep[m].items() if k != "served"}, flush=True)
+        if rep["invariant"].get("invariant") is False:  # find the kernel family: take one off the table at a time
+            rep["without"] = {}
+            for op in BISECT:
+                with _without_cuda_kernels(op):
+                    r = check.check_invariance(preset="tiny", prompts=8, mode="invariant", batch_sizes=(4, 8),
+                                               dtype="bfloat16", device="cuda")
+                rep["without"][op] = {k: r[k] for k in ("steps_compared", "steps_differ", "invariant",
+                                                        "chunking_invariant")}
+                print("model invariant without", op, rep["without"][op], flush=True)
+                if time.time() - t0 > 150:
+                    break
         write_result(os.path.join(a.out_dir, "model_invariance_tiny_h200.json"),
                      {**meta, "bench": "model_invariance", "preset": "tiny", "dtype": "bfloat16", "results": rep})
         print("model done", round(time.time() - t0), flush=True)

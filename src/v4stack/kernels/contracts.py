@@ -70,7 +70,8 @@ def hc_mix(flat, fn, eps) -> bool:
 
 def indexer_scores(q, w, k) -> bool:
     D = q.shape[-1]
-    return (q.dim() == 3 and k.dim() == 2 and k.dtype == q.dtype and q.dtype in FLOATS and w.is_cuda and k.is_cuda
+    shared_or_per_row = k.dim() == 2 or (k.dim() == 3 and k.shape[0] == q.shape[0])
+    return (q.dim() == 3 and shared_or_per_row and k.dtype == q.dtype and q.dtype in FLOATS and w.is_cuda and k.is_cuda
             and _pow2(D) and 16 <= D <= 256 and q.shape[1] <= 128)
 
 

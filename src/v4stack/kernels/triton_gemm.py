@@ -206,14 +206,14 @@ def hc_mix(flat, fn, eps):
 
 
 @triton.jit
-def indexer_kernel(Q, Wt, Kc, Y, S, H, s_qt, s_qh, s_wt, s_ks, s_yt, D: tl.constexpr, BH: tl.constexpr,
+def indexer_kernel(Q, Wt, Kc, Y, S, H, s_qt, s_qh, s_wt, s_kt, s_ks, s_yt, D: tl.constexpr, BH: tl.constexpr,
                    BS: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BS + tl.arange(0, BS)
     h = tl.arange(0, BH)
     d = tl.arange(0, D)
     q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
-    k = tl.load(Kc + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=(s < S)[None, :], other=0.0)
+    k = tl.load(Kc + t * s_kt + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=(s < S)[None, :], other=0.0)
     if IEEE:
         dots = tl.dot(q, k, input_precision="ieee")
     else:
@@ -224,18 +224,21 @@ def indexer_kernel(Q, Wt, Kc, Y, S, H, s_qt, s_qh, s_wt, s_ks, s_yt, D: tl.const
 
 
 def indexer_scores(q, w, k):
-    """``I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s])``: one program per (query, 64 keys)."""
+    """``I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s])``: one program per (query, 64 keys). Keys are
+    shared ``[S, d]`` or per row ``[T, S, d]``: one arithmetic for both (a row stride of 0 for
+    shared keys), so a query gets the same bits whichever form its step passes."""
     import torch
 
     T, H, D = q.shape
-    S = k.shape[0]
+    S = k.shape[-2]
     out = torch.empty(T, S, dtype=torch.promote_types(q.dtype, w.dtype), device=q.device)
     if T and S:
         qc, wc, kc = q.contiguous(), w.contiguous(), k.contiguous()
         bs = 64
+        s_kt = kc.stride(0) if kc.dim() == 3 else 0
         launch(indexer_kernel, (T, triton.cdiv(S, bs)), qc, wc, kc, out, S, H, qc.stride(0), qc.stride(1), wc.stride(0),
-                                                kc.stride(0), out.stride(0), D=D, BH=max(16, triton.next_power_of_2(H)),
-                                                BS=bs, IEEE=q.dtype == torch.float32)
+               s_kt, kc.stride(-2), out.stride(0), D=D, BH=max(16, triton.next_power_of_2(H)), BS=bs,
+               IEEE=q.dtype == torch.float32)
     return out
 
 
