@@ -10,6 +10,7 @@
   launch, of Triton's own launch and of ``torch.add``, each p50 over batches of 100 calls.
 
     python -m bench.ops_gpu_check --out-dir bench/results
+    python -c "from bench.ops_gpu_check import plot; plot('bench/results/ops_h200.json', 'bench/results/ops_h200.png')"
 """
 
 from __future__ import annotations
@@ -248,3 +249,34 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def plot(path_json: str, path_png: str) -> None:
+    """PNG of ``ops_h200.json``: invariant / fast and invariant / framework time per op over M."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.runner import save_figure
+
+    rep = json.load(open(path_json))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, key, title in ((axes[0], "ratio", "invariant / fast"), (axes[1], "invariant_vs_framework",
+                                                                     "invariant / framework")):
+        for op in dict.fromkeys(r["op"] for r in rep["results"]):
+            pts = [(r["M"], r[key]) for r in rep["results"] if r["op"] == op and r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=op)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        for y in (1.0, 1.3, 1.5):
+            ax.axhline(y, color="gray", lw=0.6, ls="-" if y == 1.0 else "--")
+        ax.set_xlabel("M (rows)")
+        ax.set_title(f"{title}, {rep['device_name']}, V4-Flash widths")
+    axes[0].set_ylabel("time ratio")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    save_figure(fig, path_png)
