@@ -143,3 +143,19 @@ def test_truncated_shard_is_named(ckpt, tmp_path):
     shard.write_bytes(raw[:-3])
     with pytest.raises(WeightsError, match=rf"tensor '{last}' in model-00002-of-00003\.safetensors is cut short"):
         to_project(rel, tmp_path / "p")
+
+
+def test_round_trip_keeps_a_foreign_writers_header_bytes(ckpt, tmp_path):
+    """Another writer's header (its own key order and spacing) comes back byte for byte."""
+    from v4stack.model.released import to_released
+
+    rel = _copy(ckpt, tmp_path)
+    shard = rel / "model-00001-of-00003.safetensors"
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    foreign = json.dumps(dict(reversed(list(header.items()))), indent=1).encode()
+    foreign += b" " * (-len(foreign) % 8)
+    shard.write_bytes(len(foreign).to_bytes(8, "little") + foreign + raw[8 + n :])
+    to_released(to_project(rel, tmp_path / "p"), tmp_path / "back")
+    assert (tmp_path / "back" / shard.name).read_bytes() == shard.read_bytes()
