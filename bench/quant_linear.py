@@ -4,9 +4,9 @@
 
 Paths timed per shape and token count M:
 - ``bf16``: ``F.linear`` on a bf16 weight (cuBLAS);
-- ``ops_cached``: ``ops.linear(x, QuantizedWeight)`` as the model calls it: on this build it
-  dequantises once, caches the dense weight and runs the dense GEMM (so its time is the bf16 time
-  plus dispatch, and its weight memory is the dense copy's);
+- ``ops_cached``: ``ops.linear(x, QuantizedWeight)`` as the model calls it, served by whatever the
+  dispatch table holds for the format on CUDA (up to commit dd0edee: dequantise once, cache the
+  dense weight, dense GEMM; since 4a6c593 FP8 runs the Triton block-scaled FP8 GEMM);
 - ``dequant_per_call``: dequantise then GEMM on every call (what a cache-less fallback costs);
 - ``fp8_scaled_mm``: ``torch._scaled_mm`` with 1x128 activation and 128x128 weight block scales,
   activation quantisation included, where this torch/GPU supports it (else the error is recorded).
