@@ -119,8 +119,7 @@ class AgentWorker(RolloutWorker):
         params = turn_params(tr.params, tr, start)
         req = self.engine.add_request(ctx, params, tr.traj, self._on_event)
         if output:
-            req.output = list(output)
-            req.sampler.advance(len(output))
+            req.output = list(output)  # draw i depends on (seed, i) only: nothing to advance
         track_logprobs(req)
         self._restore_prefix(ctx + output)
         self.live[tr.traj] = req

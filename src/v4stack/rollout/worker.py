@@ -15,8 +15,8 @@ identically, on recovery.
 
 Preemption saves the request's cache (``rollout/kvsave.py``) and writes PREEMPT with the file's
 handle; ``resume`` loads it back into the engine, or - if the file is missing, corrupt, or there
-is no room - re-prefills the durable tokens (prompt + output are fed again, never re-sampled; the
-sampler's generator is advanced past the draws those tokens took). ``recover`` does the same for
+is no room - re-prefills the durable tokens (prompt + output are fed again, never re-sampled; draw i
+depends only on the seed and i, so nothing needs advancing). ``recover`` does the same for
 every unfinished trajectory after a restart. The engine runs its ops in invariant mode, so either
 path continues bit-identically to an uninterrupted run.
 
@@ -84,28 +84,9 @@ def _kv_name(traj: str, off: int) -> str:
     return f"{hashlib.blake2b(traj.encode(), digest_size=8).hexdigest()}-{off}.kv"
 
 
-class _LogprobSampler:
-    """Wraps a request's sampler: samples as before and keeps the chosen token's log-probability."""
-
-    def __init__(self, inner):
-        self.inner, self.params, self.lps = inner, inner.params, []
-
-    def advance(self, n: int) -> None:
-        self.inner.advance(n)
-
-    def __call__(self, logits):
-        import torch
-
-        tok = self.inner(logits)
-        t = self.params.temperature if self.params.temperature > 0 else 1.0
-        lg = logits.detach().to(torch.float64).cpu() / t
-        self.lps.append(min(0.0, float(lg[tok] - torch.logsumexp(lg, 0))))
-        return tok
-
-
 def track_logprobs(req: Request) -> None:
-    if not isinstance(req.sampler, _LogprobSampler):
-        req.sampler = _LogprobSampler(req.sampler)
+    """Expose each sampled token's log-probability (the engine's sampler records it: ``req.draws``)."""
+    req.expose_logprobs = True
 
 
 class RolloutWorker:
@@ -131,8 +112,8 @@ class RolloutWorker:
 
     def _on_event(self, req: Request, toks: list[int], finished: bool) -> None:
         lps = []
-        if toks and isinstance(req.sampler, _LogprobSampler):
-            lps, req.sampler.lps = req.sampler.lps[-len(toks):], []
+        if toks and getattr(req, "expose_logprobs", False):
+            lps = [d.sampled_logprob for d in req.draws[-len(toks):]]
         self._new.append((req.id, list(toks), finished, req.finish_reason, lps))
 
     def _records(self) -> tuple[list[dict], list[tuple]]:
@@ -227,7 +208,7 @@ class RolloutWorker:
         track_logprobs(req)
         self._restore_prefix(prompt)
         try:
-            self.wal.append([R.begin(traj, prompt, params, group, self.policy_version, sandbox)])
+            self.wal.append([R.begin(traj, prompt, req.params, group, self.policy_version, sandbox)])
         except BaseException:
             self._detach(req)
             raise
@@ -295,8 +276,7 @@ class RolloutWorker:
         if self._complete(tr):
             return "ended"
         req = self.engine.add_request(tr.prompt, tr.params, traj, self._on_event)
-        req.output = list(tr.tokens)
-        req.sampler.advance(len(tr.tokens))
+        req.output = list(tr.tokens)  # draw i depends on (seed, i) only: nothing to advance
         track_logprobs(req)
         mode, why, used = "reprefilled", "no saved cache", None
         if tr.kv is not None:

@@ -21,7 +21,7 @@ from v4stack.ops.mode import mode as ops_mode
 from v4stack.serve.cache.manager import CacheManager, RequestCache
 from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
-from v4stack.serve.sampling import Sampler, SamplingParams
+from v4stack.serve.sampling import Draw, Row, SamplingParams, sample, top_logprobs
 from v4stack.serve.scheduler import Scheduler
 
 
@@ -33,6 +33,7 @@ class EngineConfig:
     token_budget: int = 256
     max_running: int = 64
     ops_mode: str = "invariant"
+    eos_token_id: int | None = None  # finishes a request unless it sets ignore_eos
 
     def validate(self) -> "EngineConfig":
         for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
@@ -94,6 +95,9 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt), params, on_event=on_event)
+        eos = self.config.eos_token_id
+        req.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset((eos,)) if eos is not None and not params.ignore_eos else frozenset())
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -144,30 +148,28 @@ class Engine:
         p = len(req.prompt)
         return req.prompt[a:min(b, p)] + req.output[max(0, a - p) : max(0, b - p)]
 
-    def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[int]:
-        """One token per request: greedy requests in one batched argmax (one transfer), the others
-        through their own seeded samplers."""
-        out: list[int | None] = [None] * len(rows)
-        greedy = [i for i, (req, _) in enumerate(rows)
-                  if req.params.temperature == 0 and type(req.sampler) is Sampler]  # not wrapped
-        if greedy:
-            lg = torch.stack([rows[i][1] for i in greedy])
-            for i, t in zip(greedy, lg.argmax(-1).tolist()):
-                out[i] = int(t)
-        for i, (req, lg) in enumerate(rows):
-            if out[i] is None:
-                out[i] = req.sampler(lg)
-        return out
-
     @torch.no_grad()
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        now = time.perf_counter()
+        for req, _ in plan:
+            if req.scheduled_at is None:
+                req.scheduled_at, req.cached_tokens = now, req.cache.hit_tokens
+        starts = [req.computed for req, _ in plan]
         chunks = [(req.cache, self._tokens(req, req.computed, req.computed + n)) for req, n in plan]
+        # prompt logprobs (echo) need the logits of every fed prompt row
+        scoring = any(req.prompt_draws is not None and s < len(req.prompt) - 1 for (req, _), s in zip(plan, starts))
         with ops_mode(self.config.ops_mode):
-            logits = self.runner.run(chunks)
+            logits = self.runner.run(chunks, all_rows=scoring)
+        if scoring:
+            ends = list(itertools.accumulate(n for _, n in plan))
+            for (req, n), s, e in zip(plan, starts, ends):
+                if req.prompt_draws is not None:
+                    self._prompt_logprobs(req, s, n, logits[e - n : e])
+            logits = logits[[e - 1 for e in ends]]
         self.stats.steps += 1
         self.stats.last_step_cache_bytes = self.runner.last_bytes
         self.stats.cache_bytes_written += self.runner.last_bytes
@@ -176,25 +178,45 @@ class Engine:
             self.stats.tokens_computed += n
             if not req.pending:
                 ready.append((req, lg))
-        with ops_mode(self.config.ops_mode):
-            toks = self._sample(ready)
+        if not ready:
+            return []
+        rows = [Row(r.params, r.params.seed, len(r.output), r.output, r.prompt, tuple(r.stop_ids)) for r, _ in ready]
+        draws = sample(torch.stack([lg for _, lg in ready]), rows)  # one call for the whole step
         done = []
         now = time.perf_counter()
-        for (req, _), tok in zip(ready, toks):
+        for (req, _), d in zip(ready, draws):
+            tok = d.token
             req.output.append(tok)
+            req.draws.append(d)
             req.token_times.append(now)
             self.stats.tokens_generated += 1
             if req.first_token_at is None:
                 req.first_token_at = now
                 self.stats.ttft.append(now - req.arrival)
-            stopped = tok in getattr(req.params, "stop_token_ids", ()) or req.hit_stop()
-            finished = len(req.output) >= req.params.max_tokens or stopped
+                if len(self.stats.ttft) > 100_000:
+                    del self.stats.ttft[:50_000]
+            stopped = req.hit_stop()
+            if stopped:
+                req.stop_reason = tok
             if req.on_event is not None:
                 req.on_event(req, [tok], False)
-            if finished:
+            if stopped or len(req.output) >= req.params.max_tokens:
                 self._finish(req, "stop" if stopped else "length")
                 done.append(req)
         return done
+
+    @staticmethod
+    def _prompt_logprobs(req: Request, start: int, n: int, lg: torch.Tensor) -> None:
+        """Logits row r of a chunk starting at ``start`` scores prompt token start + r + 1."""
+        lo, hi = max(start, 0), min(start + n, len(req.prompt) - 1)
+        if hi <= lo:
+            return
+        lp = torch.log_softmax(lg[lo - start : hi - start].float(), dim=-1)
+        nxt = torch.tensor(req.prompt[lo + 1 : hi + 1], device=lp.device)
+        chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        tops = top_logprobs(lp, req.params.prompt_logprobs)
+        for k, (c, t) in enumerate(zip(chosen, tops)):
+            req.prompt_draws[lo + 1 + k] = Draw(req.prompt[lo + 1 + k], c, t)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
         """Run ``prompts`` to completion (offline batch use and tests)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from v4stack.serve.cache.manager import RequestCache
-from v4stack.serve.sampling import Sampler, SamplingParams
+from v4stack.serve.sampling import Draw, SamplingParams, fresh_seed
 from v4stack.tokenizer import ByteTokenizer
 
 
@@ -33,9 +34,20 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     admitted_order: int = 0
+    scheduled_at: float | None = None  # first admission (queue time = scheduled_at - arrival)
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    stop_ids: frozenset[int] = frozenset()  # the engine finishes on these (stop_token_ids, EOS)
+    stop_reason: int | None = None  # the id that finished it
+    draws: list[Draw] = field(default_factory=list)  # per output token: its logprob (+ top-n)
+    prompt_draws: list[Draw | None] | None = None  # per prompt token when prompt_logprobs is set
 
     def __post_init__(self):
-        self.sampler = Sampler(self.params)
+        if self.params.seed is None:  # a fresh seed, recorded so the request can be replayed
+            self.params = dataclasses.replace(self.params, seed=fresh_seed())
+        if self.params.prompt_logprobs is not None and self.prompt_draws is None:
+            self.prompt_draws = [None] * len(self.prompt)
+        if not self.stop_ids:
+            self.stop_ids = frozenset(self.params.stop_token_ids)
         self._tok = ByteTokenizer()
 
     @property
@@ -53,16 +65,9 @@ class Request:
         return len(self.prompt) + len(self.output) - self.computed
 
     def text(self) -> str:
-        """Output text, cut before the first stop string."""
-        t = self._tok.decode(self.output)
-        for s in self.params.stop:
-            i = t.find(s)
-            if i >= 0:
-                t = t[:i]
-        return t
+        """Output text (stop strings are matched at the API edge, not here)."""
+        return self._tok.decode(self.output)
 
     def hit_stop(self) -> bool:
-        if not self.params.stop:
-            return False
-        t = self._tok.decode(self.output)
-        return any(s in t for s in self.params.stop)
+        """The last token is one the request stops on (after ``min_tokens``)."""
+        return bool(self.output) and len(self.output) >= self.params.min_tokens and self.output[-1] in self.stop_ids

@@ -119,8 +119,9 @@ class Row:
 @dataclass
 class Draw:
     token: int
-    logprob: float
+    logprob: float  # under the model's distribution (raw logits)
     top: list[tuple[int, float]] | None = None  # (token, logprob), best first, when asked
+    sampled_logprob: float = 0.0  # under the temperature-scaled distribution (1 when greedy), float64
 
 
 def top_logprobs(logprobs: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
@@ -197,8 +198,13 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
         j = torch.minimum(j, last)
         for b, t in zip(s_rows, si.gather(1, j)[:, 0].tolist()):
             tokens[b] = t
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-    draws = [Draw(t, c) for t, c in zip(tokens, chosen)]
+    tok_t = torch.tensor(tokens, device=lp.device)[:, None]
+    chosen = lp.gather(1, tok_t)[:, 0].tolist()
+    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float64,
+                         device=raw.device)[:, None]
+    scaled = raw.double() / temps  # the policy's log-probability, as importance ratios need it
+    pol = (scaled.gather(1, tok_t) - torch.logsumexp(scaled, -1, keepdim=True))[:, 0].clamp(max=0.0).tolist()
+    draws = [Draw(t, c, None, p) for t, c, p in zip(tokens, chosen, pol)]
     want = [b for b in range(B) if rows[b].params.logprobs]
     if want:
         n = max(rows[b].params.logprobs for b in want)

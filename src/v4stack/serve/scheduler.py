@@ -85,7 +85,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
             try:
-                req.cache = self.cache.admit(req.all_tokens)
+                # prompt logprobs need the logits of every prompt position: no prefix reuse
+                req.cache = self.cache.admit(req.all_tokens, reuse=req.params.prompt_logprobs is None)
             except CacheFull:
                 break
             self.waiting.popleft()

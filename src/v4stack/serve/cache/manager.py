@@ -105,10 +105,10 @@ class CacheManager:
     def blocks_needed(self, n_tokens: int) -> int:
         return -(-n_tokens // self.B)
 
-    def admit(self, tokens: list[int]) -> RequestCache:
-        """Take a state slot and the prefix blocks; raise ``CacheFull`` if there is no room for
-        the prompt (plus one decode token)."""
-        hit = self.match_prefix(tokens)
+    def admit(self, tokens: list[int], reuse: bool = True) -> RequestCache:
+        """Take a state slot and the prefix blocks (none with ``reuse=False``: every prompt token
+        is computed); raise ``CacheFull`` if there is no room for the prompt (plus one decode token)."""
+        hit = self.match_prefix(tokens) if reuse else []
         need = self.blocks_needed(len(tokens) + 1) - len(hit)
         evictable_hits = sum(1 for b in hit if self.blocks.meta[b].ref == 0)
         if self.slots.n_free == 0 or self.blocks.n_free - evictable_hits < need:

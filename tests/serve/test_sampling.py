@@ -1,0 +1,120 @@
+"""The batched sampler: counter-based draws, every option, logprobs; and the engine's token-id
+stops (EOS, ignore_eos, stop_token_ids, min_tokens) and fresh seeds."""
+
+import math
+
+import pytest
+import torch
+
+from v4stack.serve.sampling import Row, Sampler, SamplingParams, sample, uniform
+
+
+def _logits(b=4, v=256, seed=0):
+    return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_draw_depends_on_seed_and_index_only_not_on_the_batch():
+    x = _logits(6)
+    rows = [Row(SamplingParams(temperature=0.9, top_p=0.95, top_k=40, min_p=0.01, seed=s), s, i)
+            for s, i in zip(range(6), (0, 3, 1, 7, 2, 5))]
+    together = [d.token for d in sample(x, rows)]
+    alone = [sample(x[b : b + 1], [rows[b]])[0].token for b in range(6)]
+    reversed_ = [d.token for d in sample(x.flip(0), rows[::-1])][::-1]
+    assert together == alone == reversed_
+    # the inverse control: another index (or seed) draws another uniform and, over many rows, other tokens
+    other = [d.token for d in sample(x, [Row(r.params, r.seed, r.index + 1) for r in rows])]
+    assert other != together
+    assert uniform(5, 3) == uniform(5, 3) != uniform(5, 4) != uniform(6, 3)
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    x = _logits(1)
+    for t in (1e-309, 1e-300, 1e-6):
+        d = sample(x, [Row(SamplingParams(temperature=t), 1, 0)])[0]
+        assert d.token == int(x[0].argmax()) and math.isfinite(d.logprob)
+
+
+def test_truncations_keep_only_allowed_tokens():
+    x = _logits(1)
+    order = x[0].argsort(descending=True).tolist()
+    for i in range(30):
+        t = sample(x, [Row(SamplingParams(temperature=2.0, top_k=3), i, i)])[0].token
+        assert t in order[:3]
+        assert sample(x, [Row(SamplingParams(temperature=2.0, min_p=1.0), i, i)])[0].token == order[0]
+    p = torch.softmax(x[0].double(), -1)[order]
+    need = int((p.cumsum(0) < 0.5).sum()) + 1
+    assert {sample(x, [Row(SamplingParams(temperature=1.0, top_p=0.5), i, i)])[0].token for i in range(60)} <= set(order[:need])
+
+
+def test_penalties_bias_and_min_tokens():
+    x = torch.zeros(1, 256)
+    x[0, 10] = 5.0
+    x[0, 11] = 4.0
+    greedy = SamplingParams()
+    assert sample(x, [Row(greedy, 0, 0)])[0].token == 10
+    assert sample(x, [Row(SamplingParams(logit_bias={42: 100.0}), 0, 0)])[0].token == 42
+    assert sample(x, [Row(SamplingParams(frequency_penalty=2.0), 0, 3, output=[10])])[0].token == 11
+    assert sample(x, [Row(SamplingParams(presence_penalty=1.5), 0, 3, output=[10, 10])])[0].token == 11
+    assert sample(x, [Row(SamplingParams(repetition_penalty=2.0), 0, 0, prompt=[10])])[0].token == 11
+    mt = SamplingParams(min_tokens=2, max_tokens=4)
+    assert sample(x, [Row(mt, 0, 1, no_stop_ids=(10,))])[0].token == 11  # stop id masked before min_tokens
+    assert sample(x, [Row(mt, 0, 2, no_stop_ids=(10,))])[0].token == 10
+
+
+def test_logprobs_are_the_models_distribution():
+    x = _logits(2)
+    rows = [Row(SamplingParams(temperature=0.7, logprobs=5), 3, 0), Row(SamplingParams(logprobs=0), 3, 0)]
+    d = sample(x, rows)
+    ref = torch.log_softmax(x, -1)
+    assert d[0].logprob == pytest.approx(float(ref[0, d[0].token]), abs=1e-6)
+    assert [t for t, _ in d[0].top] == ref[0].argsort(descending=True)[:5].tolist()
+    assert d[1].top == [] and d[1].token == int(x[1].argmax())
+
+
+def test_sampler_advance_is_a_counter():
+    x = _logits(12)
+    sp = SamplingParams(temperature=0.8, seed=4)
+    a, b = Sampler(sp), Sampler(sp)
+    whole = [a(x[i]) for i in range(12)]
+    b.advance(7)
+    assert [b(x[i]) for i in range(7, 12)] == whole[7:]
+
+
+def test_params_checks():
+    for bad in (dict(temperature=float("nan")), dict(min_p=2.0), dict(seed=2**64), dict(min_tokens=5, max_tokens=2),
+                dict(logit_bias={1: 101.0}), dict(logprobs=21), dict(repetition_penalty=0.0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad).validate()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from v4stack.config import preset
+    from v4stack.model import V4Model
+
+    return V4Model(preset("tiny"), seed=0).cast(torch.float32).eval()
+
+
+def test_engine_stops_on_eos_unless_ignored_and_on_stop_ids(tiny):
+    from v4stack.serve.engine import Engine, EngineConfig
+
+    prompt = list(b"stop on ids")
+    g = Engine(tiny, EngineConfig(n_blocks=64, n_slots=4)).generate([prompt], SamplingParams(max_tokens=8))[0].output
+    eos = g[2]
+    k = g.index(eos)
+    e = Engine(tiny, EngineConfig(n_blocks=64, n_slots=4, eos_token_id=eos))
+    r_eos, r_ign, r_ids = e.generate([prompt] * 3, [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, ignore_eos=True),
+                                                    SamplingParams(max_tokens=8, stop_token_ids=(g[1],), ignore_eos=True)])
+    assert r_eos.output == g[: k + 1] and r_eos.finish_reason == "stop" and r_eos.stop_reason == eos
+    assert r_ign.output == g and r_ign.finish_reason == "length"
+    assert r_ids.output == g[: g.index(g[1]) + 1] and r_ids.finish_reason == "stop"
+
+
+def test_engine_gives_a_fresh_recorded_seed(tiny):
+    from v4stack.serve.engine import Engine, EngineConfig
+
+    e = Engine(tiny, EngineConfig(n_blocks=64, n_slots=4))
+    a, b = e.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=6, temperature=1.0))
+    assert a.params.seed is not None and a.params.seed != b.params.seed and a.output != b.output
+    c = e.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=1.0, seed=a.params.seed))[0]
+    assert c.output == a.output  # the recorded seed replays the request
