@@ -78,40 +78,9 @@ def generate(
     typer.echo(json.dumps({k: v for k, v in out.items() if k != "text"}), err=True)
 
 
-@app.command()
-def serve(
-    preset: str = typer.Option("tiny", help="Preset when no --model is given (random weights)."),
-    model: Optional[str] = typer.Option(None, help="Model directory with config.json + model.safetensors."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind."),
-    port: int = typer.Option(8000, min=1, max=65535),
-    served_name: Optional[str] = typer.Option(None, help="Model id clients send (default: v4stack-<preset> or the dir name)."),
-    n_blocks: int = typer.Option(512, min=1, help="Paged block-cache size, in blocks of lcm(m, m') tokens."),
-    n_slots: int = typer.Option(64, min=1, help="State-cache slots (max concurrent running requests)."),
-    token_budget: int = typer.Option(256, min=1, help="Tokens fed per engine step."),
-    ops_mode: str = typer.Option("invariant", help="invariant (bit-identical per request) or fast."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float64."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
-    seed: int = typer.Option(0, help="Seed for random weights."),
-):
-    """Start the OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)."""
-    from pathlib import Path
+from v4stack.serve.cli import serve_command  # noqa: E402 (typer only)
 
-    from v4stack.generate import parse_dtype
-    from v4stack.serve.engine import EngineConfig
-    from v4stack.serve.server import serve as run_server
-
-    cfg = _config(preset, model)
-    name = served_name or (Path(model).name if model else f"v4stack-{preset}")
-    ecfg = EngineConfig(n_blocks=n_blocks, n_slots=n_slots, token_budget=token_budget,
-                        max_running=n_slots, ops_mode=ops_mode)
-    try:
-        ecfg.validate()
-        dt = parse_dtype(dtype)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    typer.echo(f"serving {name} on http://{host}:{port}/v1 (ops mode {ops_mode})", err=True)
-    run_server(cfg, model, name, host, port, ecfg, seed=seed, dtype=dt, device=device)
+app.command("serve")(serve_command)
 
 
 from v4stack.train.cli import muon_plan_command, train_command  # noqa: E402 (typer only; torch loads per command)

@@ -3,18 +3,46 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 from pathlib import Path
 
 
 class ByteTokenizer:
     vocab_size = 256
+    eos_token_id: int | None = None  # bytes have no end-of-text token
 
     def encode(self, text: str) -> list[int]:
+        """``text`` must be encodable (no lone surrogates): the API edge refuses those first."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_str(self, i: int) -> str:
+        """One token as text for logprobs: the character for ASCII, ``<0xNN>`` for a byte that is only
+        part of a character (so distinct bytes stay distinct keys)."""
+        return chr(i) if 0 <= i < 128 else f"<0x{i:02X}>" if 0 <= i < 256 else f"<id:{i}>"
+
+    def token_bytes(self, i: int) -> list[int]:
+        return [i] if 0 <= i < 256 else []
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder()
+
+
+class StreamDecoder:
+    """Incremental UTF-8: text appears as soon as its bytes are complete; only the bytes of a
+    character still arriving are held, and a byte already known invalid becomes U+FFFD at once."""
+
+    def __init__(self):
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: list[int]) -> str:
+        return self._dec.decode(bytes(i for i in ids if 0 <= i < 256))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
 
 
 class HFTokenizer:

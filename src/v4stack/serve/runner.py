@@ -10,7 +10,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from v4stack.serve.engine import Engine
 from v4stack.serve.request import Request
@@ -22,10 +22,12 @@ class Event:
     tokens: list[int]
     finished: bool
     finish_reason: str | None
-    text: str
+    text: str = ""  # unused: detokenisation and stop strings live at the API edge
     error: str | None = None
     n_tokens: int = 0
     ids: tuple[int, ...] = ()
+    draws: list = field(default_factory=list)  # sampling.Draw of each new token
+    request: Request | None = None  # for the finished event: timings, cached tokens, prompt logprobs
 
 
 class EngineRunner:
@@ -56,8 +58,9 @@ class EngineRunner:
         out: asyncio.Queue = asyncio.Queue()
 
         def on_event(req: Request, toks: list[int], finished: bool) -> None:
-            ev = Event(toks, finished, req.finish_reason, req.text(), n_tokens=len(req.output),
-                       ids=tuple(req.output))
+            n = len(req.output)
+            ev = Event(toks, finished, req.finish_reason, n_tokens=n, draws=req.draws[n - len(toks):n],
+                       request=req if finished or n == len(toks) else None)
             loop.call_soon_threadsafe(out.put_nowait, ev)
 
         self._cmds.put(("add", prompt, params, request_id, on_event, loop, out, time.perf_counter()))
@@ -82,7 +85,7 @@ class EngineRunner:
                     req = self.engine.add_request(prompt, params, rid, on_event)
                     req.arrival = submitted  # TTFT counts the wait for the engine thread too
                 except ValueError as err:
-                    loop.call_soon_threadsafe(out.put_nowait, Event([], True, "error", "", str(err)))
+                    loop.call_soon_threadsafe(out.put_nowait, Event([], True, "error", error=str(err)))
             else:
                 self.engine.abort(cmd[1])
 
