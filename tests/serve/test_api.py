@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 
+from v4stack.chat import encode_chat, parse_completion
 from v4stack.serve import tool_calls as tc
 from v4stack.serve.chat_template import ChatTemplate
 from v4stack.tokenizer import ByteTokenizer
@@ -46,7 +47,7 @@ def test_models_version_tokenize(client, server):
     assert httpx.post(server + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "héllo"
     msgs = [{"role": "user", "content": "hi"}]
     t = httpx.post(server + "/tokenize", json={"messages": msgs}).json()
-    assert TOK.decode(t["tokens"]) == ChatTemplate().render(msgs, None) == "<|user|>hi\n<|assistant|>"
+    assert TOK.decode(t["tokens"]) == ChatTemplate().render(msgs, None) == encode_chat(msgs)
     assert httpx.post(server + "/detokenize", json={"tokens": [1, 256]}).json()["error"]["param"] == "tokens"
 
 
@@ -138,7 +139,8 @@ def test_chat_token_limits(client):
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     ctx = client.models.retrieve(MODEL).model_extra["max_model_len"]
-    long = [{"role": "user", "content": "z" * (ctx - 45)}]  # leaves 45 - 22 template tokens
+    overhead = len(TOK.encode(encode_chat([{"role": "user", "content": ""}])))
+    long = [{"role": "user", "content": "z" * (ctx - overhead - 24)}]  # leaves 24 tokens of context
     r = client.chat.completions.create(model=MODEL, messages=long, temperature=0)
     assert r.usage.completion_tokens == ctx - r.usage.prompt_tokens > 16  # default: the rest of the context
 
@@ -182,14 +184,15 @@ def _tool_request(client, stream=False, **kw):
 def test_tool_calls(client):
     tools, msgs, r = _tool_request(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = r.choices[0].message.tool_calls
-    prefix = tc.CALLS_BEGIN + tc.CALL_BEGIN + "get_weather" + tc.SEP
-    prompt = ChatTemplate().render([{**m, "tool_calls": None} for m in msgs], tools, prefix)
+    prefix = tc.forced_prefix("get_weather")
+    prompt = encode_chat(msgs, tools=tools) + prefix
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
-    assert call.function.name == "get_weather" and call.function.arguments == plain.strip()
+    (want,) = parse_completion(prefix + plain)["tool_calls"]
+    assert call.function.name == "get_weather" and call.function.arguments == want["function"]["arguments"]
     assert call.id.startswith("call_") and r.choices[0].message.content is None
     _, _, s = _tool_request(client, stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     deltas = [d for ch in s for d in (ch.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "get_weather", plain.strip())]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "get_weather", call.function.arguments)]
     _, _, none = _tool_request(client, tool_choice="none")
     assert not none.choices[0].message.tool_calls and isinstance(none.choices[0].message.content, str)
     with pytest.raises(openai.BadRequestError, match="tool_choice"):

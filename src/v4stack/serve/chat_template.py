@@ -1,10 +1,10 @@
-"""The chat template: messages (and tools) -> prompt text, a Jinja template in a sandbox.
+"""The chat template: messages (and tools) -> prompt text.
 
-The default is the project's byte-level format: one ``<|role|>`` line per message, then the
-assistant tag; with tools, a system line listing them and the model's tool-call format for
-assistant turns that called tools. ``v4stack serve --chat-template FILE`` replaces it; the
-template sees ``messages`` (role, content as text, name, tool_calls, tool_call_id), ``tools``
-(the request's list, or none), ``add_generation_prompt`` and the tool-call markers.
+The default is the model's own encoding (``v4stack.chat.encode_chat``: V4's chat mode, tool
+schemas in the system text, DSML tool calls, tool results in the user turn).
+``v4stack serve --chat-template`` replaces it with a Jinja template (a file or inline text),
+rendered in a sandbox; it sees ``messages`` (role, content as text, name, tool_calls,
+tool_call_id), ``tools`` (or none) and ``add_generation_prompt``.
 """
 
 from __future__ import annotations
@@ -14,28 +14,19 @@ from pathlib import Path
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from v4stack.serve import tool_calls as tc
-
-DEFAULT = (
-    "{% if tools %}<|system|>Tools you may call, one JSON schema per line. To call, write "
-    "{{ calls_begin }}{{ call_begin }}NAME{{ tool_sep }}JSON ARGUMENTS{{ call_end }}{{ calls_end }}"
-    "{% for t in tools %}{{ nl }}{{ t | tojson }}{% endfor %}{{ nl }}{% endif %}"
-    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
-    "{% if m.tool_calls %}{{ calls_begin }}{% for c in m.tool_calls %}{{ call_begin }}{{ c.function.name }}"
-    "{{ tool_sep }}{{ c.function.arguments }}{{ call_end }}{% endfor %}{{ calls_end }}{% endif %}{{ nl }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+from v4stack.chat import ChatFormatError, encode_chat
 
 
 class ChatTemplate:
     def __init__(self, source: str | None = None):
-        """``source``: a template file's path, an inline template, or None for the default."""
-        text = DEFAULT
-        if source:
-            p = Path(source)
-            text = p.read_text() if p.is_file() else source
-            if not p.is_file() and "{{" not in text and "{%" not in text:
-                raise ValueError(f"--chat-template: {source!r} is neither a file nor a Jinja template")
+        """``source``: a template file's path, an inline template, or None for the model's encoding."""
+        self.template = None
+        if not source:
+            return
+        p = Path(source)
+        text = p.read_text() if p.is_file() else source
+        if not p.is_file() and "{{" not in text and "{%" not in text:
+            raise ValueError(f"--chat-template: {source!r} is neither a file nor a Jinja template")
         env = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
         try:
             self.template = env.from_string(text)
@@ -43,11 +34,14 @@ class ChatTemplate:
             raise ValueError(f"--chat-template: {e}") from None
 
     def render(self, messages: list[dict], tools: list[dict] | None, prefix: str = "") -> str:
-        """The prompt text; ``prefix`` is appended after the generation prompt (a forced tool call)."""
+        """The prompt text; ``prefix`` starts the assistant's reply (a forced tool call).
+        Raises ValueError naming the field when the messages cannot be encoded."""
+        if self.template is None:
+            try:
+                return encode_chat(messages, tools=tools or None) + prefix
+            except ChatFormatError as e:
+                raise ValueError(str(e)) from None
         try:
-            out = self.template.render(messages=messages, tools=tools or None, add_generation_prompt=True, nl="\n",
-                                       calls_begin=tc.CALLS_BEGIN, calls_end=tc.CALLS_END,
-                                       call_begin=tc.CALL_BEGIN, call_end=tc.CALL_END, tool_sep=tc.SEP)
+            return self.template.render(messages=messages, tools=tools or None, add_generation_prompt=True) + prefix
         except TemplateError as e:
             raise ValueError(f"messages: the chat template failed: {e}") from None
-        return out + prefix

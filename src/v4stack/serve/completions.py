@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field, StrictInt, StrictStr
 from starlette.responses import StreamingResponse
 
+from v4stack.chat import EOS
 from v4stack.serve import tool_calls as tc
 from v4stack.serve.api import Json, error
 from v4stack.serve.generation import Generation, Job
@@ -72,9 +73,9 @@ def _failed(jobs: list[Job]) -> EdgeError | None:
 
 def _forced_prefix(body: ChatRequest) -> str:
     if body.tool_choice == "required":
-        return tc.CALLS_BEGIN + tc.CALL_BEGIN
+        return tc.forced_prefix(None)
     if isinstance(body.tool_choice, ToolChoiceNamed):
-        return tc.CALLS_BEGIN + tc.CALL_BEGIN + body.tool_choice.function.name + tc.SEP
+        return tc.forced_prefix(body.tool_choice.function.name)
     return ""
 
 
@@ -190,6 +191,8 @@ def mount(app: FastAPI, edge) -> None:
         prompt = tok.encode(text)
         mt = body.max_completion_tokens or body.max_tokens or max(edge.max_context - len(prompt), 1)
         params = body.params(mt, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        if not body.ignore_eos:  # the reply's end in the model's format (text, as the byte tokenizer has no id)
+            params.stop = params.stop + (EOS,)
         n = body.n or 1
         gen = start(http, [prompt], params, n, "messages", "chatcmpl-")
         head = {"id": gen.rid, "object": "chat.completion", "created": int(time.time()), "model": name}
