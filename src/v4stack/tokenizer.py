@@ -44,6 +44,10 @@ class StreamDecoder:
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
 
+    def pending(self) -> str:
+        """The bytes still held, as a final decode would show them (U+FFFD each), without flushing."""
+        return self._dec.getstate()[0].decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A ``tokenizer.json`` (the released checkpoints' tokenizer) through the ``tokenizers``

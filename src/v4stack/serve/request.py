@@ -10,6 +10,7 @@ from typing import Callable
 
 from v4stack.serve.cache.manager import RequestCache
 from v4stack.serve.sampling import Draw, SamplingParams, fresh_seed
+from v4stack.serve.stops import StopMatcher
 from v4stack.tokenizer import ByteTokenizer
 
 
@@ -49,6 +50,8 @@ class Request:
         if not self.stop_ids:
             self.stop_ids = frozenset(self.params.stop_token_ids)
         self._tok = ByteTokenizer()
+        self._stops = StopMatcher(self.params.stop) if self.params.stop else None
+        self._stop_dec, self._stop_seen = self._tok.stream(), 0
 
     @property
     def all_tokens(self) -> list[int]:
@@ -65,9 +68,18 @@ class Request:
         return len(self.prompt) + len(self.output) - self.computed
 
     def text(self) -> str:
-        """Output text (stop strings are matched at the API edge, not here)."""
         return self._tok.decode(self.output)
 
     def hit_stop(self) -> bool:
-        """The last token is one the request stops on (after ``min_tokens``)."""
-        return bool(self.output) and len(self.output) >= self.params.min_tokens and self.output[-1] in self.stop_ids
+        """The last token is one the request stops on (after ``min_tokens``), or the output text
+        (decoded as a whole would show it) holds a stop string. Strings are matched incrementally:
+        each call looks at the new tokens only. (The API edge matches its stop strings itself and
+        sends the engine none.)"""
+        if self.output and len(self.output) >= self.params.min_tokens and self.output[-1] in self.stop_ids:
+            return True
+        if self._stops is None:
+            return False
+        if self._stop_seen < len(self.output):
+            new, self._stop_seen = self.output[self._stop_seen:], len(self.output)
+            self._stops.push(self._stop_dec.push(new))
+        return self._stops.would_stop(self._stop_dec.pending())

@@ -34,6 +34,11 @@ class StopMatcher:
         self._buf = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]
 
+    def would_stop(self, tail: str) -> bool:
+        """Whether ``tail`` (text not pushed: e.g. an unfinished character shown as U+FFFD) would
+        complete a stop after what was pushed."""
+        return self.stopped is not None or any(s in self._buf + tail for s in self.stops)
+
     def flush(self) -> str:
         """The end of the text: whatever was held back could not start a stop after all."""
         out, self._buf = ("" if self.stopped is not None else self._buf), ""
