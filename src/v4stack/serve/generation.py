@@ -9,6 +9,7 @@ so its siblings are admitted onto the prompt's cached blocks.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace as _replace
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ class Generation:
         self.closed = False
 
     def _submit(self, job: Job) -> None:
-        q = self.runner.submit(job.prompt, job.params, job.rid)
+        q = self.runner.submit(job.prompt, _replace(job.params, stop=()), job.rid)  # stop strings: here
         job.submitted, job.arrival = True, time.perf_counter()
         self._pumps.append(asyncio.ensure_future(self._pump(job, q)))
 
@@ -177,6 +178,4 @@ class Generation:
 
 
 def _replace_seed(p: SamplingParams, seed: int | None) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(p, seed=seed)
+    return _replace(p, seed=seed)

@@ -97,7 +97,7 @@ class _Sampling(_Strict):
             return default if v is None else float(v)
 
         return SamplingParams(
-            temperature=f(self.temperature, 1.0), top_p=f(self.top_p, 1.0), top_k=max(self.top_k or 0, 0),
+            temperature=f(self.temperature, 1.0), top_p=f(self.top_p, 1.0), top_k=min(max(self.top_k or 0, 0), 1 << 31),
             min_p=f(self.min_p, 0.0), max_tokens=max_tokens, seed=self.seed, stop=stops,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=bool(self.ignore_eos),
             min_tokens=self.min_tokens or 0, presence_penalty=f(self.presence_penalty, 0.0),

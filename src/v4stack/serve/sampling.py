@@ -180,7 +180,7 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
         xs = x[s_rows] / temp
         sv, si = torch.sort(xs, dim=-1, descending=True, stable=True)
         pos = torch.arange(V, device=dev)[None, :]
-        k = torch.tensor([p.top_k if p.top_k else V for p in ps], device=dev)[:, None]
+        k = torch.tensor([min(p.top_k, V) if p.top_k else V for p in ps], device=dev)[:, None]
         sv = sv.masked_fill(pos >= k, float("-inf"))
         probs = torch.softmax(sv.double(), dim=-1)
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=dev)[:, None]
