@@ -1,10 +1,11 @@
-"""`v4stack bench serve` / `python -m bench.serve`: N concurrent streaming clients with a shared-prefix workload against a
-real HTTP server (in this process, on loopback); writes JSON.
+"""`v4stack bench serve` / `python -m bench.serve`: N concurrent streaming clients with a shared-prefix
+workload against a real `v4stack serve` process; the load generator runs here, in another process
+(its own interpreter and GIL), so the client's work does not slow the server down; writes JSON.
 
-Reported: output tokens/s, requests/s, TTFT and inter-token latency p50 / p99 (client side from
-the SSE stream and server side from the engine's token timestamps), prefix hit rate, cache bytes
-per token per kind, state bytes per request, and on CUDA a decode roofline: the bytes one decode
-step must read (weights touched + cache) over the measured copy bandwidth.
+Reported: output tokens/s, requests/s, TTFT and inter-token latency p50 / p99 client side (from the
+SSE stream) and server side (the server's /metrics histograms: the upper bound of the bucket holding
+the quantile), prefix hit rate. The engine alone, with a decode roofline on CUDA, is
+`bench serve-engine`.
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ import asyncio
 import json
 import random
 import socket
-import threading
 import time
 
 import torch
 
 from bench.runner import write_result
 from v4stack.config import ModelConfig
-from v4stack.model import V4Model
-from v4stack.serve.engine import Engine, EngineConfig
-from v4stack.serve.runner import EngineRunner
+from v4stack.serve.engine import Engine
 
 
 def _q(xs: list[float], q: float) -> float | None:
@@ -56,76 +54,126 @@ def copy_bandwidth(device: str) -> float | None:
     return 10 * 2 * a.numel() * 4 / (ev0.elapsed_time(ev1) / 1e3)
 
 
-async def _client(base: str, model: str, prompt: list[int], max_tokens: int, out: list):
-    import httpx
-
+async def _client(c, model: str, prompt: list[int], max_tokens: int, out: list):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     times = []
-    async with httpx.AsyncClient(timeout=None) as c:
-        async with c.stream("POST", base + "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    times.append(time.perf_counter())
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
     out.append((t0, times))
+
+
+def _scrape(base: str) -> dict:
+    """Counters and histogram buckets of the server's /metrics."""
+    import httpx
+
+    vals: dict = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        k, v = line.rsplit(" ", 1)
+        vals[k] = float(v)
+    return vals
+
+
+def _hist_q(before: dict, after: dict, name: str, q: float) -> float | None:
+    """Quantile ``q`` of histogram ``name`` over the observations between two scrapes."""
+    pre = f"{name}_bucket{{le=\""
+    rows = sorted(((float("inf") if k[len(pre):-2] == "+Inf" else float(k[len(pre):-2]), v - before.get(k, 0.0))
+                   for k, v in after.items() if k.startswith(pre)))
+    total = rows[-1][1] if rows else 0
+    if not total:
+        return None
+    for bound, cum in rows:
+        if cum >= q * total:
+            return bound
+    return None
+
+
+def _serve_child(spec: str) -> None:
+    """The server process: the config (with overrides) is rebuilt here from ``spec`` (JSON)."""
+    from v4stack.config import ModelConfig
+    from v4stack.serve.engine import EngineConfig
+    from v4stack.serve.limits import ServerOptions
+    from v4stack.serve.server import serve
+
+    d = json.loads(spec)
+    cfg = ModelConfig.from_dict(d["config"])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[d["dtype"]]
+    ecfg = EngineConfig(n_blocks=d["n_blocks"], n_slots=d["clients"], max_running=d["clients"],
+                        token_budget=max(256, d["clients"]), ops_mode=d["ops_mode"])
+    serve(cfg, None, "bench", "127.0.0.1", d["port"], ecfg, seed=d["seed"], dtype=dtype, device=d["device"],
+          options=ServerOptions(max_queue=max(256, d["requests"])))
 
 
 def bench_serve(cfg: ModelConfig, *, clients: int = 16, requests: int = 64, prefixes: int = 4,
                 prefix_len: int = 64, suffix_len: int = 16, max_tokens: int = 16, device: str = "cpu",
                 dtype: torch.dtype = torch.float32, ops_mode: str = "invariant", n_blocks: int = 512,
                 seed: int = 0, out: str | None = None, label: str = "") -> dict:
-    import uvicorn
+    import subprocess
+    import sys
 
-    from v4stack.serve.api import build_app
+    import httpx
 
-    model = V4Model(cfg, seed=seed).cast(dtype).to(device)
-    engine = Engine(model, EngineConfig(n_blocks=n_blocks, n_slots=clients, max_running=clients,
-                                        token_budget=max(256, clients), ops_mode=ops_mode))
-    runner = EngineRunner(engine).start()
     port = _port()
-    server = uvicorn.Server(uvicorn.Config(build_app(runner, "bench"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
-    rng = random.Random(seed)
-    heads = [[rng.randrange(256) for _ in range(prefix_len)] for _ in range(prefixes)]
-    work = [rng.choice(heads) + [rng.randrange(256) for _ in range(rng.randrange(1, suffix_len + 1))]
-            for _ in range(requests)]
-    results: list = []
+    spec = json.dumps({"config": cfg.to_dict(), "dtype": str(dtype).replace("torch.", ""), "n_blocks": n_blocks,
+                       "clients": clients, "requests": requests, "ops_mode": ops_mode, "port": port, "seed": seed,
+                       "device": device})
+    proc = subprocess.Popen([sys.executable, "-c", f"import bench.serve as b; b._serve_child({spec!r})"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"bench server exited: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+            if time.time() > deadline:
+                raise RuntimeError("bench server did not come up")
+        rng = random.Random(seed)
+        heads = [[rng.randrange(256) for _ in range(prefix_len)] for _ in range(prefixes)]
+        work = [rng.choice(heads) + [rng.randrange(256) for _ in range(rng.randrange(1, suffix_len + 1))]
+                for _ in range(requests)]
+        results: list = []
 
-    async def drive():
-        sem = asyncio.Semaphore(clients)
-        base = f"http://127.0.0.1:{port}"
+        async def drive():
+            sem = asyncio.Semaphore(clients)
+            async with httpx.AsyncClient(base_url=base, timeout=None,
+                                         limits=httpx.Limits(max_connections=clients)) as c:
+                async def one(p):
+                    async with sem:
+                        await _client(c, "bench", p, max_tokens, results)
 
-        async def one(p):
-            async with sem:
-                await _client(base, "bench", p, max_tokens, results)
+                await asyncio.gather(*(one(p) for p in work))
 
-        await asyncio.gather(*(one(p) for p in work))
-
-    gen0 = engine.stats.tokens_generated
-    t0 = time.perf_counter()
-    asyncio.run(drive())
-    wall = time.perf_counter() - t0
-    n_out = engine.stats.tokens_generated - gen0
-    server.should_exit = True
-    th.join(timeout=10)
-    runner.stop()
-
+        before = _scrape(base)
+        t0 = time.perf_counter()
+        asyncio.run(drive())
+        wall = time.perf_counter() - t0
+        after = _scrape(base)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    lab = '{model_name="bench"}'
+    n_out = after[f"vllm:generation_tokens_total{lab}"] - before[f"vllm:generation_tokens_total{lab}"]
     ttft_client = [ts[0] - s for s, ts in results if ts]
     itl_client = [b - a for _, ts in results for a, b in zip(ts, ts[1:])]
-    log = engine.stats.log
-    ttft_server = [f - a for a, f, *_ in log if f is not None]
-    itl_server = [b - a for _, _, tt, *_ in log for a, b in zip(tt, tt[1:])]
-    step_times = runner.step_times
-    cs = engine.cache.stats()
+    hits = after[f"vllm:prefix_cache_hits_total{lab}"] - before[f"vllm:prefix_cache_hits_total{lab}"]
+    queries = after[f"vllm:prefix_cache_queries_total{lab}"] - before[f"vllm:prefix_cache_queries_total{lab}"]
     res = {
         "label": label, "device": device, "dtype": str(dtype).replace("torch.", ""), "ops_mode": ops_mode,
-        "config": {"hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                   "experts": cfg.n_routed_experts, "block_tokens": engine.cache.B},
+        "client": "separate process (httpx, asyncio)",
+        "config": {"hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts},
         "workload": {"clients": clients, "requests": requests, "prefixes": prefixes, "prefix_len": prefix_len,
                      "suffix_len_max": suffix_len, "max_tokens": max_tokens},
         "wall_s": wall,
@@ -133,18 +181,14 @@ def bench_serve(cfg: ModelConfig, *, clients: int = 16, requests: int = 64, pref
         "output_tokens_per_s": n_out / wall,
         "requests_per_s": requests / wall,
         "ttft_s": {"client_p50": _q(ttft_client, .5), "client_p99": _q(ttft_client, .99),
-                   "server_p50": _q(ttft_server, .5), "server_p99": _q(ttft_server, .99)},
+                   "server_p50_bucket": _hist_q(before, after, "v4stack_time_to_first_token_seconds", .5),
+                   "server_p99_bucket": _hist_q(before, after, "v4stack_time_to_first_token_seconds", .99)},
         "itl_s": {"client_p50": _q(itl_client, .5), "client_p99": _q(itl_client, .99),
-                  "server_p50": _q(itl_server, .5), "server_p99": _q(itl_server, .99)},
-        "engine_step_s": {"p50": _q(step_times, .5), "p99": _q(step_times, .99), "steps": len(step_times)},
-        "prefix_hit_rate": cs["prefix_hit_rate"],
-        "cache_bytes_per_token": cs["bytes_per_token"],
-        "state_bytes_per_request": cs["state_bytes_per_request"],
-        "preemptions": engine.scheduler.preemptions,
+                  "server_p50_bucket": _hist_q(before, after, "v4stack_inter_token_latency_seconds", .5),
+                  "server_p99_bucket": _hist_q(before, after, "v4stack_inter_token_latency_seconds", .99)},
+        "queue_s": {"server_p50_bucket": _hist_q(before, after, "v4stack_request_queue_time_seconds", .5)},
+        "prefix_hit_rate": hits / queries if queries else 0.0,
     }
-    if device == "cuda":
-        res["roofline"] = _roofline(model, engine, clients, prefix_len + suffix_len / 2 + max_tokens / 2,
-                                    _q(itl_server, .5))
     if out:
         write_result(out, res)
     return res
@@ -201,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         summary["invariant_over_fast_throughput"] = runs[0]["output_tokens_per_s"] / runs[1]["output_tokens_per_s"]
     write_result(a.out, summary)
     for r in runs:
-        print(f"{r['label']:<28} {r['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_s']['server_p50']:.3f}s "
-              f"ITL p50 {r['itl_s']['server_p50']:.3f}s  hit {r['prefix_hit_rate']:.2f}")
+        print(f"{r['label']:<28} {r['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_s']['client_p50']:.3f}s "
+              f"ITL p50 {r['itl_s']['client_p50']:.3f}s  hit {r['prefix_hit_rate']:.2f}")
     if "invariant_over_fast_throughput" in summary:
         print(f"invariant / fast throughput: {summary['invariant_over_fast_throughput']:.2f}")
 
