@@ -1,6 +1,6 @@
 """MTP speculative decoding: greedy tokens equal plain greedy decoding (invariant mode) whether
 drafts are all rejected (the rollback path), all accepted, or mixed; the acceptance rule keeps the
-target distribution; only accepted tokens are reported."""
+target distribution; only accepted tokens are reported (and so reach the token WAL)."""
 
 import pytest
 import torch
@@ -8,6 +8,8 @@ import torch
 from v4stack.config import preset
 from v4stack.model import V4Model
 from v4stack.ops.mode import mode
+from v4stack.rollout import records as R
+from v4stack.rollout.wal import TokenWAL
 from v4stack.serve.sampling import SamplingParams
 from v4stack.serve.speculative import SpeculativeDecoder, verify
 
@@ -46,17 +48,28 @@ class Oracle(SpeculativeDecoder):
 
 @pytest.mark.parametrize("kind", [pytest.param("mtp", marks=pytest.mark.slow),
                                   pytest.param("all_accepted", marks=pytest.mark.slow), "mixed"])
-def test_greedy_tokens_equal_plain_decoding(setup, kind):
+def test_greedy_tokens_equal_plain_decoding(setup, kind, tmp_path):
     model, prompts, plain = setup
+    sp = SamplingParams(max_tokens=N)
     seen = []
-    on_tokens = lambda req, toks: seen.append((req.prompt[0], list(toks)))  # noqa: E731
+    wal = TokenWAL(tmp_path / "wal")  # the real token WAL: it checks offsets and max_tokens itself
+    wal.append([R.begin(f"t{p[0]}", p, sp) for p in prompts])
+
+    def on_tokens(req, toks):
+        seen.append((req.prompt[0], list(toks)))
+        wal.append([R.tokens(f"t{req.prompt[0]}", len(req.output) - len(toks), toks)])
+
     if kind == "mtp":  # an untrained MTP block: every draft is rejected, every step rolls back
         dec = SpeculativeDecoder(model, on_tokens=on_tokens)
     else:
         expected = {p[0]: e for p, e in zip(prompts, plain)}
         dec = Oracle(model, expected, wrong=() if kind == "all_accepted" else (2, 3, 7), on_tokens=on_tokens)
-    out = dec.generate(prompts, SamplingParams(max_tokens=N))
+    out = dec.generate(prompts, sp)
+    wal.close()
     assert out == plain
+    reopened = TokenWAL(tmp_path / "wal")
+    assert [reopened.trajectories[f"t{p[0]}"].tokens for p in prompts] == plain  # no draft was logged
+    reopened.close()
     s = dec.stats
     assert s.drafted == s.steps
     if kind == "all_accepted":
