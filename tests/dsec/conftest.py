@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
 
 import pytest
 
@@ -62,3 +70,86 @@ def runtime(dsec_home):
     rt.images.build("busybox")
     yield rt
     rt.close()
+
+
+TOKEN = "test-token-" + "x" * 16
+EDGE_TOKEN, CONTROL_TOKEN = "edge-token-" + "e" * 16, "control-token-" + "c" * 16
+
+
+def _free_sock():
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+class Cluster:
+    def __init__(self, home: Path, unmount_all):
+        import uvicorn
+
+        from v4stack.dsec.apiserver import make_app
+        from v4stack.dsec.images import ImageStore
+        from v4stack.dsec.watcher import Watcher
+
+        from v4stack.dsec.auth import Credentials
+
+        self.home = home
+        self.unmount_all = unmount_all
+        self.creds = Credentials({"default": TOKEN, "other": "other-tenant-" + "o" * 16}, EDGE_TOKEN, CONTROL_TOKEN)
+        self.creds.save(home / "credentials.json")
+        ImageStore(home).build("busybox")
+        sock = _free_sock()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(make_app(home, self.creds), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        self.watcher = Watcher(home, CONTROL_TOKEN, dead_after=1.0, layer_grace=0)
+        self.edges: list[subprocess.Popen] = []
+        self.start_edge("edge-a")
+        os.environ["DSEC_API_URL"], os.environ["DSEC_TOKEN"] = self.url, TOKEN
+
+    def start_edge(self, name: str) -> subprocess.Popen:
+        log = open(self.home / f"{name}.out", "ab")
+        p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", str(self.home),
+                              "--apiserver", self.url, "--id", name, "--pool", "1", "--heartbeat", "0.2"],
+                             env=os.environ, stdout=log, stderr=log)
+        self.edges.append(p)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            rows = self.api().get("/v1/edges").json() if self.server.started else []
+            if any(r["id"] == name and r["state"] == "alive" for r in rows):
+                return p
+            time.sleep(0.1)
+        raise RuntimeError(f"edge {name} did not register: {(self.home / f'{name}.out').read_text()[-2000:]}")
+
+    def store_edge_url(self, name: str = "edge-a") -> str:
+        return self.server.config.app.state.store.edge(name)["url"]
+
+    def api(self, token: str = TOKEN) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {token}"})
+
+    def close(self) -> None:
+        for p in self.edges:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.server.should_exit = True
+        self.thread.join(10)
+        from v4stack.dsec.cgroups import Cgroup
+
+        for d in Path("/sys/fs/cgroup/pids").glob("dsec-*"):  # a SIGKILLed edge leaves its groups behind
+            c = Cgroup(d.name)
+            if c.dirs["pids"] == d:
+                c.destroy()
+        self.unmount_all(self.home)
+
+
+@pytest.fixture(scope="module")
+def cluster(dsec_home, tmp_path_factory):
+    """apiserver (in-process, real HTTP) + one edge subprocess + a watcher, on a fresh home."""
+    c = Cluster(tmp_path_factory.mktemp("dsec-cluster"), unmount_all)
+    yield c
+    c.close()

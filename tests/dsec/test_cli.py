@@ -15,7 +15,11 @@ TOKEN = "cli-token-" + "z" * 16
 
 
 def test_dsec_up_serves_and_stops(dsec_home, unmount, tmp_path):
+    from v4stack.dsec.auth import Credentials
+
     home = tmp_path / "up-home"
+    home.mkdir()
+    Credentials({"default": TOKEN}, "edge-" + "e" * 16, "ctl-" + "c" * 16).save(home / "credentials.json")
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -50,8 +54,9 @@ def test_dsec_up_serves_and_stops(dsec_home, unmount, tmp_path):
             return subprocess.run([sys.executable, "-m", "v4stack.dsec.cli", *args], env=cenv, capture_output=True,
                                   text=True, timeout=60)
 
-        sid = cli("create", "--substrate", "process").stdout.strip()
-        assert sid.startswith("sbx-")
+        made = cli("create", "--substrate", "process")
+        sid = made.stdout.strip()
+        assert sid.startswith("sbx-"), made.stderr
         r = cli("exec", sid, "echo hi; echo oops >&2; exit 3")
         assert (r.returncode, r.stdout, r.stderr) == (3, "hi\n", "oops\n")
         assert '"seq": 0' in cli("log", sid).stdout
@@ -65,8 +70,10 @@ def test_dsec_up_serves_and_stops(dsec_home, unmount, tmp_path):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+        left = [ln.split()[4] for ln in open("/proc/self/mountinfo") if ln.split()[4].startswith(str(home) + "/")]
         unmount(home)
     assert p.returncode == 0
+    assert not left, f"dsec up left mounts behind (image mount, sandbox roots): {left}"
     out = (tmp_path / "up.out").read_text()
     edge_pid = int(out.split("edge pid ")[1].split(",")[0])
     deadline = time.time() + 20

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,77 +11,7 @@ import httpx
 import pytest
 
 TOKEN = "test-token-" + "x" * 16
-
-
-def _free_sock():
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
-    return s
-
-
-class Cluster:
-    def __init__(self, home: Path, unmount_all):
-        import uvicorn
-
-        from v4stack.dsec.apiserver import make_app
-        from v4stack.dsec.images import ImageStore
-        from v4stack.dsec.watcher import Watcher
-
-        self.home = home
-        self.unmount_all = unmount_all
-        ImageStore(home).build("busybox")
-        sock = _free_sock()
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(make_app(home, TOKEN), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        self.watcher = Watcher(home, TOKEN, dead_after=1.0, layer_grace=0)
-        self.edges: list[subprocess.Popen] = []
-        self.start_edge("edge-a")
-        os.environ["DSEC_API_URL"], os.environ["DSEC_TOKEN"] = self.url, TOKEN
-
-    def start_edge(self, name: str) -> subprocess.Popen:
-        log = open(self.home / f"{name}.out", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", str(self.home),
-                              "--apiserver", self.url, "--id", name, "--pool", "1", "--heartbeat", "0.2"],
-                             env={**os.environ, "DSEC_TOKEN": TOKEN}, stdout=log, stderr=log)
-        self.edges.append(p)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            rows = self.api().get("/v1/edges").json() if self.server.started else []
-            if any(r["id"] == name and r["state"] == "alive" for r in rows):
-                return p
-            time.sleep(0.1)
-        raise RuntimeError(f"edge {name} did not register: {(self.home / f'{name}.out').read_text()[-2000:]}")
-
-    def api(self, token: str = TOKEN) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {token}"})
-
-    def close(self) -> None:
-        for p in self.edges:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        self.server.should_exit = True
-        self.thread.join(10)
-        from v4stack.dsec.cgroups import Cgroup
-
-        for d in Path("/sys/fs/cgroup/pids").glob("dsec-*"):  # a SIGKILLed edge leaves its groups behind
-            c = Cgroup(d.name)
-            if c.dirs["pids"] == d:
-                c.destroy()
-        self.unmount_all(self.home)
-
-
-@pytest.fixture(scope="module")
-def cluster(dsec_home, unmount, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("dsec-cluster"), unmount)
-    yield c
-    c.close()
+EDGE_TOKEN = "edge-token-" + "e" * 16
 
 
 def test_auth_missing_or_wrong_token_is_401_and_changes_nothing(cluster):
@@ -98,10 +23,13 @@ def test_auth_missing_or_wrong_token_is_401_and_changes_nothing(cluster):
             assert c.get("/v1/sandboxes").status_code == 401
             assert c.post("/v1/edges/register", json={"edge_id": "evil", "url": "http://127.0.0.1:1"}).status_code == 401
     assert cluster.api().get("/v1/sandboxes").json() == before
-    edge_url = cluster.api().get("/v1/edges").json()[0]["url"]  # the edge's own API is guarded too
-    assert httpx.post(f"{edge_url}/edge/v1/sandboxes", json={}, timeout=10).status_code == 401
-    assert httpx.get(f"{edge_url}/edge/v1/sandboxes", headers={"Authorization": "Bearer nope"},
-                     timeout=10).status_code == 401
+    edge_url = cluster.store_edge_url()  # the edge's own API takes the control credential only
+    for tok in (None, "nope", TOKEN, EDGE_TOKEN):
+        h = {"Authorization": f"Bearer {tok}"} if tok else {}
+        assert httpx.post(f"{edge_url}/edge/v1/sandboxes", json={}, headers=h, timeout=10).status_code == 401
+        assert httpx.get(f"{edge_url}/edge/v1/sandboxes", headers=h, timeout=10).status_code == 401
+    with cluster.api() as c:  # a client token cannot act as an edge
+        assert c.post("/v1/edges/register", json={"edge_id": "evil", "url": "http://127.0.0.1:1"}).status_code == 401
     assert all(e["id"] != "evil" for e in cluster.api().get("/v1/edges").json())
     r = cluster.api().post("/v1/sandboxes", json={"substrate": "vm"})
     assert r.status_code == 400 and r.json()["field"] == "substrate"

@@ -1,60 +1,79 @@
-"""The apiserver: the public sandbox API (bearer auth), placement on edges, state in SQLite.
+"""The apiserver: the public sandbox API (client tokens, one tenant each), placement on edges,
+state in SQLite.
 
-Verbs on a sandbox are forwarded to the edge that runs it. The trajectory log is read straight
-from shared storage, so it answers even when that edge is dead.
+Verbs on a sandbox are forwarded to the edge that runs it with the control credential (see
+``auth``). The trajectory log is read straight from shared storage, so it answers even when that
+edge is dead. Nothing here blocks the event loop on sandbox work: long verbs (exec, uploads) are
+forwarded with an async client, short ones run in the thread pool, and the edges' heartbeat and
+registration are answered on the loop itself so a busy pool never makes a live edge look dead.
 """
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import asynccontextmanager
 import json
 import time
 from pathlib import Path
+from typing import Annotated, Optional
 
 import httpx
-from fastapi import Body, Depends, FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from fastapi import Body, Depends, FastAPI, Path as FPath, Query, Request
+from fastapi.responses import Response, StreamingResponse
 
-from v4stack.dsec.auth import bearer
-from v4stack.dsec.errors import BadRequest, Conflict, DsecError, NotFound, Unavailable
+from v4stack.dsec.auth import Credentials, bearer, tenant_of
+from v4stack.dsec.errors import Conflict, DsecError, NotFound, Unavailable
+from v4stack.dsec.files import MAX_FILE
+from v4stack.dsec.lifecycle import adopt_edge
+from v4stack.dsec.mounts import private_dir
+from v4stack.dsec.protocol import (AsciiJSON, read_body, CreateBody, EdgeCreateBody, ExecBody, ForkBody, RegisterBody,
+                                   RestoreBody, State, UploadBody, install_errors)
 from v4stack.dsec.rootfs import read_snapshot
 from v4stack.dsec.runtime import new_id
 from v4stack.dsec.store import Store
 from v4stack.dsec.trajlog import query
+from v4stack.dsec.validate import MAX_PATH, PATTERNS
 
-DEFAULT_TIMEOUT = 3600.0
-DEFAULT_IDLE = 600.0
-
-
-def _num(body: dict, key: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(key, default)
-    try:
-        v = float(v)
-    except (TypeError, ValueError):
-        raise BadRequest(f"{key}={v!r}: expected a number of seconds", key) from None
-    if not lo <= v <= hi:
-        raise BadRequest(f"{key}={v}: allowed {lo} .. {hi} seconds", key)
-    return v
+SID = Annotated[str, FPath(pattern=f"^{PATTERNS['sandbox_id'].pattern}$")]
+SNAP = Annotated[str, FPath(pattern=f"^{PATTERNS['snapshot_id'].pattern}$")]
+EID = Annotated[str, FPath(pattern=f"^{PATTERNS['edge_id'].pattern}$")]
+PathQ = Annotated[str, Query(min_length=1, max_length=MAX_PATH, pattern=r"^[^\x00]+$")]
+ModeQ = Annotated[int, Query(ge=0, le=0o1777)]
 
 
-def make_app(home: str | Path, token: str, db_path: str | Path | None = None) -> FastAPI:
-    home = Path(home)
-    home.mkdir(parents=True, exist_ok=True)
+def make_app(home: str | Path, creds: Credentials, db_path: str | Path | None = None) -> FastAPI:
+    home = private_dir(Path(home))
     store = Store(db_path or home / "dsec.sqlite")
     store.x("UPDATE sandboxes SET busy=0")  # requests in flight died with the previous apiserver
-    app = FastAPI(title="dsec apiserver")
-    app.state.store = store
-    auth = Depends(bearer(token))
-    headers = {"Authorization": f"Bearer {token}"}
-    http = httpx.Client(timeout=httpx.Timeout(3700, connect=5), headers=headers,
+    headers = {"Authorization": f"Bearer {creds.control}"}
+    http = httpx.Client(timeout=httpx.Timeout(60, connect=5), headers=headers,
                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+    ahttp = httpx.AsyncClient(timeout=httpx.Timeout(3700, connect=5), headers=headers,
+                              limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
 
-    @app.exception_handler(DsecError)
-    async def _dsec_error(request: Request, e: DsecError):
-        return JSONResponse({"error": str(e), "field": e.field, "kind": type(e).__name__}, status_code=e.status)
+    @asynccontextmanager
+    async def lifespan(app):
+        async def adopt_all():  # an apiserver restart re-adopts what the edges still run
+            for e in await asyncio.to_thread(store.alive_edges):
+                await asyncio.to_thread(adopt_edge, store, http, e)
 
-    def live(sid: str, allow_paused: bool = False) -> dict:
+        task = asyncio.get_running_loop().create_task(adopt_all())
+        yield
+        task.cancel()
+        await ahttp.aclose()
+        http.close()
+
+    app = FastAPI(title="dsec apiserver", default_response_class=AsciiJSON, lifespan=lifespan)
+    app.state.store = store
+    install_errors(app)
+    client = Depends(tenant_of(creds))
+    edge_auth = Depends(bearer(creds.edge))
+
+    def live(sid: str, tenant: str, allow_paused: bool = False) -> dict:
         row = store.sandbox(sid)
-        if row is None:
+        if row is None or row["tenant"] != tenant:
             raise NotFound(f"sandbox_id={sid!r}: no such sandbox", "sandbox_id")
         ok = ("running", "paused") if allow_paused else ("running",)
         if row["state"] not in ok:
@@ -70,75 +89,93 @@ def make_app(home: str | Path, token: str, db_path: str | Path | None = None) ->
 
     def forward(row: dict, method: str, path: str, **kw) -> httpx.Response:
         try:
-            r = http.request(method, f"{edge_url(row)}/edge/v1/sandboxes/{row['id']}{path}", **kw)
+            return http.request(method, f"{edge_url(row)}/edge/v1/sandboxes/{row['id']}{path}", **kw)
         except httpx.HTTPError as e:
             raise Unavailable(f"sandbox_id={row['id']!r}: edge unreachable ({type(e).__name__})", "sandbox_id") from None
-        return r
+
+    async def aforward(row: dict, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            return await ahttp.request(method, f"{edge_url(row)}/edge/v1/sandboxes/{row['id']}{path}", **kw)
+        except httpx.HTTPError as e:
+            raise Unavailable(f"sandbox_id={row['id']!r}: edge unreachable ({type(e).__name__})", "sandbox_id") from None
 
     def relay(r: httpx.Response):
         ctype = r.headers.get("content-type", "")
         if ctype.startswith("application/json"):
-            return JSONResponse(r.json(), status_code=r.status_code)
+            try:
+                return AsciiJSON(r.json(), status_code=r.status_code)
+            except ValueError:
+                pass
         return Response(r.content, status_code=r.status_code, media_type=ctype or None)
 
-    # -- edges --------------------------------------------------------------------------------
-    @app.post("/v1/edges/register", dependencies=[auth])
-    def register(body: dict = Body(...)):
-        eid, url = body.get("edge_id"), body.get("url")
-        if not isinstance(eid, str) or not eid:
-            raise BadRequest("edge_id: a non-empty string is required", "edge_id")
-        if not isinstance(url, str) or not url.startswith("http://"):
-            raise BadRequest("url: an http:// address is required", "url")
-        store.upsert_edge(eid, url)
-        return {"edge_id": eid}
+    # -- edges (edge credential) ----------------------------------------------------------------
+    @app.post("/v1/edges/register", dependencies=[edge_auth])
+    async def register(body: RegisterBody):
+        store.upsert_edge(body.edge_id, body.url)
+        e = store.edge(body.edge_id)
+        asyncio.get_running_loop().create_task(asyncio.to_thread(adopt_edge, store, http, e))
+        return {"edge_id": body.edge_id}
 
-    @app.post("/v1/edges/{eid}/heartbeat", dependencies=[auth])
-    def heartbeat(eid: str):
+    @app.post("/v1/edges/{eid}/heartbeat", dependencies=[edge_auth])
+    async def heartbeat(eid: EID):
         if not store.heartbeat(eid):
             raise NotFound(f"edge_id={eid!r}: not registered", "edge_id")
         return {"ok": True}
 
-    @app.get("/v1/edges", dependencies=[auth])
+    @app.get("/v1/edges", dependencies=[client])
     def edges():
-        return store.q("SELECT * FROM edges")
+        return [{k: e[k] for k in ("id", "state", "last_seen", "registered")} for e in store.q("SELECT * FROM edges")]
 
     # -- sandboxes ----------------------------------------------------------------------------
-    @app.post("/v1/sandboxes", dependencies=[auth])
-    def create(body: dict = Body(default={})):
-        timeout = _num(body, "timeout", DEFAULT_TIMEOUT, 1, 7 * 86400)
-        idle = _num(body, "idle_timeout", DEFAULT_IDLE, 1, 7 * 86400)
-        substrate = body.get("substrate", "container")
-        if substrate not in ("process", "container"):
-            raise BadRequest(f"substrate={substrate!r}: allowed process, container", "substrate")
-        snap = body.get("snapshot_id")
-        image = body.get("image", "busybox")
-        if snap:
-            image = read_snapshot(home, snap)["image"]
+    def create_for(tenant: str, body: CreateBody):
+        image = body.image
+        if body.snapshot_id:
+            row = store.snapshot(body.snapshot_id)
+            if row is None or row["tenant"] != tenant:
+                raise NotFound(f"snapshot_id={body.snapshot_id!r}: no such snapshot", "snapshot_id")
+            image = read_snapshot(home, body.snapshot_id)["image"]
+        if body.replay_from:
+            src = store.sandbox(body.replay_from)
+            if src is None or src["tenant"] != tenant:
+                raise NotFound(f"replay_from={body.replay_from!r}: no such sandbox", "replay_from")
+        from v4stack.dsec import substrates
+
+        substrates.cls(body.substrate)  # 400 naming the field for an unknown one
         edges_ = store.alive_edges()
-        if body.get("edge"):  # explicit placement
-            edges_ = [e for e in edges_ if e["id"] == body["edge"]]
+        if body.edge:  # explicit placement
+            edges_ = [e for e in edges_ if e["id"] == body.edge]
             if not edges_:
-                raise Unavailable(f"edge={body['edge']!r}: not an alive edge", "edge")
+                if store.edge(body.edge) is None:
+                    raise NotFound(f"edge={body.edge!r}: no such edge", "edge")
+                raise Unavailable(f"edge={body.edge!r}: not an alive edge", "edge")
         if not edges_:
             raise Unavailable("no alive edge to place the sandbox on", "edge")
         sid = new_id("sbx")
         edge = edges_[0]
-        store.add_sandbox(sid, edge["id"], image, substrate, timeout, idle, body.get("limits") or {}, snap)
-        payload = {k: body.get(k) for k in ("image", "substrate", "limits", "snapshot_id", "replay_from", "network",
-                                        "rerun_idempotent")}
-        payload.update(sandbox_id=sid, substrate=substrate, image=image)
+        limits = body.limits.model_dump() if body.limits else {}
+        store.add_sandbox(sid, edge["id"], image, body.substrate, body.timeout, body.idle_timeout, limits,
+                          body.snapshot_id, tenant)
+        payload = EdgeCreateBody(sandbox_id=sid, image=image, substrate=body.substrate, limits=body.limits,
+                                 snapshot_id=body.snapshot_id, replay_from=body.replay_from,
+                                 rerun_idempotent=body.rerun_idempotent, network=body.network)
         try:
-            r = http.post(f"{edge['url']}/edge/v1/sandboxes", json=payload)
+            r = http.post(f"{edge['url']}/edge/v1/sandboxes", json=payload.model_dump(exclude_none=True),
+                          timeout=httpx.Timeout(600, connect=5))
         except httpx.HTTPError as e:
-            store.set_state(sid, "failed", f"edge unreachable: {type(e).__name__}")
+            # the edge may still have made it: the watcher asks the edge before calling it failed
+            store.set_state(sid, "creating", f"edge unreachable while creating: {type(e).__name__}")
             raise Unavailable(f"edge {edge['id']} unreachable while creating", "edge") from None
         if r.status_code != 200:
             store.set_state(sid, "failed", r.text[:300])
             return relay(r)
         info = r.json()
-        store.set_chain(sid, info.get("chain", []), snap)
+        store.set_chain(sid, info.get("chain", []), body.snapshot_id)
         store.set_state(sid, "running")
         return {**info, "id": sid, "edge": edge["id"], "state": "running"}
+
+    @app.post("/v1/sandboxes")
+    def create(tenant: str = client, body: CreateBody = Body(default=None)):
+        return create_for(tenant, body or CreateBody())
 
     def view(row: dict) -> dict:
         out = {k: row[k] for k in ("id", "edge", "image", "substrate", "state", "reason", "created", "timeout",
@@ -147,140 +184,170 @@ def make_app(home: str | Path, token: str, db_path: str | Path | None = None) ->
         out["chain"] = json.loads(row["chain"])
         return out
 
-    @app.get("/v1/sandboxes", dependencies=[auth])
-    def list_(state: str | None = None):
-        return [view(r) for r in store.sandboxes(state)]
+    @app.get("/v1/sandboxes")
+    def list_(tenant: str = client, state: Optional[State] = None):
+        return [view(r) for r in store.sandboxes(state, tenant)]
 
-    @app.get("/v1/sandboxes/{sid}", dependencies=[auth])
-    def get(sid: str):
-        row = store.sandbox(sid)
-        if row is None:
-            raise NotFound(f"sandbox_id={sid!r}: no such sandbox", "sandbox_id")
+    @app.get("/v1/sandboxes/{sandbox_id}")
+    def get(sandbox_id: SID, tenant: str = client):
+        row = store.sandbox(sandbox_id)
+        if row is None or row["tenant"] != tenant:
+            raise NotFound(f"sandbox_id={sandbox_id!r}: no such sandbox", "sandbox_id")
         return view(row)
 
-    @app.delete("/v1/sandboxes/{sid}", dependencies=[auth])
-    def kill(sid: str):
-        row = live(sid, allow_paused=True)
+    @app.delete("/v1/sandboxes/{sandbox_id}")
+    def kill(sandbox_id: SID, tenant: str = client):
+        row = live(sandbox_id, tenant, allow_paused=True)
         r = forward(row, "DELETE", "")
-        store.set_state(sid, "killed", "by request")
-        return relay(r) if r.status_code != 200 else {"killed": sid}
+        if r.status_code in (200, 404):  # 404: the edge no longer has it; either way it is gone
+            store.set_state(sandbox_id, "killed", "by request")
+            return {"killed": sandbox_id}
+        return relay(r)
 
-    @app.post("/v1/sandboxes/{sid}/pause", dependencies=[auth])
-    def pause(sid: str):
-        live(sid, allow_paused=True)
-        store.pause(sid)
-        return view(store.sandbox(sid))
+    @app.post("/v1/sandboxes/{sandbox_id}/pause")
+    def pause(sandbox_id: SID, tenant: str = client):
+        live(sandbox_id, tenant, allow_paused=True)
+        store.pause(sandbox_id)
+        return view(store.sandbox(sandbox_id))
 
-    @app.post("/v1/sandboxes/{sid}/resume", dependencies=[auth])
-    def resume(sid: str):
-        live(sid, allow_paused=True)
-        store.resume(sid)  # resuming a running sandbox is a no-op, not an error
-        return view(store.sandbox(sid))
+    @app.post("/v1/sandboxes/{sandbox_id}/resume")
+    def resume(sandbox_id: SID, tenant: str = client):
+        live(sandbox_id, tenant, allow_paused=True)
+        store.resume(sandbox_id)  # resuming a running sandbox is a no-op, not an error
+        return view(store.sandbox(sandbox_id))
 
-    @app.post("/v1/sandboxes/{sid}/exec", dependencies=[auth])
-    def exec_(sid: str, body: dict = Body(...)):
-        row = live(sid)
-        store.touch(sid)
-        if body.get("stream"):
-            url = f"{edge_url(row)}/edge/v1/sandboxes/{sid}/exec"
+    @app.post("/v1/sandboxes/{sandbox_id}/exec")
+    async def exec_(sandbox_id: SID, body: ExecBody, tenant: str = client):
+        row = await asyncio.to_thread(live, sandbox_id, tenant)
+        payload = body.model_dump(exclude_none=True)
+        await asyncio.to_thread(store.busy, sandbox_id, +1)
+        if not body.stream:
             try:
-                r = http.send(http.build_request("POST", url, json=body), stream=True)
-            except httpx.HTTPError as e:
-                raise Unavailable(f"sandbox_id={sid!r}: edge unreachable ({type(e).__name__})", "sandbox_id") from None
-            if r.status_code >= 400:  # refused before it ran: keep the status
-                r.read()
-                r.close()
-                return relay(r)
-
-            def gen():
-                store.busy(sid, +1)
-                try:
-                    for line in r.iter_lines():
-                        yield line + "\n"
-                except httpx.HTTPError as e:
-                    yield json.dumps({"error": f"edge connection lost: {type(e).__name__}", "status": 503}) + "\n"
-                finally:
-                    r.close()
-                    store.busy(sid, -1)
-
-            return StreamingResponse(gen(), media_type="application/x-ndjson")
-        store.busy(sid, +1)
+                return relay(await aforward(row, "POST", "/exec", json=payload))
+            finally:
+                await asyncio.to_thread(store.busy, sandbox_id, -1)
         try:
-            return relay(forward(row, "POST", "/exec", json=body))
-        finally:
-            store.busy(sid, -1)
+            req = ahttp.build_request("POST", f"{edge_url(row)}/edge/v1/sandboxes/{sandbox_id}/exec", json=payload)
+            r = await ahttp.send(req, stream=True)
+        except (httpx.HTTPError, DsecError) as e:
+            await asyncio.to_thread(store.busy, sandbox_id, -1)
+            if isinstance(e, DsecError):
+                raise
+            raise Unavailable(f"sandbox_id={sandbox_id!r}: edge unreachable ({type(e).__name__})", "sandbox_id") from None
+        if r.status_code >= 400:  # refused before it ran: keep the status
+            await r.aread()
+            await r.aclose()
+            await asyncio.to_thread(store.busy, sandbox_id, -1)
+            return relay(r)
 
-    @app.get("/v1/sandboxes/{sid}/files", dependencies=[auth])
-    def read(sid: str, path: str = Query(...)):
-        return relay(forward(live(sid), "GET", "/files", params={"path": path}))
+        async def gen():
+            try:
+                async for line in r.aiter_lines():
+                    yield line + "\n"
+            except httpx.HTTPError as e:
+                yield json.dumps({"error": f"edge connection lost: {type(e).__name__}", "status": 503}) + "\n"
+            finally:
+                await r.aclose()
+                await asyncio.to_thread(store.busy, sandbox_id, -1)
 
-    @app.get("/v1/sandboxes/{sid}/files/list", dependencies=[auth])
-    def list_files(sid: str, path: str = Query("/")):
-        return relay(forward(live(sid), "GET", "/files/list", params={"path": path}))
+        return StreamingResponse(gen(), media_type="application/x-ndjson")
 
-    @app.put("/v1/sandboxes/{sid}/files", dependencies=[auth])
-    async def write(sid: str, request: Request, path: str = Query(...), mode: int = Query(0o644)):
-        data = await request.body()
-        row = live(sid)
-        store.touch(sid)
-        return relay(forward(row, "PUT", "/files", params={"path": path, "mode": mode}, content=data))
+    @app.get("/v1/sandboxes/{sandbox_id}/files")
+    async def read(sandbox_id: SID, path: PathQ, tenant: str = client):
+        row = await asyncio.to_thread(live, sandbox_id, tenant)
+        return relay(await aforward(row, "GET", "/files", params={"path": path}))
 
-    @app.post("/v1/sandboxes/{sid}/files/upload", dependencies=[auth])
-    def upload(sid: str, body: dict = Body(...)):
-        row = live(sid)
-        store.touch(sid)
-        return relay(forward(row, "POST", "/files/upload", json=body))
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list")
+    def list_files(sandbox_id: SID, tenant: str = client, path: PathQ = "/"):
+        return relay(forward(live(sandbox_id, tenant), "GET", "/files/list", params={"path": path}))
 
-    @app.delete("/v1/sandboxes/{sid}/files", dependencies=[auth])
-    def remove(sid: str, path: str = Query(...)):
-        return relay(forward(live(sid), "DELETE", "/files", params={"path": path}))
+    @app.put("/v1/sandboxes/{sandbox_id}/files")
+    async def write(sandbox_id: SID, request: Request, path: PathQ, tenant: str = client, mode: ModeQ = 0o644):
+        row = await asyncio.to_thread(live, sandbox_id, tenant)
+        data = await read_body(request)
+        await asyncio.to_thread(store.touch, sandbox_id)
+        return relay(await aforward(row, "PUT", "/files", params={"path": path, "mode": mode}, content=data))
 
-    @app.post("/v1/sandboxes/{sid}/snapshot", dependencies=[auth])
-    def snapshot(sid: str):
-        row = live(sid, allow_paused=True)
-        r = forward(row, "POST", "/snapshot")
+    @app.post("/v1/sandboxes/{sandbox_id}/files/upload")
+    async def upload(sandbox_id: SID, request: Request, tenant: str = client):
+        row = await asyncio.to_thread(live, sandbox_id, tenant)
+        raw = await read_body(request, 2 * MAX_FILE)
+        try:
+            body = UploadBody.model_validate_json(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        await asyncio.to_thread(store.touch, sandbox_id)
+        return relay(await aforward(row, "POST", "/files/upload", content=body.model_dump_json(exclude_none=True),
+                                    headers={"content-type": "application/json"}))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files")
+    def remove(sandbox_id: SID, path: PathQ, tenant: str = client):
+        return relay(forward(live(sandbox_id, tenant), "DELETE", "/files", params={"path": path}))
+
+    def snapshot_for(tenant: str, sid: str):
+        row = live(sid, tenant, allow_paused=True)
+        r = forward(row, "POST", "/snapshot", timeout=600)
         if r.status_code == 200:
             doc = r.json()
-            store.add_snapshot(doc)
+            store.add_snapshot(doc, tenant)
             store.set_chain(sid, doc["layers"], doc["id"])
-        return relay(r)
+        return r
 
-    @app.post("/v1/sandboxes/{sid}/restore", dependencies=[auth])
-    def restore(sid: str, body: dict = Body(...)):
-        row = live(sid, allow_paused=True)
-        r = forward(row, "POST", "/restore", json=body)
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot")
+    def snapshot(sandbox_id: SID, tenant: str = client):
+        return relay(snapshot_for(tenant, sandbox_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/restore")
+    def restore(sandbox_id: SID, body: RestoreBody, tenant: str = client):
+        row = live(sandbox_id, tenant, allow_paused=True)
+        snap = store.snapshot(body.snapshot_id)
+        if snap is None or snap["tenant"] != tenant:
+            raise NotFound(f"snapshot_id={body.snapshot_id!r}: no such snapshot", "snapshot_id")
+        if body.replay_from:
+            src = store.sandbox(body.replay_from)
+            if src is None or src["tenant"] != tenant:
+                raise NotFound(f"replay_from={body.replay_from!r}: no such sandbox", "replay_from")
+        r = forward(row, "POST", "/restore", json=body.model_dump(exclude_none=True), timeout=600)
         if r.status_code == 200:
-            store.set_chain(sid, r.json()["chain"], body.get("snapshot_id"))
+            store.set_chain(sandbox_id, r.json()["chain"], body.snapshot_id)
         return relay(r)
 
-    @app.post("/v1/sandboxes/{sid}/fork", dependencies=[auth])
-    def fork(sid: str, body: dict = Body(default={})):
-        snap = body.get("snapshot_id")
+    @app.post("/v1/sandboxes/{sandbox_id}/fork")
+    def fork(sandbox_id: SID, tenant: str = client, body: ForkBody = Body(default=None)):
+        snap = body.snapshot_id if body else None
         if not snap:
-            resp = snapshot(sid)
-            if resp.status_code != 200:
-                return resp
-            snap = json.loads(resp.body)["id"]
-        row = store.sandbox(sid)
-        return create({"snapshot_id": snap, "substrate": row["substrate"], "limits": json.loads(row["limits"]),
-                       "timeout": row["timeout"], "idle_timeout": row["idle_timeout"]})
+            r = snapshot_for(tenant, sandbox_id)
+            if r.status_code != 200:
+                return relay(r)
+            snap = r.json()["id"]
+        row = store.sandbox(sandbox_id)
+        from v4stack.dsec.protocol import LimitsBody
 
-    @app.get("/v1/sandboxes/{sid}/log", dependencies=[auth])
-    def log(sid: str, since: int = 0, path: str | None = None):
-        if store.sandbox(sid) is None:
-            raise NotFound(f"sandbox_id={sid!r}: no such sandbox", "sandbox_id")
-        out = query(home / "logs" / sid, since, path)
-        row = store.sandbox(sid)
+        limits = json.loads(row["limits"])
+        return create_for(tenant, CreateBody(snapshot_id=snap, substrate=row["substrate"],
+                                             limits=LimitsBody(**limits) if limits else None,
+                                             timeout=row["timeout"], idle_timeout=row["idle_timeout"]))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/log")
+    def log(sandbox_id: SID, tenant: str = client, since: Annotated[int, Query(ge=0, lt=1 << 62)] = 0,
+            path: Annotated[Optional[str], Query(min_length=1, max_length=MAX_PATH)] = None):
+        row = store.sandbox(sandbox_id)
+        if row is None or row["tenant"] != tenant:
+            raise NotFound(f"sandbox_id={sandbox_id!r}: no such sandbox", "sandbox_id")
+        out = query(home / "logs" / sandbox_id, since, path)
         if row["state"] == "running":  # a request in flight is not (yet) an unknown outcome
             out["in_flight"] = out["unknown_outcome"][-1:] if out["unknown_outcome"] else []
         return out
 
-    @app.get("/v1/snapshots/{snap}", dependencies=[auth])
-    def get_snapshot(snap: str):
-        return read_snapshot(home, snap)
+    @app.get("/v1/snapshots/{snapshot_id}")
+    def get_snapshot(snapshot_id: SNAP, tenant: str = client):
+        row = store.snapshot(snapshot_id)
+        if row is None or row["tenant"] != tenant:
+            raise NotFound(f"snapshot_id={snapshot_id!r}: no such snapshot", "snapshot_id")
+        return read_snapshot(home, snapshot_id)
 
     @app.get("/healthz")
-    def healthz():
+    async def healthz():
         return {"ok": True, "time": time.time()}
 
     return app

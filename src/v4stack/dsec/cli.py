@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -25,64 +24,93 @@ app.add_typer(image_app, name="image")
 
 DEFAULT_HOME = os.environ.get("DSEC_HOME", "/var/lib/v4stack-dsec")
 HOME_OPT = typer.Option(DEFAULT_HOME, "--home", help="Shared storage: images, layers, logs, state.")
-TOKEN_OPT = typer.Option(None, "--token", envvar="DSEC_TOKEN", help="Bearer token (>= 16 chars).")
+CREDS_OPT = typer.Option(None, "--credentials", envvar="DSEC_CREDENTIALS",
+                         help="Credentials file (default: <home>/credentials.json; `dsec credentials` makes one).")
 
 
-def _token(token: Optional[str]) -> str:
-    if not token or len(token) < 16:
-        typer.echo("error: --token / DSEC_TOKEN: at least 16 characters are required", err=True)
+def _creds(home: str, path: Optional[str]):
+    from v4stack.dsec.auth import Credentials
+
+    p = Path(path) if path else Path(home) / "credentials.json"
+    try:
+        return Credentials.load(p)
+    except (OSError, ValueError, KeyError) as e:
+        typer.echo(f"error: --credentials {p}: {e} (run `v4stack dsec credentials --home {home}`)", err=True)
         raise typer.Exit(2)
-    return token
 
 
 @app.command()
-def apiserver(home: str = HOME_OPT, token: Optional[str] = TOKEN_OPT, host: str = "127.0.0.1", port: int = 8470):
+def credentials(home: str = HOME_OPT, tenant: list[str] = typer.Option(["default"], "--tenant",
+                help="A tenant to make a client token for (repeatable)."), force: bool = False):
+    """Make <home>/credentials.json (0600): a client token per tenant, an edge and a control credential."""
+    from v4stack.dsec.auth import Credentials
+    from v4stack.dsec.mounts import private_dir
+
+    p = private_dir(Path(home)) / "credentials.json"
+    if p.exists() and not force:
+        typer.echo(f"error: {p} exists (--force makes new ones)", err=True)
+        raise typer.Exit(2)
+    try:
+        c = Credentials.generate(tenant)
+    except ValueError as e:
+        typer.echo(f"error: --tenant: {e}", err=True)
+        raise typer.Exit(2)
+    c.save(p)
+    for t, tok in c.tenants.items():
+        typer.echo(f"DSEC_TOKEN={tok}  # tenant {t}")
+
+
+@app.command()
+def apiserver(home: str = HOME_OPT, creds: Optional[str] = CREDS_OPT, host: str = "127.0.0.1", port: int = 8470):
     """Run the apiserver alone."""
     import uvicorn
 
     from v4stack.dsec.apiserver import make_app
 
-    uvicorn.run(make_app(home, _token(token)), host=host, port=port, log_level="warning")
+    uvicorn.run(make_app(home, _creds(home, creds)), host=host, port=port, log_level="warning")
 
 
 @app.command()
-def edge(home: str = HOME_OPT, token: Optional[str] = TOKEN_OPT, apiserver_url: str = typer.Option(
+def edge(home: str = HOME_OPT, creds: Optional[str] = CREDS_OPT, apiserver_url: str = typer.Option(
         "http://127.0.0.1:8470", "--apiserver"), edge_id: str = typer.Option("", "--id"), host: str = "127.0.0.1",
         port: int = 0, pool: int = typer.Option(2, min=0, max=256, help="Warm process-substrate workers."),
         heartbeat: float = typer.Option(1.0, min=0.05, max=60)):
     """Run an edge agent alone (registers with the apiserver, then heartbeats)."""
     from v4stack.dsec.edge import serve
 
-    serve(home, apiserver_url, _token(token), edge_id or f"edge-{os.uname().nodename}-{os.getpid()}", host, port,
+    c = _creds(home, creds)
+    serve(home, apiserver_url, c.edge, c.control, edge_id or f"edge-{os.uname().nodename}-{os.getpid()}", host, port,
           pool, heartbeat)
 
 
 @app.command()
-def watcher(home: str = HOME_OPT, token: Optional[str] = TOKEN_OPT, every: float = typer.Option(1.0, min=0.05),
+def watcher(home: str = HOME_OPT, creds: Optional[str] = CREDS_OPT, every: float = typer.Option(1.0, min=0.05),
             dead_after: float = typer.Option(3.0, min=0.1)):
-    """Run the watcher alone (TTL / idle / dead-edge reclamation, layer GC)."""
+    """Run the watcher alone (TTL / idle / dead-edge reclamation, layer and blob GC)."""
     from v4stack.dsec.watcher import Watcher
 
-    Watcher(home, _token(token), dead_after=dead_after).run(every)
+    Watcher(home, _creds(home, creds).control, dead_after=dead_after).run(every)
 
 
 @app.command()
-def up(home: str = HOME_OPT, token: Optional[str] = TOKEN_OPT, port: int = 8470, pool: int = 2,
+def up(home: str = HOME_OPT, port: int = 8470, pool: int = 2,
        image: str = typer.Option("busybox", help="Image recipe to build before serving ('' to skip).")):
     """Start apiserver + one edge + watcher on this machine (the embedded default)."""
     import uvicorn
 
     from v4stack.dsec.apiserver import make_app
+    from v4stack.dsec.auth import Credentials
     from v4stack.dsec.images import ImageStore
+    from v4stack.dsec.mounts import private_dir
     from v4stack.dsec.watcher import Watcher
 
-    tok = token or secrets.token_urlsafe(24)
-    if not token:
-        typer.echo(f"DSEC_TOKEN={tok}")
-    Path(home).mkdir(parents=True, exist_ok=True)
+    private_dir(Path(home))
+    creds = Credentials.ensure(home)
+    typer.echo(f"DSEC_TOKEN={next(iter(creds.tenants.values()))}  (tenant {next(iter(creds.tenants))}; "
+               f"all in {Path(home) / 'credentials.json'})")
     if image:
         typer.echo(f"image {image}: {ImageStore(Path(home)).build(image)}")
-    env = {**os.environ, "DSEC_TOKEN": tok}
+    env = dict(os.environ)
 
     def die_with_parent():  # if `up` itself is killed outright, its edge goes too (main thread, no threads yet)
         import ctypes
@@ -92,14 +120,14 @@ def up(home: str = HOME_OPT, token: Optional[str] = TOKEN_OPT, port: int = 8470,
     edge_proc = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", home, "--apiserver",
                                   f"http://127.0.0.1:{port}", "--pool", str(pool)], env=env,
                                  preexec_fn=die_with_parent)
-    w = Watcher(home, tok)
+    w = Watcher(home, creds.control)
     threading.Thread(target=w.run, daemon=True).start()
     typer.echo(f"dsec up: apiserver http://127.0.0.1:{port}, edge pid {edge_proc.pid}, home {home}")
     from v4stack.dsec.edge import quiet_after_shutdown
 
     quiet_after_shutdown()
     try:
-        uvicorn.run(make_app(home, tok), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.run(make_app(home, creds), host="127.0.0.1", port=port, log_level="warning")
     finally:
         w.stop.set()
         edge_proc.send_signal(signal.SIGTERM)

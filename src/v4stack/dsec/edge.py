@@ -1,90 +1,85 @@
 """The edge: the per-host agent that runs sandboxes (a ``Runtime``) behind an internal HTTP API.
 
-It registers with the apiserver on start and heartbeats every ``heartbeat_s``; the apiserver
-places sandboxes on it and forwards verbs. Requests carry the shared bearer token.
+It registers with the apiserver on start and heartbeats every ``heartbeat_s`` (edge credential);
+the apiserver places sandboxes on it and forwards verbs. The edge API accepts only the control
+credential (the apiserver's and the watcher's), validates every body with the models of
+``protocol`` and every sandbox id with its pattern, and runs sandbox work on its own thread pool,
+so a crowd of long commands never starves ``/healthz`` or the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import binascii
 import json
 import queue
 import threading
+from contextlib import asynccontextmanager
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
 
 import httpx
-from fastapi import Body, Depends, FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Depends, FastAPI, Path as FPath, Query, Request
+from fastapi.responses import StreamingResponse
 
 from v4stack.dsec.auth import bearer
 from v4stack.dsec.cgroups import Limits
 from v4stack.dsec.errors import BadRequest, DsecError
+from v4stack.dsec.files import MAX_FILE
+from v4stack.dsec.protocol import (AsciiJSON, EdgeCreateBody, ExecBody, RestoreBody, UploadBody, install_errors,
+                                   read_body)
 from v4stack.dsec.runtime import Runtime
+from v4stack.dsec.validate import MAX_PATH, PATTERNS
+
+SID = Annotated[str, FPath(pattern=f"^{PATTERNS['sandbox_id'].pattern}$")]
+PathQ = Annotated[str, Query(min_length=1, max_length=MAX_PATH, pattern=r"^[^\x00]+$")]
 
 
-def error_response(e: DsecError) -> JSONResponse:
-    return JSONResponse({"error": str(e), "field": e.field, "kind": type(e).__name__}, status_code=e.status)
+def make_app(rt: Runtime, control_token: str, workers: int = 256) -> FastAPI:
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dsec-edge")
 
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
 
-def limits_from(body: dict) -> Limits:
-    raw = body.get("limits") or {}
-    if not isinstance(raw, dict):
-        raise BadRequest("limits: expected an object", "limits")
-    known = set(Limits.__dataclass_fields__)
-    bad = set(raw) - known
-    if bad:
-        raise BadRequest(f"limits.{sorted(bad)[0]}: unknown; allowed {', '.join(sorted(known))}", "limits")
-    try:
-        return Limits(**{k: type(getattr(Limits(), k))(v) for k, v in raw.items()}).validate()
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"limits: {e}", "limits") from None
+    app = FastAPI(title="dsec edge", default_response_class=AsciiJSON, lifespan=lifespan)
+    install_errors(app)
+    auth = Depends(bearer(control_token))
 
-
-def network_allow(body: dict) -> list | None:
-    net = body.get("network")
-    if net is None:
-        return None
-    if not isinstance(net, dict) or set(net) - {"allow"}:
-        raise BadRequest("network: expected {\"allow\": [CIDR, ...]}", "network")
-    return net.get("allow")
-
-
-def make_app(rt: Runtime, token: str) -> FastAPI:
-    app = FastAPI(title="dsec edge")
-    auth = Depends(bearer(token))
-
-    @app.exception_handler(DsecError)
-    async def _dsec_error(request: Request, e: DsecError):
-        return error_response(e)
+    async def off(fn, *a, **kw):
+        """Sandbox work on the edge's own pool (never the event loop, never the shared small pool)."""
+        return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*a, **kw))
 
     @app.get("/healthz")
-    def healthz():
+    async def healthz():
         return {"ok": True, "sandboxes": len(rt.sandboxes)}
 
     @app.get("/edge/v1/sandboxes", dependencies=[auth])
-    def list_():
-        return [s.info() for s in rt.sandboxes.values()]
+    async def list_():
+        return [s.info() for s in list(rt.sandboxes.values())]
 
     @app.post("/edge/v1/sandboxes", dependencies=[auth])
-    def create(body: dict = Body(...)):
-        s = rt.create(image=body.get("image", "busybox"), substrate=body.get("substrate", "container"),
-                      limits=limits_from(body), sid=body.get("sandbox_id"), snapshot=body.get("snapshot_id"),
-                      replay_from=body.get("replay_from"), allow=network_allow(body),
-                      rerun_idempotent=bool(body.get("rerun_idempotent", False)))
+    async def create(body: EdgeCreateBody):
+        limits = Limits(**body.limits.model_dump()) if body.limits else None
+        s = await off(rt.create, image=body.image, substrate=body.substrate, limits=limits, sid=body.sandbox_id,
+                      snapshot=body.snapshot_id, replay_from=body.replay_from,
+                      allow=body.network.allow if body.network else None, rerun_idempotent=body.rerun_idempotent)
         return {**s.info(), "restore": s.restore_info}
 
-    @app.delete("/edge/v1/sandboxes/{sid}", dependencies=[auth])
-    def kill(sid: str):
-        rt.kill(sid)
-        return {"killed": sid}
+    @app.delete("/edge/v1/sandboxes/{sandbox_id}", dependencies=[auth])
+    async def kill(sandbox_id: SID):
+        await off(rt.kill, sandbox_id)
+        return {"killed": sandbox_id}
 
-    @app.post("/edge/v1/sandboxes/{sid}/exec", dependencies=[auth])
-    def exec_(sid: str, body: dict = Body(...)):
-        s = rt.get(sid)
-        kw = dict(cmd=body.get("cmd"), cwd=body.get("cwd") or "/", env=body.get("env") or {},
-                  timeout=float(body.get("timeout", 60)), idempotent=bool(body.get("idempotent", False)),
-                  seq=body.get("seq"))
-        if not body.get("stream"):
-            return s.exec(**kw)
+    @app.post("/edge/v1/sandboxes/{sandbox_id}/exec", dependencies=[auth])
+    async def exec_(sandbox_id: SID, body: ExecBody):
+        s = rt.get(sandbox_id)
+        kw = dict(cmd=body.cmd, cwd=body.cwd, env=body.env, timeout=body.timeout, idempotent=body.idempotent,
+                  seq=body.seq)
+        if not body.stream:
+            return await off(s.exec, **kw)
         q: queue.Queue = queue.Queue()
 
         def run():
@@ -93,9 +88,11 @@ def make_app(rt: Runtime, token: str) -> FastAPI:
                 q.put({"result": res})
             except DsecError as e:
                 q.put({"error": str(e), "field": e.field, "status": e.status})
+            except Exception as e:  # noqa: BLE001 - the stream must end with a status, whatever happened
+                q.put({"error": f"{type(e).__name__}: {e}", "field": None, "status": 500})
             q.put(None)
 
-        threading.Thread(target=run, daemon=True).start()
+        pool.submit(run)
 
         def gen():
             while (item := q.get()) is not None:
@@ -103,43 +100,45 @@ def make_app(rt: Runtime, token: str) -> FastAPI:
 
         return StreamingResponse(gen(), media_type="application/x-ndjson")
 
-    @app.get("/edge/v1/sandboxes/{sid}/files", dependencies=[auth])
-    def read(sid: str, path: str = Query(...)):
-        return Response(rt.get(sid).files.read(path), media_type="application/octet-stream")
+    @app.get("/edge/v1/sandboxes/{sandbox_id}/files", dependencies=[auth])
+    async def read(sandbox_id: SID, path: PathQ):
+        chunks = await off(rt.get(sandbox_id).files.chunks, path)
+        return StreamingResponse(chunks, media_type="application/octet-stream")
 
-    @app.get("/edge/v1/sandboxes/{sid}/files/list", dependencies=[auth])
-    def list_files(sid: str, path: str = Query("/")):
-        return rt.get(sid).files.list(path)
+    @app.get("/edge/v1/sandboxes/{sandbox_id}/files/list", dependencies=[auth])
+    async def list_files(sandbox_id: SID, path: PathQ = "/"):
+        return await off(rt.get(sandbox_id).files.list, path)
 
-    @app.put("/edge/v1/sandboxes/{sid}/files", dependencies=[auth])
-    async def write(sid: str, request: Request, path: str = Query(...), mode: int = Query(0o644), seq: int | None = None):
-        data = await request.body()
-        return rt.get(sid).write_files([(path, data, mode)], seq=seq)
+    @app.put("/edge/v1/sandboxes/{sandbox_id}/files", dependencies=[auth])
+    async def write(sandbox_id: SID, request: Request, path: PathQ, mode: Annotated[int, Query(ge=0, le=0o1777)] = 0o644,
+                    seq: Annotated[int | None, Query(ge=0, lt=1 << 62)] = None):
+        s = rt.get(sandbox_id)
+        data = await read_body(request, MAX_FILE)
+        return await off(s.write_files, [(path, data, mode)], seq=seq)
 
-    @app.post("/edge/v1/sandboxes/{sid}/files/upload", dependencies=[auth])
-    def upload(sid: str, body: dict = Body(...)):
+    @app.post("/edge/v1/sandboxes/{sandbox_id}/files/upload", dependencies=[auth])
+    async def upload(sandbox_id: SID, body: UploadBody):
+        s = rt.get(sandbox_id)
         items = []
-        for i, f in enumerate(body.get("files") or []):
+        for i, f in enumerate(body.files):
             try:
-                items.append((f["path"], base64.b64decode(f.get("data", ""), validate=True), int(f.get("mode", 0o644))))
-            except (KeyError, ValueError, TypeError) as e:
-                raise BadRequest(f"files[{i}]: needs path and base64 data ({e})", f"files[{i}]") from None
-        if not items:
-            raise BadRequest("files: at least one file is needed", "files")
-        return rt.get(sid).write_files(items, seq=body.get("seq"))
+                items.append((f.path, base64.b64decode(f.data, validate=True), f.mode))
+            except (binascii.Error, ValueError):
+                raise BadRequest(f"files[{i}].data: not base64", f"files.{i}.data") from None
+        return await off(s.write_files, items, seq=body.seq)
 
-    @app.delete("/edge/v1/sandboxes/{sid}/files", dependencies=[auth])
-    def remove(sid: str, path: str = Query(...)):
-        return rt.get(sid).remove_file(path)
+    @app.delete("/edge/v1/sandboxes/{sandbox_id}/files", dependencies=[auth])
+    async def remove(sandbox_id: SID, path: PathQ):
+        return await off(rt.get(sandbox_id).remove_file, path)
 
-    @app.post("/edge/v1/sandboxes/{sid}/snapshot", dependencies=[auth])
-    def snapshot(sid: str):
-        return rt.get(sid).snapshot()
+    @app.post("/edge/v1/sandboxes/{sandbox_id}/snapshot", dependencies=[auth])
+    async def snapshot(sandbox_id: SID):
+        return await off(rt.get(sandbox_id).snapshot)
 
-    @app.post("/edge/v1/sandboxes/{sid}/restore", dependencies=[auth])
-    def restore(sid: str, body: dict = Body(...)):
-        s = rt.get(sid)
-        out = s.restore(body.get("snapshot_id", ""), body.get("replay_from"), bool(body.get("rerun_idempotent")))
+    @app.post("/edge/v1/sandboxes/{sandbox_id}/restore", dependencies=[auth])
+    async def restore(sandbox_id: SID, body: RestoreBody):
+        s = rt.get(sandbox_id)
+        out = await off(s.restore, body.snapshot_id, body.replay_from, body.rerun_idempotent)
         return {**out, "chain": s.rootfs.chain}
 
     return app
@@ -148,10 +147,10 @@ def make_app(rt: Runtime, token: str) -> FastAPI:
 class Heartbeat(threading.Thread):
     """Registers the edge, then heartbeats; re-registers when the apiserver forgets it."""
 
-    def __init__(self, apiserver: str, token: str, edge_id: str, url: str, every: float = 1.0):
+    def __init__(self, apiserver: str, edge_token: str, edge_id: str, url: str, every: float = 1.0):
         super().__init__(daemon=True)
         self.api, self.edge_id, self.url, self.every = apiserver.rstrip("/"), edge_id, url, every
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.headers = {"Authorization": f"Bearer {edge_token}"}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -181,8 +180,8 @@ def quiet_after_shutdown() -> None:
             signal.signal(sig, lambda *_: None)
 
 
-def serve(home: str, apiserver: str, token: str, edge_id: str, host: str = "127.0.0.1", port: int = 0,
-          pool_size: int = 2, heartbeat_s: float = 1.0) -> None:
+def serve(home: str, apiserver: str, edge_token: str, control_token: str, edge_id: str, host: str = "127.0.0.1",
+          port: int = 0, pool_size: int = 2, heartbeat_s: float = 1.0) -> None:
     import socket
 
     import uvicorn
@@ -192,9 +191,10 @@ def serve(home: str, apiserver: str, token: str, edge_id: str, host: str = "127.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
-    hb = Heartbeat(apiserver, token, edge_id, url, heartbeat_s)
+    hb = Heartbeat(apiserver, edge_token, edge_id, url, heartbeat_s)
     hb.start()
-    server = uvicorn.Server(uvicorn.Config(make_app(rt, token), log_level="warning", timeout_keep_alive=30))
+    server = uvicorn.Server(uvicorn.Config(make_app(rt, control_token), log_level="warning", timeout_keep_alive=30,
+                                           timeout_graceful_shutdown=5))
     quiet_after_shutdown()
     try:
         server.run(sockets=[sock])

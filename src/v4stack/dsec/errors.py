@@ -25,6 +25,10 @@ class Conflict(DsecError):
     status = 409
 
 
+class TooLarge(DsecError):
+    status = 413
+
+
 class Unavailable(DsecError):
     status = 503
 

@@ -330,6 +330,7 @@ class Runtime:
         for s in self._substrates.values():
             s.close()
         self.images.release()
+        release_run_dir(self.home / "run")
 
 
 def reclaim_orphans(home: Path) -> list[str]:
@@ -372,6 +373,19 @@ def reclaim_orphans(home: Path) -> list[str]:
                 Cgroup(g.name).destroy()
                 gone.append(g.name)
     return gone
+
+
+def release_run_dir(run: Path) -> bool:
+    """Unmount the shared bind of ``run/`` once no sandbox of any edge is mounted under it."""
+    from v4stack.dsec.mounts import is_mount, umount
+
+    prefix = str(run.resolve()) + "/"
+    with open("/proc/self/mountinfo") as f:
+        if any(line.split()[4].startswith(prefix) for line in f):
+            return False
+    while is_mount(run):
+        umount(run)
+    return True
 
 
 def snapshot_doc(home: Path, snapshot_id: str) -> dict:

@@ -43,6 +43,10 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        for table in ("sandboxes", "snapshots"):  # files made before tenants existed
+            cols = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            if "tenant" not in cols:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'")
 
     def q(self, sql: str, *args) -> list[dict]:
         with self._lock:
@@ -71,20 +75,24 @@ class Store:
 
     # -- sandboxes ----------------------------------------------------------------------------
     def add_sandbox(self, sid: str, edge: str, image: str, substrate: str, timeout: float, idle_timeout: float,
-                    limits: dict, parent: str | None) -> None:
+                    limits: dict, parent: str | None, tenant: str = "default") -> None:
         now = time.time()
         self.x("INSERT INTO sandboxes (id, edge, image, substrate, state, created, timeout, idle_timeout, "
-               "resumed_at, last_active, parent_snapshot, limits) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-               sid, edge, image, substrate, "creating", now, timeout, idle_timeout, now, now, parent, json.dumps(limits))
+               "resumed_at, last_active, parent_snapshot, limits, tenant) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+               sid, edge, image, substrate, "creating", now, timeout, idle_timeout, now, now, parent, json.dumps(limits),
+               tenant)
 
     def sandbox(self, sid: str) -> dict | None:
         rows = self.q("SELECT * FROM sandboxes WHERE id=?", sid)
         return rows[0] if rows else None
 
-    def sandboxes(self, state: str | None = None) -> list[dict]:
+    def sandboxes(self, state: str | None = None, tenant: str | None = None) -> list[dict]:
+        sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
         if state:
-            return self.q("SELECT * FROM sandboxes WHERE state=? ORDER BY created", state)
-        return self.q("SELECT * FROM sandboxes ORDER BY created")
+            sql, args = sql + " AND state=?", args + [state]
+        if tenant:
+            sql, args = sql + " AND tenant=?", args + [tenant]
+        return self.q(sql + " ORDER BY created", *args)
 
     def set_state(self, sid: str, state: str, reason: str | None = None) -> None:
         self.x("UPDATE sandboxes SET state=?, reason=? WHERE id=?", state, reason, sid)
@@ -114,9 +122,14 @@ class Store:
         now = now or time.time()
         return row["active_used"] + ((now - row["resumed_at"]) if row["resumed_at"] else 0.0)
 
-    def add_snapshot(self, doc: dict) -> None:
-        self.x("INSERT OR REPLACE INTO snapshots VALUES (?,?,?,?,?,?)", doc["id"], doc["sandbox"], doc["image"],
-               json.dumps(doc["layers"]), doc["seq"], doc["created"])
+    def add_snapshot(self, doc: dict, tenant: str = "default") -> None:
+        self.x("INSERT OR REPLACE INTO snapshots (id, sandbox, image, layers, seq, created, tenant) "
+               "VALUES (?,?,?,?,?,?,?)", doc["id"], doc["sandbox"], doc["image"], json.dumps(doc["layers"]),
+               doc["seq"], doc["created"], tenant)
+
+    def snapshot(self, snap_id: str) -> dict | None:
+        rows = self.q("SELECT * FROM snapshots WHERE id=?", snap_id)
+        return rows[0] if rows else None
 
     def referenced_layers(self) -> set[str]:
         refs: set[str] = set()

@@ -14,19 +14,20 @@ from pathlib import Path
 
 import httpx
 
+from v4stack.dsec.lifecycle import CREATING_GRACE, adopt_edge
 from v4stack.dsec.rootfs import LayerStore
 from v4stack.dsec.store import Store
 
 
 class Watcher:
-    def __init__(self, home: str | Path, token: str, db_path: str | Path | None = None, dead_after: float = 3.0,
+    def __init__(self, home: str | Path, control_token: str, db_path: str | Path | None = None, dead_after: float = 3.0,
                  layer_grace: float = 60.0, reclaim_local: bool = True):
         self.home = Path(home)
         self.reclaim_local = reclaim_local  # also tear down a dead edge's leftovers on this host
         self.store = Store(db_path or self.home / "dsec.sqlite")
         self.layers = LayerStore(self.home)
         self.dead_after, self.layer_grace = dead_after, layer_grace
-        self.http = httpx.Client(timeout=10, headers={"Authorization": f"Bearer {token}"})
+        self.http = httpx.Client(timeout=10, headers={"Authorization": f"Bearer {control_token}"})
         self.stop = threading.Event()
 
     def tick(self, now: float | None = None) -> dict:
@@ -35,6 +36,10 @@ class Watcher:
         now = now or real
         report = {"dead_edges": [], "lost": [], "expired": [], "idle": [], "layers_removed": []}
         for e in self.store.q("SELECT * FROM edges WHERE state='alive' AND last_seen < ?", real - self.dead_after):
+            # a stale heartbeat may be a busy or restarting apiserver, not a dead edge: ask the edge
+            if adopt_edge(self.store, self.http, e) is not None:
+                self.store.heartbeat(e["id"])
+                continue
             self.store.x("UPDATE edges SET state='dead' WHERE id=? AND last_seen < ?", e["id"], real - self.dead_after)
             report["dead_edges"].append(e["id"])
             for s in self.store.q("SELECT id FROM sandboxes WHERE edge=? AND state IN ('creating','running','paused')",
@@ -45,6 +50,15 @@ class Watcher:
             from v4stack.dsec.runtime import reclaim_orphans
 
             report["reclaimed"] = reclaim_orphans(self.home)
+        stuck = self.store.q("SELECT DISTINCT edge FROM sandboxes WHERE state='creating' AND created < ?",
+                             real - CREATING_GRACE)
+        for row in stuck:  # an apiserver that died mid-create: the edge says whether it made it
+            e = self.store.edge(row["edge"])
+            if e is not None and e["state"] == "alive":
+                adopt_edge(self.store, self.http, e)
+            else:
+                self.store.x("UPDATE sandboxes SET state='failed', reason='its edge is gone' WHERE edge=? AND "
+                             "state='creating' AND created < ?", row["edge"], real - CREATING_GRACE)
         for s in self.store.q("SELECT * FROM sandboxes WHERE state IN ('running','paused')"):
             why = None
             if self.store.active_seconds(s, now) > s["timeout"]:
