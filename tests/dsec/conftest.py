@@ -129,6 +129,8 @@ class Cluster:
         return httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {token}"})
 
     def close(self) -> None:
+        from v4stack.dsec.cgroups import Cgroup
+
         for p in self.edges:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -138,13 +140,15 @@ class Cluster:
                     p.kill()
         self.server.should_exit = True
         self.thread.join(10)
-        from v4stack.dsec.cgroups import Cgroup
-
-        for d in Path("/sys/fs/cgroup/pids").glob("dsec-*"):  # a SIGKILLed edge leaves its groups behind
-            c = Cgroup(d.name)
-            if c.dirs["pids"] == d:
-                c.destroy()
+        for name in self.own_groups():  # a SIGKILLed edge leaves its groups behind
+            Cgroup(name).destroy()
         self.unmount_all(self.home)
+
+    def own_groups(self) -> list[str]:
+        """This cluster's cgroups only: its edges' workers and its sandboxes (never anyone else's)."""
+        mine = {f"dsec-{r['id']}" for r in self.server.config.app.state.store.sandboxes()}
+        pids = tuple(f"dsec-w{p.pid}-" for p in self.edges)
+        return [d.name for d in Path("/sys/fs/cgroup/pids").glob("dsec-*") if d.name in mine or d.name.startswith(pids)]
 
 
 @pytest.fixture(scope="module")

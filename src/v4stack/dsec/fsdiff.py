@@ -27,12 +27,74 @@ def _opaque(p: str) -> bool:
         return False
 
 
+CHUNK = 4 << 20
+
+
+def extents(fd: int, size: int):
+    """(offset, length) of the data extents of a file (holes skipped): a sparse 2 GiB file with
+    no data has none, so reading, hashing and storing it costs what it really occupies."""
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole from here on
+            return
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        while start < end:
+            n = min(CHUNK, end - start)
+            yield start, n
+            start += n
+        off = end
+
+
 def _hash_file(p: str) -> str:
+    """Digest of (size, non-zero chunks of the data extents with their offsets): a hole and a
+    chunk of written zeros hash alike, so a file restored sparsely keeps its digest."""
     h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        size = os.fstat(fd).st_size
+        h.update(f"size={size};".encode())
+        for off, n in extents(fd, size):
+            data = os.pread(fd, n, off)
+            if data.count(0) == len(data):
+                continue  # written zeros and holes read the same
+            h.update(f"{off}+{len(data)};".encode())
+            h.update(data)
+    finally:
+        os.close(fd)
     return "sha256:" + h.hexdigest()
+
+
+def capture_file(path: str, blobs: BlobStore) -> str:
+    """Store a file as {size, extents: [[offset, chunk digest]]} (zero chunks left out); returns
+    the digest of that document. What is stored is bounded by what the file occupies."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        size = os.fstat(fd).st_size
+        ext = []
+        for off, n in extents(fd, size):
+            data = os.pread(fd, n, off)
+            if data.count(0) != len(data):
+                ext.append([off, blobs.put(data)])
+    finally:
+        os.close(fd)
+    return blobs.put(json.dumps({"size": size, "extents": ext}, separators=(",", ":")).encode())
+
+
+def restore_file(p: str, doc_digest: str, blobs: BlobStore) -> None:
+    doc = json.loads(blobs.get(doc_digest))
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        for off, d in doc["extents"]:
+            data = blobs.get(d)
+            view, pos = memoryview(data), int(off)
+            while view:
+                n = os.pwrite(fd, view, pos)
+                view, pos = view[n:], pos + n
+        os.ftruncate(fd, int(doc["size"]))
+    finally:
+        os.close(fd)
 
 
 class Scanner:
@@ -49,7 +111,11 @@ class Scanner:
             for name in dirnames + filenames:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, upper)
-                st = os.lstat(full)
+                try:
+                    st = os.lstat(full)
+                except OSError:  # a path past PATH_MAX: recorded, never fatal
+                    out[rel] = {"t": "unreadable"}
+                    continue
                 m = st.st_mode
                 e = {"mode": stat.S_IMODE(m), "uid": st.st_uid, "gid": st.st_gid}
                 if stat.S_ISDIR(m):
@@ -58,11 +124,18 @@ class Scanner:
                         e["opaque"] = True
                 elif stat.S_ISREG(m):
                     key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                    h = self._cache.get(key) or _hash_file(full)
+                    try:
+                        h = self._cache.get(key) or _hash_file(full)
+                    except OSError:
+                        out[rel] = {"t": "unreadable"}
+                        continue
                     cache[key] = h
                     e.update(t="file", size=st.st_size, sha=h)
                 elif stat.S_ISLNK(m):
-                    e.update(t="link", target=os.readlink(full))
+                    try:
+                        e.update(t="link", target=os.readlink(full))
+                    except OSError:
+                        e = {"t": "unreadable"}
                 elif stat.S_ISCHR(m) and st.st_rdev == 0:
                     e = {"t": "whiteout"}
                 elif stat.S_ISFIFO(m):
@@ -89,12 +162,19 @@ def delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict | N
 
 
 def capture(upper: str | os.PathLike, d: dict[str, dict | None], blobs: BlobStore) -> str:
-    """Store the contents of changed files; returns the digest of the delta document."""
+    """Store the contents of changed files (sparse-aware, chunked); returns the digest of the delta
+    document, whose file entries name their content document (``doc``)."""
+    out = {}
     for rel, e in d.items():
-        if e is not None and e["t"] == "file" and not blobs.has(e["sha"]):
-            with open(os.path.join(upper, rel), "rb") as f:
-                blobs.put(f.read())
-    return blobs.put(json.dumps(sorted(d.items()), separators=(",", ":")).encode())
+        if e is not None and e["t"] == "file":
+            e = {**e, "doc": capture_file(os.path.join(upper, rel), blobs)}
+        out[rel] = e
+    return blobs.put(json.dumps(sorted(out.items()), separators=(",", ":")).encode())
+
+
+def referenced(delta_doc: bytes) -> set[str]:
+    """The blobs a delta document needs (its content documents, and their chunks, are read by GC)."""
+    return {e["doc"] for _, e in json.loads(delta_doc) if e and e.get("t") == "file" and e.get("doc")}
 
 
 def _remove(p: str) -> None:
@@ -134,7 +214,9 @@ def apply(upper: str | os.PathLike, delta_digest: str, blobs: BlobStore) -> None
                 os.setxattr(p, OPAQUE, b"y", follow_symlinks=False)
         else:
             _remove(p)
-            if t == "file":
+            if t == "file" and e.get("doc"):
+                restore_file(p, e["doc"], blobs)
+            elif t == "file":  # a log written before content documents: the whole file is one blob
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "wb") as f:
                     f.write(blobs.get(e["sha"]))

@@ -21,7 +21,7 @@ from v4stack.dsec import fsdiff, validate
 from v4stack.dsec import substrates as substrate_registry
 from v4stack.dsec.cas import BlobStore
 from v4stack.dsec.cgroups import Limits
-from v4stack.dsec.errors import BadRequest, Conflict, NotFound
+from v4stack.dsec.errors import BadRequest, Conflict, DsecError, NotFound
 from v4stack.dsec.files import Files
 from v4stack.dsec.images import ImageStore
 from v4stack.dsec.mounts import private_dir
@@ -70,11 +70,19 @@ class Sandbox:
             if seq is not None and seq > nxt:
                 raise Conflict(f"seq={seq}: the next sequence number is {nxt}", "seq")
             entry = self.log.intent(request, idempotent, self.parent, seq=nxt)
-            res = run()
+            try:
+                res = run()
+            except DsecError as e:  # refused by the substrate or the files layer: logged as such
+                res = {"exit": 127, "stderr": f"{e}\n".encode(), "refused": e}
+            blobs = self.rt.blobs
             after = self.scanner.scan(self.rootfs.upper)
             d = fsdiff.delta(self.manifest, after)
             self.manifest = after
-            blobs = self.rt.blobs
+            try:
+                delta = fsdiff.capture(self.rootfs.upper, d, blobs) if d else None
+                capture_error = None
+            except (OSError, ValueError) as e:  # e.g. a file removed while captured: said, not hidden
+                delta, capture_error = None, f"{type(e).__name__}: {e}"
             rec = self.log.result(
                 entry.seq,
                 exit=res.get("exit", 0),
@@ -84,9 +92,12 @@ class Sandbox:
                 timed_out=res.get("timed_out", False),
                 oom_killed=res.get("oom_killed", False),
                 fs=fsdiff.fs_digest(after),
-                delta=fsdiff.capture(self.rootfs.upper, d, blobs) if d else None,
+                delta=delta,
                 changed=sorted(d)[:1000],
+                **({"capture_error": capture_error} if capture_error else {}),
             )
+            if "refused" in res:
+                raise res["refused"]
             self.rt.touch(self.id)
             return self._answer(rec, fast_forward=False)
 
@@ -116,6 +127,10 @@ class Sandbox:
 
     def write_files(self, items: list[tuple[str, bytes, int]], seq: int | None = None) -> dict:
         """Write files (creating parents); one log entry for the whole batch."""
+        for i, (p, _, m) in enumerate(items):  # refused before anything is logged
+            validate.inner_path(p, "path")
+            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 0o1777:
+                raise BadRequest(f"mode={m!r}: allowed 0 .. 0o1777 (no setuid / setgid bits)", "mode")
         request = {"op": "write", "files": [[p, self.rt.blobs.put(d), m] for p, d, m in items]}
 
         def run():
@@ -126,6 +141,7 @@ class Sandbox:
         return self._logged(request, True, seq, run)
 
     def remove_file(self, path: str, seq: int | None = None) -> dict:
+        validate.inner_path(path, "path")
         return self._logged({"op": "remove", "path": path}, True, seq, lambda: (self.files.remove(path), {"exit": 0})[1])
 
     # -- snapshots --------------------------------------------------------------------------

@@ -117,6 +117,52 @@ def read_log(path: str | os.PathLike) -> tuple[dict[int, Entry], list[dict]]:
     return _index(read_records(path))
 
 
+def damage(path: str | os.PathLike) -> dict | None:
+    """Where the readable prefix of a log ends before its bytes do: a damaged record, and with it
+    every later record the journal's reader stops at. Reported (after which sequence number, at
+    which position, how many bytes are unreadable) - never silently hidden."""
+    from v4stack.journal import HEADER
+
+    path = Path(path)
+    last_lsn, last_len, last_seq = None, 0, None
+    for lsn, payload in read_records(path):
+        last_lsn, last_len = lsn, len(payload)
+        try:
+            seq = json.loads(payload).get("seq")
+            last_seq = seq if isinstance(seq, int) else last_seq
+        except ValueError:
+            return {"after_seq": last_seq, "lsn": lsn, "reason": "a record that is not JSON"}
+    segs = sorted(p for p in path.glob("seg-*.log")) if path.is_dir() else []
+    if not segs:
+        return None
+    total_end = max(int(p.name[4:-4]) + p.stat().st_size for p in segs if p.name[4:-4].isdigit())
+    end = (last_lsn + HEADER.size + last_len) if last_lsn is not None else min(
+        int(p.name[4:-4]) for p in segs if p.name[4:-4].isdigit())
+    if end >= total_end:
+        return None
+    return {"after_seq": last_seq, "lsn": end, "unreadable_bytes": total_end - end,
+            "reason": "a record failed its check; the records after it cannot be read"}
+
+
+def blob_refs(path: str | os.PathLike) -> tuple[set[str], set[str]]:
+    """The blobs a log's records name directly (outputs, deltas, written file contents), and
+    which of them are delta documents (they name more blobs)."""
+    refs: set[str] = set()
+    deltas: set[str] = set()
+    for _, payload in read_records(path):
+        try:
+            r = json.loads(payload)
+        except ValueError:
+            continue
+        if r.get("t") == "result":
+            refs.update(v for v in (r.get("stdout"), r.get("stderr"), r.get("delta")) if isinstance(v, str))
+            if isinstance(r.get("delta"), str):
+                deltas.add(r["delta"])
+        elif r.get("t") == "intent" and isinstance(r.get("request"), dict) and r["request"].get("op") == "write":
+            refs.update(f[1] for f in r["request"].get("files") or [] if isinstance(f, list) and len(f) == 3)
+    return refs, deltas
+
+
 def query(path: str | os.PathLike, since: int = 0, path_filter: str | None = None) -> dict:
     """The log as JSON: entries from ``since``, unknown outcomes, and (with ``path_filter``) the
     provenance of one file - which sequence numbers changed it."""
@@ -126,6 +172,7 @@ def query(path: str | os.PathLike, since: int = 0, path_filter: str | None = Non
         "entries": rows,
         "marks": marks,
         "unknown_outcome": [s for s, e in sorted(entries.items()) if e.result is None],
+        "damaged": damage(path),
     }
     if path_filter is not None:
         rel = path_filter.strip("/")

@@ -21,12 +21,15 @@ from v4stack.dsec.store import Store
 
 class Watcher:
     def __init__(self, home: str | Path, control_token: str, db_path: str | Path | None = None, dead_after: float = 3.0,
-                 layer_grace: float = 60.0, reclaim_local: bool = True):
+                 layer_grace: float = 60.0, reclaim_local: bool = True, log_grace: float = 3600.0,
+                 blob_grace: float = 300.0, gc_every: float = 60.0):
         self.home = Path(home)
         self.reclaim_local = reclaim_local  # also tear down a dead edge's leftovers on this host
         self.store = Store(db_path or self.home / "dsec.sqlite")
         self.layers = LayerStore(self.home)
         self.dead_after, self.layer_grace = dead_after, layer_grace
+        self.log_grace, self.blob_grace, self.gc_every = log_grace, blob_grace, gc_every
+        self._last_gc = 0.0
         self.http = httpx.Client(timeout=10, headers={"Authorization": f"Bearer {control_token}"})
         self.stop = threading.Event()
 
@@ -69,7 +72,44 @@ class Watcher:
                 self._kill(s, why)
                 report[key].append(s["id"])
         report["layers_removed"] = self.gc_layers(real)
+        if real - self._last_gc >= self.gc_every:
+            self._last_gc = real
+            report["logs_removed"], report["blobs_removed"] = self.gc_blobs(real)
         return report
+
+    def gc_blobs(self, now: float) -> tuple[list[str], list[str]]:
+        """Logs of sandboxes that ended (killed, expired, failed) go after ``log_grace``; then every
+        blob no remaining log reaches (outputs, written files, deltas and their content chunks)
+        goes after ``blob_grace``. A lost sandbox's log stays: it is what a replay restores from."""
+        import shutil
+
+        from v4stack.dsec.cas import BlobStore, Corrupt
+        from v4stack.dsec.fsdiff import referenced
+        from v4stack.dsec.trajlog import blob_refs
+
+        logs = self.home / "logs"
+        removed = []
+        for row in self.store.q("SELECT id FROM sandboxes WHERE state IN ('killed','expired','failed')"):
+            d = logs / row["id"]
+            if d.is_dir() and not d.is_symlink() and now - d.stat().st_mtime > self.log_grace:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(row["id"])
+        blobs = BlobStore(self.home / "blobs")
+        refs: set[str] = set()
+        for d in logs.iterdir() if logs.is_dir() else []:
+            direct, deltas = blob_refs(d)
+            refs |= direct
+            for dd in deltas:
+                try:
+                    docs = referenced(blobs.get(dd))
+                    refs |= docs
+                    for doc in docs:
+                        refs.update(x[1] for x in json.loads(blobs.get(doc))["extents"])
+                except (Corrupt, ValueError, KeyError, TypeError, OSError):
+                    continue  # a damaged or missing delta names nothing more
+                except Exception:  # noqa: BLE001 - NotFound and friends: same
+                    continue
+        return removed, blobs.gc(refs, grace=self.blob_grace, now=now)
 
     def _kill(self, row: dict, why: str) -> None:
         e = self.store.edge(row["edge"])

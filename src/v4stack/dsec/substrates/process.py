@@ -88,7 +88,9 @@ class ProcessSubstrate(Substrate):
     def _spawn(self) -> Worker:
         with self._nlock:  # one spawn at a time: concurrent spawns lost their stdin pipes' requests
             self._n += 1
-            w = Worker(f"w{os.getpid()}-{self._n}", self.logdir)
+            # the pid says whose it is (orphan reclaim); the random part keeps two runtimes of one
+            # process from ever sharing a cgroup name
+            w = Worker(f"w{os.getpid()}-{self._n}{os.urandom(3).hex()}", self.logdir)
             w.wait_ready()
             return w
 
@@ -96,9 +98,13 @@ class ProcessSubstrate(Substrate):
         with self._refill_lock:
             while not self._closed and self.pool.qsize() < self.pool_size:
                 try:
-                    self.pool.put(self._spawn())
+                    w = self._spawn()
                 except DsecError:
                     return
+                if self._closed:  # closed while it started: never leave it behind
+                    w.kill()
+                    return
+                self.pool.put(w)
 
     def create(self, handle: Handle) -> None:
         try:
@@ -156,6 +162,8 @@ class ProcessSubstrate(Substrate):
 
     def close(self) -> None:
         self._closed = True
+        with self._refill_lock:  # a refill in progress finishes (and sees _closed) first
+            pass
         while True:
             try:
                 self.pool.get_nowait().kill()
