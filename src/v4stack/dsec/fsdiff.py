@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import subprocess
 import stat
 
 from v4stack.dsec.cas import BlobStore
@@ -97,6 +97,26 @@ def restore_file(p: str, doc_digest: str, blobs: BlobStore) -> None:
         os.close(fd)
 
 
+def _walk(top: str):
+    """(dir, entry names) for every directory under ``top``, iteratively (a tree 10,000 levels
+    deep costs memory, not Python stack); directories that cannot be listed are skipped."""
+    stack = [top]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        yield d, [e.name for e in entries]
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+            except OSError:
+                continue
+
+
 class Scanner:
     """Scans an upper dir, re-hashing only files whose (inode, size, mtime, ctime) changed."""
 
@@ -107,8 +127,8 @@ class Scanner:
         upper = str(upper)
         out: dict[str, dict] = {}
         cache: dict[tuple, str] = {}
-        for dirpath, dirnames, filenames in os.walk(upper):
-            for name in dirnames + filenames:
+        for dirpath, names in _walk(upper):
+            for name in names:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, upper)
                 try:
@@ -177,11 +197,16 @@ def referenced(delta_doc: bytes) -> set[str]:
     return {e["doc"] for _, e in json.loads(delta_doc) if e and e.get("t") == "file" and e.get("doc")}
 
 
-def _remove(p: str) -> None:
+def remove_tree(p: str | os.PathLike) -> None:
+    """Remove a file or a whole tree, however deep (rm(1): no Python recursion limit)."""
+    p = str(p)
     if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p)
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", p], check=True, capture_output=True)
     elif os.path.lexists(p):
         os.unlink(p)
+
+
+_remove = remove_tree
 
 
 def _inside(upper: str, rel: str) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from v4stack.dsec import fsdiff
 from v4stack.atomic import atomic_write
-from v4stack.dsec.errors import NotFound
+from v4stack.dsec.errors import Conflict, NotFound
 from v4stack.dsec.mounts import is_mount, mount, run, umount
 from v4stack.dsec.validate import ident
 
@@ -64,7 +64,12 @@ class LayerStore:
         tmp = self.dir / f".tmp-{layer_id}-{os.urandom(4).hex()}"
         tmp.mkdir()
         if os.listdir(upper):
-            run(["cp", "-a", f"{upper}/.", f"{tmp}/"])
+            try:
+                run(["cp", "-a", f"{upper}/.", f"{tmp}/"], timeout=1800)
+            except OSError as e:  # e.g. names past PATH_MAX: the sandbox goes on, unsnapshotted
+                fsdiff.remove_tree(tmp)
+                raise Conflict(f"snapshot: the sandbox's files cannot be sealed ({str(e)[-160:]})",
+                               "sandbox_id") from None
         return self._commit(tmp, layer_id)
 
     def flatten(self, image_id: str, chain: list[str]) -> str:
@@ -85,18 +90,36 @@ class LayerStore:
         if p.is_dir():
             trash = self.dir / f".gc-{layer_id}-{os.urandom(3).hex()}"
             os.rename(p, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            run(["rm", "-rf", "--one-file-system", str(trash)], timeout=600)  # no Python recursion limit
 
 
-def _clear(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    elif os.path.lexists(p):
-        p.unlink()
+_clear = fsdiff.remove_tree
 
 
 def _fold(src: Path, dst: Path) -> None:
-    """Apply overlay layer ``src`` on top of the folded tree ``dst``."""
+    """Apply overlay layer ``src`` on top of the folded tree ``dst`` (iteratively: no depth limit)."""
+    stack = [(src, dst)]
+    while stack:
+        s, d = stack.pop()
+        _fold_dir(s, d, stack)
+    # directory modes last, children first (a 0500 directory must still be filled)
+    for s, d in reversed(list(_dirs(src, dst))):
+        st = os.lstat(s)
+        os.chown(d, st.st_uid, st.st_gid)
+        os.chmod(d, stat.S_IMODE(st.st_mode))
+
+
+def _dirs(src: Path, dst: Path):
+    stack = [(src, dst)]
+    while stack:
+        s, d = stack.pop()
+        yield s, d
+        for name in os.listdir(s):
+            if stat.S_ISDIR(os.lstat(s / name).st_mode):
+                stack.append((s / name, d / name))
+
+
+def _fold_dir(src: Path, dst: Path, stack: list) -> None:
     for name in os.listdir(src):
         s, d = src / name, dst / name
         st = os.lstat(s)
@@ -109,9 +132,7 @@ def _fold(src: Path, dst: Path) -> None:
                 d.mkdir()
                 if fsdiff._opaque(str(s)):
                     os.setxattr(d, fsdiff.OPAQUE, b"y")
-            _fold(s, d)
-            os.chown(d, st.st_uid, st.st_gid)
-            os.chmod(d, stat.S_IMODE(st.st_mode))
+            stack.append((s, d))
         else:
             _clear(d)
             if stat.S_ISLNK(st.st_mode):
