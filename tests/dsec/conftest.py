@@ -99,10 +99,9 @@ class Cluster:
         self.creds.save(home / "credentials.json")
         ImageStore(home).build("busybox")
         sock = _free_sock()
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(make_app(home, self.creds), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start_apiserver(sock)
         self.watcher = Watcher(home, CONTROL_TOKEN, dead_after=1.0, layer_grace=0)
         self.edges: list[subprocess.Popen] = []
         self.start_edge("edge-a")
@@ -121,6 +120,27 @@ class Cluster:
                 return p
             time.sleep(0.1)
         raise RuntimeError(f"edge {name} did not register: {(self.home / f'{name}.out').read_text()[-2000:]}")
+
+    def start_apiserver(self, sock=None) -> None:
+        """(Re)start the apiserver on the same port and database, as a restarted process would."""
+        import uvicorn
+
+        from v4stack.dsec.apiserver import make_app
+
+        if sock is None:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", self.port))
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.home, self.creds), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+
+    def stop_apiserver(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
 
     def store_edge_url(self, name: str = "edge-a") -> str:
         return self.server.config.app.state.store.edge(name)["url"]
