@@ -85,13 +85,9 @@ def _free_sock():
 
 class Cluster:
     def __init__(self, home: Path, unmount_all):
-        import uvicorn
-
-        from v4stack.dsec.apiserver import make_app
+        from v4stack.dsec.auth import Credentials
         from v4stack.dsec.images import ImageStore
         from v4stack.dsec.watcher import Watcher
-
-        from v4stack.dsec.auth import Credentials
 
         self.home = home
         self.unmount_all = unmount_all

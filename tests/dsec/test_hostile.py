@@ -53,7 +53,16 @@ def test_fifo_is_refused_by_the_files_api_and_survives_snapshots(sbx):
     assert sbx.exec("test -p /workspace/pipe && echo fifo")["stdout"] == "fifo\n"
 
 
-def test_long_and_deep_paths_are_answered(sbx, runtime):
+@pytest.mark.parametrize("sub", [pytest.param(n, marks=pytest.mark.slow) if n != "process" else n for n in SUBSTRATES])
+def test_long_and_deep_paths_are_answered(runtime, sub):
+    sbx = runtime.create("busybox", sub, SMALL)
+    try:
+        _long_and_deep(sbx, runtime)
+    finally:
+        runtime.kill(sbx.id)
+
+
+def _long_and_deep(sbx, runtime):
     name = "n" * 200
     r = sbx.exec(f"cd /workspace; i=0; while [ $i -lt 25 ]; do mkdir {name} && cd {name} || break; "
                  "i=$((i+1)); done; echo deep > f; while mkdir b 2>/dev/null && cd b 2>/dev/null; do :; done; pwd | wc -c; "

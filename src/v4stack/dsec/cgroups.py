@@ -77,6 +77,12 @@ class Cgroup:
         self.set_limits(limits)
         return self
 
+    def ensure(self, limits: Limits) -> None:
+        """Make the groups again if something outside removed them (an administrator's cleanup):
+        a command must never start outside its limits, nor fail because its group is gone."""
+        if not all(d.is_dir() for d in self.dirs.values()):
+            self.create(limits)
+
     def _w(self, ctrl: str, file: str, value) -> None:
         (self.dirs[ctrl] / file).write_text(str(value))
 

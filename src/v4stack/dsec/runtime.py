@@ -383,7 +383,9 @@ def reclaim_orphans(home: Path) -> list[str]:
         Rootfs(home, d.name, Path("/"), LayerStore(home), 0).destroy()
         gone.append(d.name)
     if mode() == "v1":
-        for g in (ROOT / "pids").glob("dsec-w*-*"):
+        from v4stack.dsec.substrates.process import home_tag
+
+        for g in (ROOT / "pids").glob(f"dsec-w*-{home_tag(home)}*"):  # this home's workers only
             pid = g.name[len("dsec-w"):].split("-")[0]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 Cgroup(g.name).destroy()

@@ -24,6 +24,13 @@ from v4stack.dsec.mounts import make_shared, need
 from v4stack.dsec.substrates.base import Collector, ExecResult, Handle, OnOutput, Substrate
 
 
+def home_tag(home: Path) -> str:
+    """Six hex digits naming a dsec home in the cgroup names of its workers."""
+    import hashlib
+
+    return hashlib.sha256(str(Path(home).resolve()).encode()).hexdigest()[:6]
+
+
 class Worker:
     def __init__(self, name: str, logdir: Path):
         self.name = name
@@ -88,9 +95,9 @@ class ProcessSubstrate(Substrate):
     def _spawn(self) -> Worker:
         with self._nlock:  # one spawn at a time: concurrent spawns lost their stdin pipes' requests
             self._n += 1
-            # the pid says whose it is (orphan reclaim); the random part keeps two runtimes of one
-            # process from ever sharing a cgroup name
-            w = Worker(f"w{os.getpid()}-{self._n}{os.urandom(3).hex()}", self.logdir)
+            # the pid and the home's tag say whose it is (orphan reclaim looks at its own home's
+            # only); the random part keeps two runtimes of one process from sharing a cgroup name
+            w = Worker(f"w{os.getpid()}-{home_tag(self.home)}{self._n}{os.urandom(3).hex()}", self.logdir)
             w.wait_ready()
             return w
 
@@ -113,6 +120,7 @@ class ProcessSubstrate(Substrate):
             w = self._spawn()
         threading.Thread(target=self._refill, daemon=True).start()
         try:
+            w.cgroup.ensure(handle.limits)
             w.cgroup.set_limits(handle.limits)
         except BaseException:
             w.kill()
@@ -123,6 +131,7 @@ class ProcessSubstrate(Substrate):
     def exec(self, handle: Handle, argv, cwd, env, timeout, on_output: OnOutput | None = None) -> ExecResult:
         w: Worker = handle.state["worker"]
         col = Collector(on_output)
+        w.cgroup.ensure(handle.limits)
         oom0 = w.cgroup.oom_kills()
         with w.lock:
             if w.proc.poll() is not None:
