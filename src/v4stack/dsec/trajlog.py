@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from v4stack.journal import Journal, read_records
+from v4stack.journal import Journal, JournalCorrupt, read_records
 
 
 def request_digest(request: dict) -> str:
@@ -112,36 +112,37 @@ class TrajectoryLog:
         self.journal.close()
 
 
+def _read(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], dict | None]:
+    """The readable records and, if the journal found damage (not a torn tail), where it is."""
+    recs: list[tuple[int, bytes]] = []
+    try:
+        for rec in read_records(path):
+            recs.append(rec)
+    except JournalCorrupt as e:
+        last = None
+        for _, payload in reversed(recs):
+            try:
+                seq = json.loads(payload).get("seq")
+            except ValueError:
+                continue
+            if isinstance(seq, int):
+                last = seq
+                break
+        return recs, {"after_seq": last, "segment": e.segment, "offset": e.offset,
+                      "first_lost_record": e.first_lost_seq, "reason": e.reason}
+    return recs, None
+
+
 def read_log(path: str | os.PathLike) -> tuple[dict[int, Entry], list[dict]]:
-    """Reader side: index a sandbox's log without taking the writer's lock (apiserver, watcher)."""
-    return _index(read_records(path))
+    """Reader side: index a sandbox's log without taking the writer's lock (apiserver, watcher).
+    A damaged log gives what precedes the damage (``damage`` says where it is)."""
+    return _index(_read(path)[0])
 
 
 def damage(path: str | os.PathLike) -> dict | None:
-    """Where the readable prefix of a log ends before its bytes do: a damaged record, and with it
-    every later record the journal's reader stops at. Reported (after which sequence number, at
-    which position, how many bytes are unreadable) - never silently hidden."""
-    from v4stack.journal import HEADER
-
-    path = Path(path)
-    last_lsn, last_len, last_seq = None, 0, None
-    for lsn, payload in read_records(path):
-        last_lsn, last_len = lsn, len(payload)
-        try:
-            seq = json.loads(payload).get("seq")
-            last_seq = seq if isinstance(seq, int) else last_seq
-        except ValueError:
-            return {"after_seq": last_seq, "lsn": lsn, "reason": "a record that is not JSON"}
-    segs = sorted(p for p in path.glob("seg-*.log")) if path.is_dir() else []
-    if not segs:
-        return None
-    total_end = max(int(p.name[4:-4]) + p.stat().st_size for p in segs if p.name[4:-4].isdigit())
-    end = (last_lsn + HEADER.size + last_len) if last_lsn is not None else min(
-        int(p.name[4:-4]) for p in segs if p.name[4:-4].isdigit())
-    if end >= total_end:
-        return None
-    return {"after_seq": last_seq, "lsn": end, "unreadable_bytes": total_end - end,
-            "reason": "a record failed its check; the records after it cannot be read"}
+    """Where a log is damaged: after which of its sequence numbers, in which segment at which
+    offset, and the journal's first lost record - reported in every log query, never hidden."""
+    return _read(path)[1]
 
 
 def blob_refs(path: str | os.PathLike) -> tuple[set[str], set[str]]:
@@ -149,7 +150,7 @@ def blob_refs(path: str | os.PathLike) -> tuple[set[str], set[str]]:
     which of them are delta documents (they name more blobs)."""
     refs: set[str] = set()
     deltas: set[str] = set()
-    for _, payload in read_records(path):
+    for _, payload in _read(path)[0]:
         try:
             r = json.loads(payload)
         except ValueError:
@@ -166,13 +167,14 @@ def blob_refs(path: str | os.PathLike) -> tuple[set[str], set[str]]:
 def query(path: str | os.PathLike, since: int = 0, path_filter: str | None = None) -> dict:
     """The log as JSON: entries from ``since``, unknown outcomes, and (with ``path_filter``) the
     provenance of one file - which sequence numbers changed it."""
-    entries, marks = read_log(path)
+    recs, damaged = _read(path)
+    entries, marks = _index(recs)
     rows = [e.to_json() for s, e in sorted(entries.items()) if s >= since]
     out = {
         "entries": rows,
         "marks": marks,
         "unknown_outcome": [s for s, e in sorted(entries.items()) if e.result is None],
-        "damaged": damage(path),
+        "damaged": damaged,
     }
     if path_filter is not None:
         rel = path_filter.strip("/")
