@@ -98,3 +98,22 @@ def test_image_build_cli_is_content_addressed(dsec_home, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "v4stack.dsec.cli", "image", "build", "alpine", "--home", str(tmp_path)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "recipe='alpine'" in bad.stderr
+
+
+def test_credentials_cli_makes_one_private_file(dsec_home, tmp_path):
+    import json
+    import stat
+
+    home = tmp_path / "cred-home"
+    cmd = [sys.executable, "-m", "v4stack.dsec.cli", "credentials", "--home", str(home), "--tenant", "a", "--tenant", "b"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.count("DSEC_TOKEN=") == 2, r.stderr
+    f = home / "credentials.json"
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and stat.S_IMODE(home.stat().st_mode) == 0o700
+    c = json.loads(f.read_text())
+    toks = [*c["tenants"].values(), c["edge"], c["control"]]
+    assert sorted(c["tenants"]) == ["a", "b"] and len(set(toks)) == 4
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # never overwritten by accident
+    assert again.returncode == 2 and json.loads(f.read_text()) == c
+    bad = subprocess.run(cmd[:6] + ["--tenant", "../x", "--force"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "tenant" in bad.stderr

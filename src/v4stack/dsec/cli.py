@@ -50,9 +50,11 @@ def credentials(home: str = HOME_OPT, tenant: list[str] = typer.Option(["default
     if p.exists() and not force:
         typer.echo(f"error: {p} exists (--force makes new ones)", err=True)
         raise typer.Exit(2)
+    from v4stack.dsec.errors import DsecError
+
     try:
         c = Credentials.generate(tenant)
-    except ValueError as e:
+    except (ValueError, DsecError) as e:
         typer.echo(f"error: --tenant: {e}", err=True)
         raise typer.Exit(2)
     c.save(p)
