@@ -41,8 +41,8 @@ from v4stack.train import checkpoint as ckpt
 @dataclass
 class GRPOConfig:
     clip: float = 0.2
-    muon_lr: float = 0.004
-    adamw_lr: float = 6e-4
+    muon_lr: float = 0.003
+    adamw_lr: float = 3e-4
     weight_decay: float = 0.0
     temperature: float = 1.0
     micro_batch: int = 32

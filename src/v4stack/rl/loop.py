@@ -47,12 +47,12 @@ class LoopConfig:
     minutes: float = 5.0  # wall-clock budget of the RL steps (0 = no limit)
     steps: int = 0  # 0 = as many as the minutes allow
     workers: int = 2
-    groups: int = 8  # questions per step
-    group_size: int = 4  # samples per question
+    groups: int = 4  # questions per step
+    group_size: int = 8  # samples per question
     max_tokens: int = 48
     temperature: float = 0.5  # rollouts and evaluations sample at it; the update's log-probs use it too
     max_lag: int = 1  # oldest policy version a trained trajectory may come from: current - max_lag
-    eval_n: int = 128
+    eval_n: int = 256
     eval_every: int = 0  # 0 = start and end only
     seed: int = 0
     threads: int = 1
@@ -107,6 +107,15 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     m = sum(xs) / n
     var = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
     return m, math.sqrt(var / n)
+
+
+def paired(a: dict, b: dict) -> dict | None:
+    """The rise over the same questions and seeds: mean and standard error of per-question
+    differences (the evaluations share questions, so this SE is the tighter, paired one)."""
+    if len(a["rewards"]) != len(b["rewards"]):
+        return None
+    m, se = mean_se([y - x for x, y in zip(a["rewards"], b["rewards"])])
+    return {"rise": m, "se": se, "rise_in_se": m / se if se > 0 else None}
 
 
 class Loop:
@@ -358,6 +367,7 @@ class Loop:
         summary = {"steps": self.step_no, "sft_eval": {k: first[k] for k in ("step", "reward_mean", "reward_se", "n")},
                    "final_eval": {k: final[k] for k in ("step", "reward_mean", "reward_se", "n")},
                    "rise": diff, "rise_se": se, "rise_in_se": diff / se if se > 0 else None,
+                   "paired": paired(first, final),
                    "faults": self.doc["faults"], "trajectories": len(self.table),
                    "consumed": int((self.table.col("state") == 2).sum())}
         self.doc["summary"] = summary

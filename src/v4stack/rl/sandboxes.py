@@ -116,7 +116,7 @@ def _cleanup(home: Path) -> None:
                 c.destroy()
     except Exception:
         pass
-    prefix = str(home) + "/"
+    prefix = str(Path(home).resolve()) + "/"
     for _ in range(4):
         with open("/proc/self/mountinfo") as f:
             points = {line.split()[4] for line in f if line.split()[4].startswith(prefix)}
