@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = ["--preset", "tiny", "--minutes", str(args.minutes), "--json", "--out", args.out, "--fresh", *extra]
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    typer.main.get_command(typer.Typer(add_completion=False).command()(loop_command)).main(cmd, standalone_mode=False)
+    app = typer.Typer(add_completion=False)
+    app.command()(loop_command)
+    typer.main.get_command(app).main(cmd, standalone_mode=False)
     wall = time.perf_counter() - t0
     doc = json.loads((Path(args.out) / "loop.json").read_text())
     doc.update(bench="loop_cpu", loop_command="v4stack loop " + " ".join(cmd), wall_s=round(wall, 1),
