@@ -11,7 +11,6 @@ a re-run gives the same observation), and the failure is counted.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -34,25 +33,27 @@ def _free_sock() -> socket.socket:
 class LocalDsec:
     """apiserver and watcher (threads of this process) + ``edges`` edge processes over one home."""
 
-    def __init__(self, home: str | os.PathLike, edges: int = 1, pool: int = 2, token: str | None = None):
+    def __init__(self, home: str | os.PathLike, edges: int = 1, pool: int = 2):
         import uvicorn
 
         from v4stack.dsec.apiserver import make_app
+        from v4stack.dsec.auth import Credentials
         from v4stack.dsec.images import ImageStore
 
-        self.home = Path(home)
+        self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
-        self.token = token or secrets.token_urlsafe(24)
+        creds = Credentials.ensure(self.home)  # <home>/credentials.json: the edges read it too
+        self.token = next(iter(creds.tenants.values()))  # the loop is one tenant's client
         self.pool = pool
         ImageStore(self.home).build("busybox")
         sock = _free_sock()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(make_app(self.home, self.token), log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.home, creds), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         from v4stack.dsec.watcher import Watcher
 
-        self.watcher = Watcher(self.home, self.token, dead_after=1.5, layer_grace=0)
+        self.watcher = Watcher(self.home, creds.control, dead_after=1.5, layer_grace=0)
         threading.Thread(target=self.watcher.run, args=(0.5,), daemon=True).start()
         self.edges: dict[str, subprocess.Popen] = {}
         for i in range(edges):
@@ -68,7 +69,7 @@ class LocalDsec:
         p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", str(self.home),
                               "--apiserver", self.url, "--id", name, "--pool", str(self.pool),
                               "--heartbeat", "0.3"],
-                             env={**os.environ, "DSEC_TOKEN": self.token}, stdout=log, stderr=log)
+                             stdout=log, stderr=log)
         self.edges[name] = p
         deadline = time.time() + timeout
         with self.api() as c:
