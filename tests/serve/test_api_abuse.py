@@ -113,7 +113,7 @@ def _idle(base: str, within: float) -> str:
     while True:
         m = httpx.get(base + "/metrics").text
         if metric(m, "v4stack_running") == 0 and metric(m, "v4stack_queue_depth") == 0 \
-                and metric(m, "v4stack_cache_blocks_used") == 0:
+                and metric(m, "v4stack_cache_blocks_used") == 0 and metric(m, "v4stack_api_requests_in_flight") == 0:
             return m
         assert time.time() < deadline, m
         time.sleep(0.2)
@@ -140,6 +140,7 @@ def test_abuse_leaves_nothing_behind_and_another_client_is_served(srv):
     assert all(ra == "1" for s, ra in out["burst"] if s == 429)
     m = _idle(srv.base, 60)
     assert metric(m, "v4stack_requests_aborted_total") >= out["disconnects"]
+    assert metric(m, "v4stack_api_requests_in_flight") == 0  # every generation was closed
 
 
 def test_sigterm_drains_requests_in_flight(srv):

@@ -203,7 +203,7 @@ def build_app(runner: EngineRunner, model_name: str, options: ServerOptions | No
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prom.render(runner, edge.metrics, model_name), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prom.render(runner, edge.metrics, model_name, edge.inflight), media_type="text/plain; version=0.0.4")
 
     from v4stack.serve import completions
 

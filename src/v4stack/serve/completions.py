@@ -34,6 +34,21 @@ class DetokenizeRequest(_Strict):
     tokens: list[StrictInt]
 
 
+class _Stream(StreamingResponse):
+    """SSE that aborts its generation however the response ends, even when the client left
+    before the first byte (an async generator never started runs no ``finally``)."""
+
+    def __init__(self, body, gen: Generation):
+        super().__init__(body, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=True, separators=(',', ':'))}\n\n"
 
@@ -112,8 +127,7 @@ def mount(app: FastAPI, edge) -> None:
         head = {"id": gen.rid, "object": "text_completion", "created": created, "model": name}
         so = body.stream_options
         if body.stream:
-            return StreamingResponse(_stream_completion(gen, head, bool(body.echo), lp, so),
-                                     media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
+            return _Stream(_stream_completion(gen, head, bool(body.echo), lp, so), gen)
         if not await _collect(http, gen):
             return error_response(499, "client disconnected")
         err = _failed(gen.jobs)
@@ -197,9 +211,8 @@ def mount(app: FastAPI, edge) -> None:
         gen = start(http, [prompt], params, n, "messages", "chatcmpl-")
         head = {"id": gen.rid, "object": "chat.completion", "created": int(time.time()), "model": name}
         if body.stream:
-            return StreamingResponse(_stream_chat(gen, {**head, "object": "chat.completion.chunk"}, bool(body.logprobs),
-                                                  tools_on, prefix, body.stream_options),
-                                     media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
+            return _Stream(_stream_chat(gen, {**head, "object": "chat.completion.chunk"}, bool(body.logprobs),
+                                        tools_on, prefix, body.stream_options), gen)
         if not await _collect(http, gen):
             return error_response(499, "client disconnected")
         err = _failed(gen.jobs)

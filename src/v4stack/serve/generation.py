@@ -133,6 +133,7 @@ class Generation:
                 if s.prompt_index == job.prompt_index and not s.submitted:
                     if job.finish == "error":
                         s.finish, s.error = "error", job.error
+                        self._finished(s)
                     else:
                         self._submit(s)
         if job.finish is not None:

@@ -82,7 +82,7 @@ _HIST = (("time_to_first_token_seconds", "ttft", "time from arrival to the first
          ("request_queue_time_seconds", "queue", "time from arrival to first admission"))
 
 
-def render(runner: EngineRunner, api: ApiMetrics, model_name: str) -> str:
+def render(runner: EngineRunner, api: ApiMetrics, model_name: str, inflight: int = 0) -> str:
     e = runner.engine
     st, cs = e.stats, e.cache.stats()
     up = max(time.perf_counter() - st.started, 1e-9)
@@ -105,6 +105,7 @@ def render(runner: EngineRunner, api: ApiMetrics, model_name: str) -> str:
         ("v4stack_time_to_first_token_seconds_p99", "gauge", "p99 time to first token (bucket bound)", api.ttft.quantile(0.99)),
         ("v4stack_requests_finished_total", "counter", "requests finished (stop or length)", st.finished),
         ("v4stack_requests_aborted_total", "counter", "requests aborted (client gone, stop string or error)", st.aborted),
+        ("v4stack_api_requests_in_flight", "gauge", "engine requests the HTTP API submitted and not yet finished", inflight),
     ]
     out = []
     for name, kind, help_, value in rows:
