@@ -152,3 +152,28 @@ def test_tenants_see_only_their_own(cluster, target):
         assert r.status_code == 404 and r.json()["field"] == "replay_from"
     r = api.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo mine"}).json()
     assert r["stdout"] == "mine\n", r
+
+
+def test_edge_api_refuses_hostile_values_too(cluster, target):
+    """The edge validates with the same models (a caller holding the control credential is the
+    apiserver; still, nothing it sends can name a host path or crash the edge)."""
+    _, sid, snap = target
+    edge = cluster.store_edge_url()
+    h = {"Authorization": "Bearer control-token-" + "c" * 16, "content-type": "application/json"}
+    cases = [("POST", "/edge/v1/sandboxes", {"sandbox_id": "sbx-000000000001", "image": "busybox",
+                                             "substrate": "process"},
+              {"sandbox_id": "id", "image": "id", "substrate": "id", "limits": "obj", "snapshot_id": "id",
+               "replay_from": "id", "network": "obj"}),
+             ("POST", f"/edge/v1/sandboxes/{sid}/exec", {"cmd": "true"},
+              {"cwd": "str", "env": "obj", "timeout": "float", "seq": "int"}),
+             ("POST", f"/edge/v1/sandboxes/{sid}/restore", {"snapshot_id": snap}, {"snapshot_id": "id"})]
+    with httpx.Client(base_url=edge, timeout=60, headers=h) as c:
+        for method, url, valid, fields in cases:
+            for field, kind in fields.items():
+                for v in BAD[kind][:8]:
+                    r = c.request(method, url, content=json.dumps(_set(valid, field, v)).encode())
+                    assert 400 <= r.status_code < 500, (url, field, repr(v)[:50], r.status_code, r.text[:200])
+        for bad in ("sbx-..", "..%2F..%2Fx", "sbx-%00"):
+            assert c.delete(f"/edge/v1/sandboxes/{bad}").status_code in (400, 404)
+        assert c.get(f"/edge/v1/sandboxes/{sid}/files", params={"path": "a\x00b"}).status_code == 400
+        assert httpx.get(f"{edge}/healthz", timeout=10).status_code == 200
