@@ -20,9 +20,10 @@ COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 FIELDS = [("/v1/completions", COMPLETION, f) for f in COMMON + ["prompt", "echo", "logprobs", "best_of", "suffix"]] + \
          [("/v1/chat/completions", CHAT, f) for f in COMMON + ["messages", "max_completion_tokens", "logprobs",
                                                             "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"]]
-CORE = ["null", "true", "-1", "1e308", "18446744073709551616", '"\\ud800"', "[" * 30 + "]" * 30, '{"a": 1}']
+CORE = ["null", "true", "-1", "1e308", "18446744073709551616", "NaN", '"\\ud800"', '"a\\u0000b"', "[" * 30 + "]" * 30,
+        '{"a": 1}']
 VALUES = CORE + ["false", "0", "1", "2", "0.5", "-0.0", "-1e308", "1e-320", "9223372036854775808", "-" + "9" * 30,
-                 "NaN", "Infinity", "-Infinity", '""', '"x"', '"\\u0000"', '"5"', "[]", "[1, 2]", '["a", "b"]',
+                 "Infinity", "-Infinity", '""', '"x"', '"\\u0000"', '"5"', "[]", "[1, 2]", '["a", "b"]',
                  "[[1], [2]]", "{}", '{"type": "text"}', '"' + "a" * 5000 + '"', "[null]", '{"include_usage": "yes"}',
                  '[{"role": "user", "content": "\\ud800"}]', '[{"role": "tool", "content": "x"}]',
                  '[{"type": "function", "function": {"name": "f"}}]', '{"65": 100}', '{"-1": 1}', "[" * 5000 + "]" * 5000]
