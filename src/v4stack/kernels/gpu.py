@@ -106,21 +106,21 @@ def register_all(register) -> None:
              accepts=trit(C.rms_norm))
     register("attention_with_sink", "triton_sparse_attention", _lazy("triton_attention", "attention_with_sink",
              "sparse_attention"), mode=inv, device="cuda", accepts=trit(C.attention_with_sink))
-    register("hc_read", "triton_hc_read", _lazy("triton_rows", "hc_read"), mode=inv, device="cuda",
+    register("hc_read", "triton_hc_read", _lazy("triton_rows", "hc_read", "row_mix"), mode=inv, device="cuda",
              accepts=trit(C.hc_read))
-    register("hc_write", "triton_hc_write", _lazy("triton_rows", "hc_write"), mode=inv, device="cuda",
+    register("hc_write", "triton_hc_write", _lazy("triton_rows", "hc_write", "row_mix"), mode=inv, device="cuda",
              accepts=trit(C.hc_write))
     register("hc_mix", "triton_hc_mix", _lazy("triton_gemm", "hc_mix", "hc_mix"), mode=inv, fmt="float32", device="cuda",
              accepts=trit(C.hc_mix))
-    register("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores"), mode=inv,
+    register("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores", "indexer"), mode=inv,
              device="cuda", accepts=trit(C.indexer_scores))
     register("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax_rows"), mode=inv, device="cuda",
              accepts=trit(C.softmax))
     register("log_softmax", "triton_log_softmax", _lazy("triton_rows", "log_softmax", "softmax_rows"), mode=inv, device="cuda",
              accepts=trit(C.softmax))
-    register("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool"), mode=inv,
+    register("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool", "row_mix"), mode=inv,
              device="cuda", accepts=trit(C.weighted_pool))
-    register("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine"), mode=inv, device="cuda",
+    register("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine", "row_mix"), mode=inv, device="cuda",
              accepts=trit(C.moe_combine))
     # fast mode: the project kernel where it measured faster than the framework's
     # (bench/results/ops_h200.json, V4-Flash widths), the framework elsewhere
@@ -129,10 +129,10 @@ def register_all(register) -> None:
 
     fast_picks = (
         ("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm"), C.rms_norm, None),
-        ("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores"), C.indexer_scores, None),
-        ("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool"), C.weighted_pool,
+        ("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores", "indexer"), C.indexer_scores, None),
+        ("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool", "row_mix"), C.weighted_pool,
          lambda kv, s, dim: kv.numel() // (kv.shape[-1] * kv.shape[-2]) >= 1024),
-        ("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine"), C.moe_combine,
+        ("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine", "row_mix"), C.moe_combine,
          lambda y, idx: y.shape[0] >= 1024),
         ("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax_rows"), C.softmax,
          lambda x, dim=-1: rows(x) >= 1024 and x.shape[-1] <= 4096),

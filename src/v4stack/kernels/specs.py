@@ -156,14 +156,97 @@ def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024) -> Spec:
     )
 
 
-ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "hc_mix": hc_mix}
+def f32_slices(BM=64, BN=64, BK=32, SPLIT=tiles.F32_SPLIT, name="f32_slices") -> Spec:
+    """fp32 GEMM: program (pm, pn, s) reduces K slice s (``SPLIT`` wide, the last one cut at K) into
+    partial [s, M, N]; the slice-sum kernel then reads the S partials of each element in order."""
+    import z3
+
+    def row(n):
+        return n.pm * BM + n.i
+
+    def col(n):
+        return n.pn * BN + n.j
+
+    def kend(n):
+        return z3.If(n.s * SPLIT + SPLIT < n.K, n.s * SPLIT + SPLIT, n.K)
+
+    def k(n):
+        return n.s * SPLIT + n.kb * BK + n.kk
+
+    S = lambda n: cdiv(n.K, SPLIT)  # noqa: E731
+    return Spec(
+        name=name, dims=("M", "N", "K"),
+        grid=lambda n: {"pm": cdiv(n.M, BM), "pn": cdiv(n.N, BN), "s": S(n)},
+        lanes=lambda n: {"i": BM, "j": BN, "kb": cdiv(SPLIT, BK), "kk": BK, "e": n.M * n.N, "s2": S(n)},
+        accesses=(
+            Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
+                   lambda n: z3.And(row(n) < n.M, k(n) < kend(n))),
+            Access("W", "load", lambda n: (col(n), k(n)), lambda n: (n.N, n.K),
+                   lambda n: z3.And(col(n) < n.N, k(n) < kend(n))),
+            Access("P", "store", lambda n: (n.s, row(n), col(n)), lambda n: (S(n), n.M, n.N),
+                   lambda n: z3.And(row(n) < n.M, col(n) < n.N), lanes=("i", "j")),
+            Access("P", "load", lambda n: (n.s2, n.e), lambda n: (S(n), n.M * n.N)),
+        ),
+        divides=((f"{BK} | {SPLIT}", lambda n: z3.IntVal(SPLIT) % BK == 0),),
+    )
+
+
+def indexer(D=128, BH=64, BS=64) -> Spec:
+    """Indexer scores: program (t, ps) scores keys ps*BS.. for query t over all heads; keys are
+    shared [S, D] or per row [T, S, D] (the per-row case is the larger index space)."""
+    def s_(n):
+        return n.ps * BS + n.s
+
+    return Spec(
+        name="indexer", dims=("T", "H", "S"), requires=lambda n: [n.H <= BH],
+        grid=lambda n: {"t": n.T, "ps": cdiv(n.S, BS)},
+        lanes=lambda n: {"h": BH, "s": BS, "d": D},
+        accesses=(
+            Access("Q", "load", lambda n: (n.t, n.h, n.d), lambda n: (n.T, n.H, D), lambda n: n.h < n.H),
+            Access("W", "load", lambda n: (n.t, n.h), lambda n: (n.T, n.H), lambda n: n.h < n.H),
+            Access("K", "load", lambda n: (n.t, s_(n), n.d), lambda n: (n.T, n.S, D), lambda n: s_(n) < n.S),
+            Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S, lanes=("s",)),
+        ),
+    )
+
+
+def row_mix(name: str, BJ=8, BD=1024) -> Spec:
+    """weighted_pool / moe_combine / hc_read / hc_write: program (r, pd) reads the J rows of token
+    r (J <= BJ lanes, masked) over channels pd*BD.. and writes channel block pd of its output; for
+    moe_combine the row read in step q is a slot index computed in the kernel (data in [0, J))."""
+    import z3
+
+    def d(n):
+        return n.pd * BD + n.c
+
+    return Spec(
+        name=name, dims=("R", "J", "D"), requires=lambda n: [n.J <= BJ],
+        grid=lambda n: {"r": n.R, "pd": cdiv(n.D, BD)},
+        lanes=lambda n: {"j": BJ, "c": BD, "k": n.J},
+        data=lambda n: {"slot": (0, n.J)},
+        accesses=(
+            Access("In", "load", lambda n: (n.r, n.j, d(n)), lambda n: (n.R, n.J, n.D),
+                   lambda n: z3.And(n.j < n.J, d(n) < n.D)),
+            Access("Weights", "load", lambda n: (n.r, n.j), lambda n: (n.R, n.J), lambda n: n.j < n.J),
+            Access("In_by_slot", "load", lambda n: (n.r, n.slot, d(n)), lambda n: (n.R, n.J, n.D),
+                   lambda n: d(n) < n.D),
+            Access("Out", "store", lambda n: (n.r, n.k, d(n)), lambda n: (n.R, n.J, n.D), lambda n: d(n) < n.D,
+                   lanes=("k", "c")),
+        ),
+    )
+
+
+ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "hc_mix": hc_mix, "indexer": indexer,
+       "row_mix": lambda: row_mix("row_mix")}
+for _i, (_, _t) in enumerate(tiles.F32_TILES):
+    ALL[f"f32_slices_{_i}"] = (lambda t, i: lambda: f32_slices(t["BM"], t["BN"], t["BK"], name=f"f32_slices_{i}"))(_t, _i)
 for _i, (_, _t) in enumerate(tiles.HALF_TILES):
     ALL[f"gemm_half_{_i}"] = (lambda t, i: lambda: gemm(f"gemm_half_{i}", t["BM"], t["BN"], t["BK"]))(_t, _i)
 for _i, (_, _t) in enumerate(tiles.GROUPED_TILES):
     ALL[f"gemm_grouped_{_i}"] = (lambda t, i: lambda: gemm(f"gemm_grouped_{i}", t["BM"], t["BN"], t["BK"]))(_t, _i)
 for _i, (_, _t) in enumerate(tiles.FP8_TILES):
     ALL[f"fp8_gemm_{_i}"] = (lambda t, i: lambda: fp8_gemm(t["BM"], t["BN"], tiles.FP8_BLOCK, f"fp8_gemm_{i}"))(_t, _i)
-GROUPS = {"gemm_half": [n for n in ALL if n.startswith("gemm_half")],
+GROUPS = {"gemm_half": [n for n in ALL if n.startswith("gemm_half") or n.startswith("f32_slices")],
           "gemm_grouped": [n for n in ALL if n.startswith("gemm_grouped")],
           "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")]}
 
