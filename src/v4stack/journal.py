@@ -410,6 +410,7 @@ class Journal:
         try:
             if self._failed is None:
                 self.sync()
+                os.fsync(self._fd)  # the last durable mark too: a clean close leaves an exact one
         finally:
             with self._wlock:
                 self._closed = True
