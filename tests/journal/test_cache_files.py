@@ -6,6 +6,7 @@ test_preempt.py: delete, flip, wrong file, truncated, foreign.)"""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,14 @@ def _saved_store(model, root):
 
 
 @pytest.fixture(scope="module")
+def saved(model, tmp_path_factory):
+    """This model's store for BASE, saved once; each test damages its own copy."""
+    root = tmp_path_factory.mktemp("saved")
+    _saved_store(model, root)
+    return root
+
+
+@pytest.fixture(scope="module")
 def foreign(tmp_path_factory):
     """A store written by another model (other weights) for the same tokens: same file names."""
     root = tmp_path_factory.mktemp("foreign")
@@ -46,8 +55,8 @@ def foreign(tmp_path_factory):
     return root
 
 
-def _damaged(model, root, foreign, fault):
-    _saved_store(model, root)
+def _damaged(model, saved, root, foreign, fault):
+    shutil.copytree(saved, root, dirs_exist_ok=True)
     cold = engine(model)
     store = DiskPrefixStore(root, cold.cache, "full")
     h = [x.hex() for x in store._hashes(BASE, 4)]
@@ -70,14 +79,14 @@ def _damaged(model, root, foreign, fault):
 
 
 @pytest.mark.parametrize("fault,expect_hit", [("swap_blocks", 0), ("truncate_state", 48), ("foreign_state", 48)])
-def test_bad_files_are_misses(model, foreign, tmp_path, fault, expect_hit):
-    _, store, bad = _damaged(model, tmp_path, foreign, fault)
+def test_bad_files_are_misses(model, saved, foreign, tmp_path, fault, expect_hit):
+    _, store, bad = _damaged(model, saved, tmp_path, foreign, fault)
     assert store.restore(FULL).hit_tokens == expect_hit
     assert not any(p.exists() for p in bad)  # refused and removed
 
 
-def test_swapped_states_are_misses_and_tokens_equal(model, reference, foreign, tmp_path):
-    cold, store, bad = _damaged(model, tmp_path, foreign, "swap_states")
+def test_swapped_states_are_misses_and_tokens_equal(model, saved, reference, foreign, tmp_path):
+    cold, store, bad = _damaged(model, saved, tmp_path, foreign, "swap_states")
     assert store.restore(FULL).hit_tokens == 32 and not any(p.exists() for p in bad)
     logits, out, _ = first_logits(cold, FULL)
     assert torch.equal(logits, reference[0][-logits.shape[0]:]) and out == reference[1]
