@@ -185,7 +185,8 @@ class Journal:
             ok = len(segs) == 1 and len(head) == SEG_HEAD and head[:8] == SEG_MAGIC and \
                 crc4(head[: SEG_HEADER.size]) == head[SEG_HEADER.size : SEG_HEADER.size + 4]
             if not ok or SEG_HEADER.unpack_from(head)[2:] != (0, 0, 0):
-                raise JournalCorrupt(self.path, META_NAME, 0, 0, "journal identity file missing")
+                raise JournalCorrupt(self.path, META_NAME, 0, 0, "journal identity file missing"
+                                     " (segments written by an older format are not read)")
             self._meta = Meta(SEG_HEADER.unpack_from(head)[1], 0, 0, 0, 0)
         atomic_write(self.path / META_NAME, self._meta.pack())
         return self._meta

@@ -242,7 +242,8 @@ def read_records(path: str | os.PathLike, start: int = 0) -> Iterator[tuple[int,
     meta = read_meta(path)
     if meta is None:
         if listed:
-            raise JournalCorrupt(path, META_NAME, 0, 0, "journal identity file missing")
+            raise JournalCorrupt(path, META_NAME, 0, 0, "journal identity file missing"
+                                 " (segments written by an older format are not read)")
         return
     segs = [(b, p) for b, p in listed if b >= meta.lsn]
     number, seq, end = meta.number - 1, meta.seq, meta.lsn
