@@ -1,4 +1,4 @@
-"""``bench journal_ab``: the journal's cost per decode step, this code against a baseline tree.
+"""``bench journal-ab``: the journal's cost per decode step, this code against a baseline tree.
 
     git archive <commit> src | tar -x -C /tmp/base
     python -m bench.journal_ab --baseline /tmp/base/src [--steps 400] [--records 8]
@@ -49,7 +49,7 @@ def _batch(step: int, records: int) -> list[bytes]:
 
 def run(baseline: Path, steps: int = 400, records: int = 8, out: str | None = None, where: str | None = None) -> dict:
     if steps < 10 or records < 1:
-        raise ValueError(f"bench journal_ab: steps must be >= 10 and records >= 1, got {steps}, {records}")
+        raise ValueError(f"bench journal-ab: steps must be >= 10 and records >= 1, got {steps}, {records}")
     impls = {"baseline": _load(baseline), "current": current}
     times = {k: {"append": [], "write": []} for k in impls}
     with tempfile.TemporaryDirectory(dir=where) as tmp:
@@ -79,7 +79,7 @@ def run(baseline: Path, steps: int = 400, records: int = 8, out: str | None = No
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="bench journal_ab", description=__doc__,
+    ap = argparse.ArgumentParser(prog="bench journal-ab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="a src/ directory holding the baseline v4stack/journal.py")
     ap.add_argument("--steps", type=int, default=400)
