@@ -132,6 +132,15 @@ def test_stream_usage_and_batch_prompts(client):
     assert [ids_of(c) for c in r2.choices] == [ids_of(c) for c in r.choices]
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         client.completions.create(model=MODEL, prompt="x", stream_options={"include_usage": True})
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "u"}], max_tokens=4,
+                                               temperature=0, n=2, stream=True, stream_options={"include_usage": True}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 8
+    assert {c.choices[0].index for c in chat[:-1]} == {0, 1}
+    echoed = list(client.completions.create(model=MODEL, prompt="echo", max_tokens=3, temperature=0, stream=True,
+                                            echo=True, logprobs=1))
+    first = echoed[0].choices[0]
+    assert first.text.startswith("echo") and first.logprobs.token_logprobs[0] is None
+    assert sum(len(c.choices[0].logprobs.tokens) for c in echoed if c.choices[0].logprobs) == 4 + 3
 
 
 def test_chat_token_limits(client):
