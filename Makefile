@@ -12,14 +12,14 @@ $(BIN)/python:
 # torch first, pinned to the local CPU wheel, so nothing pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,tilelang]'
+	$(BIN)/pip install -q -e '.[dev,tilelang,triton]'
 	touch $@
 
 install: $(VENV)/.installed
 
 # the closed loop for LOOP_MINUTES of RL steps (the first run also teaches the supervised policy, ~3 min)
 LOOP_MINUTES ?= 3
-run: install
+run: install sysdeps
 	$(BIN)/v4stack loop --preset tiny --minutes $(LOOP_MINUTES) --out runs/loop
 
 # OS packages for the sandbox tests (crun, erofs-utils, debootstrap, ...): installed when missing
