@@ -42,9 +42,13 @@ class Rotary:
     def __init__(self, cfg: ModelConfig, compressed: bool):
         self.dim = cfg.qk_rope_head_dim
         self.freqs = rope_frequencies(cfg, compressed)
+        self._on: dict = {}  # device -> freqs there (copied once, not per call)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        ang = positions.to(torch.float64).unsqueeze(-1) * self.freqs.to(positions.device)
+        f = self._on.get(positions.device)
+        if f is None:
+            f = self._on[positions.device] = self.freqs.to(positions.device)
+        ang = positions.to(torch.float64).unsqueeze(-1) * f
         calc = torch.float64 if dtype == torch.float64 else torch.float32
         return ops.cos(ang).to(calc), ops.sin(ang).to(calc)
 

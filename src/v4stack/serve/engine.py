@@ -19,6 +19,7 @@ import torch
 from v4stack.model import V4Model
 from v4stack.ops.mode import mode as ops_mode
 from v4stack.serve.cache.manager import CacheManager, RequestCache
+from v4stack.serve.graphs import DecodeGraphs
 from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
 from v4stack.serve.sampling import Draw, Row, SamplingParams, sample, top_logprobs
@@ -34,6 +35,7 @@ class EngineConfig:
     max_running: int = 64
     ops_mode: str = "invariant"
     eos_token_id: int | None = None  # finishes a request unless it sets ignore_eos
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
 
     def validate(self) -> "EngineConfig":
         for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
@@ -68,6 +70,8 @@ class Engine:
                                   device=model.embed.weight.device)
         self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running)
         self.runner = ModelRunner(self.model, self.cache)
+        if c.cuda_graphs and self.runner.device.type == "cuda":
+            self.runner.graphs = DecodeGraphs(self.model, self.cache, max_rows=c.max_running)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()

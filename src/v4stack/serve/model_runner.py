@@ -27,6 +27,7 @@ class ModelRunner:
         self.device = model.embed.weight.device
         self.ratios = sorted({r for r in model.cfg.layer_ratios if r})
         self.last_bytes = 0
+        self.graphs = None  # serve/graphs.py: DecodeGraphs, installed by the engine on CUDA
 
     def build(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]]) -> StepBatch:
         """The flat description of one step: ``chunks`` are (request cache, tokens it feeds)."""
@@ -71,15 +72,51 @@ class ModelRunner:
             out_rows=_long([c - 1 for c in cu[1:]], dev),
         )
 
+    def build_decode(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int) -> StepBatch:
+        """A decode step (one token per request) in static shapes: ``rows`` rows (padding rows use
+        the scratch slot, an empty block table and position 0), block tables ``width`` wide, and
+        for every ratio one closing slot per row (rows whose entry does not close write it to the
+        scratch block). Entries are listed up to the table width, so the shapes depend on
+        ``(rows, width)`` only - what a captured graph needs."""
+        dev, B, n = self.device, self.cache.B, len(chunks)
+        pad = rows - n
+        pos = torch.tensor([rc.pos for rc, _ in chunks] + [0] * pad, dtype=torch.long)
+        real = torch.arange(rows) < n
+        table = torch.full((rows, width), -1, dtype=torch.long)
+        for i, (rc, _) in enumerate(chunks):
+            table[i, : len(rc.blocks)] = torch.tensor(rc.blocks, dtype=torch.long)
+        ar = torch.arange(rows)
+        closing = {}
+        for r in self.ratios:
+            per = B // r
+            entry = pos // r
+            closes = real & ((pos + 1) % r == 0)
+            dest = table[ar, (entry // per).clamp(max=width - 1)] * per + entry % per
+            dest = torch.where(closes, dest, self.cache.blocks.scratch * per)
+            closing[r] = Closing(ar.to(dev), entry.to(dev), dest.to(dev))
+        return StepBatch(
+            ids=_long([t for _, toks in chunks for t in toks] + [0] * pad, dev), positions=pos.to(dev),
+            seq=ar.to(dev), row0=ar.to(dev), pos0=pos.to(dev), end=(pos + 1).to(dev),
+            slots=_long([rc.slot for rc, _ in chunks] + [self.cache.slots.scratch] * pad, dev),
+            block_table=table.to(dev), max_end=width * B, decode=True, closing=closing, captures=None,
+            out_rows=None,
+        )
+
     def run(self, chunks: list[tuple[RequestCache, list[int]]], all_rows: bool = False) -> torch.Tensor:
         """Run one step; returns the logits of each request's last fed row ``[len(chunks), V]``
-        (of every fed row with ``all_rows``). The caches advance past the fed tokens."""
+        (of every fed row with ``all_rows``). The caches advance past the fed tokens. A decode
+        step with no boundary capture replays a captured CUDA graph when ``graphs`` is set."""
         caps = self.cache.plan_captures(chunks)
-        batch = self.build(chunks, caps)
-        if all_rows:
-            batch.out_rows = None
         before = self.cache.paged.bytes_written
-        logits = self.model.step_paged(batch, self.cache.paged)
+        g = self.graphs
+        if g is not None and not all_rows and not any(caps) and all(len(t) == 1 for _, t in chunks) \
+                and len(chunks) <= g.max_rows:
+            logits = g.run(self, chunks)
+        else:
+            batch = self.build(chunks, caps)
+            if all_rows:
+                batch.out_rows = None
+            logits = self.model.step_paged(batch, self.cache.paged)
         self.last_bytes = self.cache.paged.bytes_written - before
         for (rc, toks), c in zip(chunks, caps):
             self.cache.advance(rc, toks, c)

@@ -34,8 +34,9 @@ class BlockMeta:
 class BlockPool:
     def __init__(self, spec: CacheSpec, n_blocks: int, device="cpu"):
         self.spec, self.n_blocks = spec, n_blocks
+        self.scratch = n_blocks  # one extra block never handed out: writes a static step discards
         self.storage: dict[tuple[str, int], torch.Tensor] = {
-            (g.kind, g.layer): torch.zeros(n_blocks, g.rows, g.width, dtype=g.dtype, device=device)
+            (g.kind, g.layer): torch.zeros(n_blocks + 1, g.rows, g.width, dtype=g.dtype, device=device)
             for g in spec.paged
         }
         self.meta = [BlockMeta(i) for i in range(n_blocks)]

@@ -15,13 +15,15 @@ from v4stack.serve.cache.spec import CacheSpec
 class StatePool:
     def __init__(self, spec: CacheSpec, n_layers: int, n_slots: int, device="cpu"):
         self.spec, self.n_layers, self.n_slots = spec, n_layers, n_slots
+        self.scratch = n_slots  # one extra slot never handed out: the padding rows of a static step
         self.tensors: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         for g in spec.state:
+            n = n_slots + 1
             if g.kind == "swa_kv":
-                self.tensors[(g.kind, g.layer)] = (torch.zeros(n_slots, g.rows, g.width, dtype=g.dtype, device=device),)
+                self.tensors[(g.kind, g.layer)] = (torch.zeros(n, g.rows, g.width, dtype=g.dtype, device=device),)
             else:
-                kv = torch.zeros(n_slots, g.rows, g.width, dtype=g.dtype, device=device)
-                score = torch.full((n_slots, g.rows, g.width), float("-inf"), dtype=g.dtype, device=device)
+                kv = torch.zeros(n, g.rows, g.width, dtype=g.dtype, device=device)
+                score = torch.full((n, g.rows, g.width), float("-inf"), dtype=g.dtype, device=device)
                 self.tensors[(g.kind, g.layer)] = (kv, score)
         self.free = list(range(n_slots - 1, -1, -1))
 

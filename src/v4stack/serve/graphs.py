@@ -1,0 +1,88 @@
+"""CUDA graphs for decode steps at bucketed shapes.
+
+A decode step (one token per request, no boundary capture) is laid out in static shapes by
+``ModelRunner.build_decode``: rows padded to a bucket (1, 2, 4, ... ``max_rows``), block tables
+padded to a power-of-two width. The first step of a shape is captured into a graph (after a
+warm-up run on a side stream; re-running a decode step writes the same rows again, so the warm-up
+changes nothing); later steps of that shape copy their tensors into the graph's static inputs and
+replay it. Graphs are captured and replayed under the engine's ops mode, so both modes get them.
+If a capture fails (an op that needs the host), the engine keeps running eagerly and records why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v4stack.model.paged import StepBatch
+
+
+def _next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _width(n: int) -> int:
+    """Block-table width bucket: a power of two up to 16 blocks, then multiples of 16."""
+    return _next_pow2(n) if n <= 16 else -(-n // 16) * 16
+
+
+class DecodeGraphs:
+    """``capture=False`` runs the same static layout eagerly (how the CPU tests check it)."""
+
+    def __init__(self, model, cache, max_rows: int = 256, capture: bool = True):
+        self.model, self.cache, self.max_rows = model, cache, _next_pow2(max_rows)
+        self.capture = capture
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.pool = None
+        self.error: str | None = None
+        self.replays = 0
+        self.steps = 0  # decode steps run in the static layout (replayed or eager)
+
+    def _copy(self, dst: StepBatch, src: StepBatch) -> None:
+        for name in ("ids", "positions", "seq", "row0", "pos0", "end", "slots", "block_table"):
+            getattr(dst, name).copy_(getattr(src, name))
+        for r, c in src.closing.items():
+            d = dst.closing[r]
+            d.seq.copy_(c.seq)
+            d.entry.copy_(c.entry)
+            d.dest.copy_(c.dest)
+
+    def _capture(self, batch: StepBatch):
+        paged = self.cache.paged
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            before = paged.bytes_written
+            self.model.step_paged(batch, paged)
+            per_step = paged.bytes_written - before
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.model.step_paged(batch, paged)
+        paged.bytes_written -= per_step  # the capture counted its writes without running them
+        self.pool = g.pool()
+        return g, batch, out, per_step
+
+    def run(self, runner, chunks) -> torch.Tensor:
+        self.steps += 1
+        n = len(chunks)
+        rows = _next_pow2(n)
+        width = _width(max(1, max(len(rc.blocks) for rc, _ in chunks)))
+        batch = runner.build_decode(chunks, rows, width)
+        key = (rows, width)
+        if self.capture and self.error is None and key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(batch)
+            except Exception as e:  # an op that syncs with the host: stay eager
+                self.error = repr(e)[:300]
+        entry = self.graphs.get(key)
+        if entry is None:
+            return self.model.step_paged(batch, self.cache.paged)[:n]
+        g, static, out, per_step = entry
+        self._copy(static, batch)
+        g.replay()
+        self.replays += 1
+        self.cache.paged.bytes_written += per_step
+        return out[:n]
