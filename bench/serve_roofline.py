@@ -151,7 +151,9 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     res = {"mode": mode, "batch": batch, "context": ctx, "steps_timed": len(times), "step_s_p50": p50,
            "tok_s": batch / p50, "roofline_step_s": floor, "roofline_tok_s": batch / floor if floor else None,
            "fraction": floor / p50 if floor else None, **sb,
-           "cache_bytes_written_last_step": engine.stats.last_step_cache_bytes}
+           "cache_bytes_written_last_step": engine.stats.last_step_cache_bytes,
+           "cuda_graph_replays": engine.runner.graphs.replays if engine.runner.graphs else 0,
+           "cuda_graph_error": engine.runner.graphs.error if engine.runner.graphs else None}
     del engine
     if dev == "cuda":
         torch.cuda.empty_cache()
