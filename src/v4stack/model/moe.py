@@ -97,9 +97,9 @@ class LocalGrouped:
         T, k = indices.shape
         w1, w2, w3 = moe.stacked_weights()
         flat = indices.reshape(-1)
-        order = torch.sort(flat, stable=True).indices  # by expert, then pair id (token * k + slot)
-        offsets = torch.zeros(moe.n_experts + 1, dtype=torch.int64, device=x.device)
-        offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=moe.n_experts), 0)
+        ids, order = torch.sort(flat, stable=True)  # by expert, then pair id (token * k + slot)
+        # row offsets without a host sync (bincount would read the max on the host)
+        offsets = torch.searchsorted(ids, torch.arange(moe.n_experts + 1, device=x.device))
         rows = x[order // k].to(w1.dtype)
         cd = compute_dtype(x.dtype)
         gate = ops.grouped_linear(rows, w1, offsets).to(cd)

@@ -75,8 +75,10 @@ class DecodeGraphs:
         if self.capture and self.error is None and key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(batch)
-            except Exception as e:  # an op that syncs with the host: stay eager
-                self.error = repr(e)[:300]
+            except Exception:  # an op that needs the host: stay eager
+                import traceback
+
+                self.error = traceback.format_exc()[-2500:]
         entry = self.graphs.get(key)
         if entry is None:
             return self.model.step_paged(batch, self.cache.paged)[:n]
