@@ -155,29 +155,37 @@ def test_chat_token_limits(client):
 
 
 def test_stop_ids_min_tokens_penalties_bias_min_p(client):
-    g = ids_of(client.completions.create(model=MODEL, prompt="penalty", max_tokens=16, temperature=0).choices[0])
-    k = g.index(g[3])
-    r = client.completions.create(model=MODEL, prompt="penalty", max_tokens=16, temperature=0,
-                                  extra_body={"stop_token_ids": [g[3]]})
-    assert ids_of(r.choices[0]) == g[: k + 1] and r.choices[0].finish_reason == "stop"
-    r = client.completions.create(model=MODEL, prompt="penalty", max_tokens=16, temperature=0,
-                                  extra_body={"stop_token_ids": [g[3]], "min_tokens": k + 1})
-    out = ids_of(r.choices[0])
-    assert len(out) > k + 1 and g[3] not in out[: k + 1]
-    assert ids_of(client.completions.create(model=MODEL, prompt="penalty", max_tokens=16, temperature=0,
-                                            extra_body={"ignore_eos": True}).choices[0]) == g  # no EOS configured
-    # greedy g repeats nothing, so penalties show by encouraging repeats (negative) or against a bias
-    def run(**kw):
-        return ids_of(client.completions.create(model=MODEL, prompt="penalty", max_tokens=16, temperature=0, **kw).choices[0])
+    from concurrent.futures import ThreadPoolExecutor
 
-    assert run(frequency_penalty=-2.0) != g and run(presence_penalty=-2.0) != g
-    assert run(extra_body={"repetition_penalty": 3.0}) != g  # counts the prompt's tokens too
-    assert run(logit_bias={"65": 10}) == [65] * 16
-    assert run(logit_bias={"65": 10}, frequency_penalty=2.0)[:4] == [65] * 4 != run(logit_bias={"65": 10}, frequency_penalty=2.0)[4:8]
-    r = client.completions.create(model=MODEL, prompt="penalty", max_tokens=5, temperature=1.0, logit_bias={"65": 100})
-    assert ids_of(r.choices[0]) == [65] * 5
-    assert ids_of(client.completions.create(model=MODEL, prompt="penalty", max_tokens=16, temperature=1.5, seed=3,
-                                            extra_body={"min_p": 1.0}).choices[0]) == g
+    def run(max_tokens=16, temperature=0, **kw):
+        return client.completions.create(model=MODEL, prompt="penalty", max_tokens=max_tokens,
+                                         temperature=temperature, **kw).choices[0]
+
+    g = ids_of(run())
+    k = g.index(g[3])
+    cases = {  # sent at once (the engine batches them; in invariant mode each equals its run alone)
+        "stop_ids": dict(extra_body={"stop_token_ids": [g[3]]}),
+        "min_tokens": dict(extra_body={"stop_token_ids": [g[3]], "min_tokens": k + 1}),
+        "ignore_eos": dict(extra_body={"ignore_eos": True}),  # no EOS configured: no change
+        # greedy g repeats nothing, so penalties show by encouraging repeats (negative) or against a bias
+        "freq": dict(frequency_penalty=-2.0), "pres": dict(presence_penalty=-2.0),
+        "rep": dict(extra_body={"repetition_penalty": 3.0}),  # counts the prompt's tokens too
+        "bias": dict(logit_bias={"65": 10}), "bias_freq": dict(logit_bias={"65": 10}, frequency_penalty=2.0),
+        "bias_sampled": dict(max_tokens=5, temperature=1.0, logit_bias={"65": 100}),
+        "min_p": dict(temperature=1.5, seed=3, extra_body={"min_p": 1.0}),
+    }
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = dict(zip(cases, pool.map(lambda kw: run(**kw), cases.values())))
+    assert ids_of(got["stop_ids"]) == g[: k + 1] and got["stop_ids"].finish_reason == "stop"
+    out = ids_of(got["min_tokens"])
+    assert len(out) > k + 1 and g[3] not in out[: k + 1]
+    assert ids_of(got["ignore_eos"]) == g
+    assert ids_of(got["freq"]) != g and ids_of(got["pres"]) != g and ids_of(got["rep"]) != g
+    assert ids_of(got["bias"]) == [65] * 16
+    bf = ids_of(got["bias_freq"])
+    assert bf[:4] == [65] * 4 != bf[4:8]
+    assert ids_of(got["bias_sampled"]) == [65] * 5
+    assert ids_of(got["min_p"]) == g
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt="x", logit_bias={"256": 1})
 

@@ -123,13 +123,17 @@ def test_large_body_is_413_and_health_stays_fast(server):  # bug 11
 
 
 def test_stream_releases_text_as_soon_as_its_bytes_are_complete(server):  # bug 12
+    from concurrent.futures import ThreadPoolExecutor
+
     c = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
-    ids = c.completions.create(model=MODEL, prompt="bytes", max_tokens=40, temperature=0).choices[0].model_extra["token_ids"]
+    kw = dict(model=MODEL, prompt="bytes", max_tokens=40, temperature=0)
+    with ThreadPoolExecutor(2) as pool:  # both at once: the engine batches them
+        whole = pool.submit(lambda: c.completions.create(**kw).choices[0].model_extra["token_ids"])
+        got = [ch.choices[0].text for ch in c.completions.create(**kw, stream=True)]
+        ids = whole.result()
     dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
     want = [dec.decode(bytes([t])) for t in ids]
     want[-1] += dec.decode(b"", final=True)
-    got = [ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt="bytes", max_tokens=40,
-                                                             temperature=0, stream=True)]
     assert [w for w in want if w] == [g for g in got if g]
     assert sum(w.count("\ufffd") for w in want) > 0  # the output does hold invalid bytes
 
