@@ -114,8 +114,9 @@ class Journal:
     def _recover(self, repair: bool) -> Recovery:
         for p in self.path.glob(f".{SEG_PREFIX}*.tmp"):  # a rotation that never finished
             p.unlink()
-        meta = read_meta(self.path)
+        meta, fresh = read_meta(self.path), False
         if meta is None:
+            fresh = not list_segments(self.path)
             meta = self._adopt()
         self._meta = meta
         for b, p in list_segments(self.path):  # left behind by a drop_before that was cut short
@@ -162,8 +163,9 @@ class Journal:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        os.fsync(self._fd)  # what recovery keeps is durable before anyone sees it
-        os.fsync(self._dirfd)
+        if not fresh:  # a journal made just now was synced as it was made
+            os.fsync(self._fd)  # what recovery keeps is durable before anyone sees it
+            os.fsync(self._dirfd)
         self._seg_number, self._seg_base, self._seq = last.number, last.base, seq
         self._end = last.base + last.end
         self._marks = last.counter + 1
