@@ -29,7 +29,7 @@ from v4stack.model import V4Model
 from v4stack.train.mesh import build_mesh
 from v4stack.train.pipeline import Stage, lm_loss, run_1f1b
 
-FLASH_SLICE = {"num_hidden_layers": 4, "compress_ratios": [0, 0, 4, 128, 0], "n_routed_experts": 8,
+FLASH_SLICE = {"num_hidden_layers": 4, "compress_ratios": [0, 0, 4, 128], "n_routed_experts": 8,
                "num_nextn_predict_layers": 0}
 
 
