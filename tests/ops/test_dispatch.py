@@ -59,3 +59,15 @@ def test_block_scaled_weights_dispatch_on_their_format():
         assert torch.equal(y, ops.linear(x, qw.dequantize()))
     assert ops.counters()["linear"] == {"dequantize_cached": 1, "torch_invariant": 2}
     assert ops.table()["linear/*/fp8/cuda"] == ["triton_fp8_block_gemm"]
+
+
+def test_a_call_autograd_must_differentiate_skips_the_forward_only_kernels():
+    # the project's GPU kernels have no backward: with a gradient to compute, the CUDA key resolves
+    # to the torch implementation (resolution only: the contracts accept CPU tensors)
+    pytest.importorskip("triton")
+    x = torch.randn(2048, 64)
+    assert dispatch.resolve("softmax", "invariant", "float32", "cuda", x).name == "triton_softmax"
+    g = x.clone().requires_grad_(True)
+    assert not dispatch.resolve("softmax", "invariant", "float32", "cuda", g).name.startswith("triton")
+    with torch.no_grad():  # no graph is built: the kernel serves again
+        assert dispatch.resolve("softmax", "invariant", "float32", "cuda", g).name == "triton_softmax"

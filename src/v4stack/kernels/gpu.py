@@ -41,9 +41,19 @@ def _lazy(module: str, attr: str, spec: str | None = None):
     return call
 
 
+def _needs_grad(args, kw) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kw.values()))
+
+
 def _with(lib: str, check):
+    """The project kernels compute forward values only: a call that autograd must differentiate
+    (grad mode on and an input requiring grad: training) goes to the next implementation, a torch
+    one with its backward."""
     def accepts(*args, **kw):
-        return installed(lib) and check(*args, **kw)
+        return installed(lib) and not _needs_grad(args, kw) and check(*args, **kw)
 
     return accepts
 
