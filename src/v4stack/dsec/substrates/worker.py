@@ -132,17 +132,24 @@ def send(msg: dict) -> None:
     sys.stdout.flush()
 
 
-def _kill_others() -> None:
+def _kill_others(track: int | None = None) -> int | None:
+    """SIGKILL every other process of this pid namespace and reap what has died; returns the wait
+    status of ``track`` if this reaped it (its caller must not wait for it again)."""
     try:
         os.kill(-1, signal.SIGKILL)  # from PID 1: every other process of this pid namespace
     except ProcessLookupError:
         pass
+    status = None
     while True:
         try:
-            if os.waitpid(-1, os.WNOHANG) == (0, 0):
-                break
+            got, st = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             break
+        if (got, st) == (0, 0):
+            break
+        if got == track:
+            status = st
+    return status
 
 
 def _valid(req: dict) -> str | None:
@@ -178,12 +185,12 @@ def run(req: dict) -> None:
     os.close(err_w)
     names = {out_r: "stdout", err_r: "stderr"}
     deadline = t0 + float(req.get("timeout", 60))
-    sent, timed_out = 0, False
+    sent, timed_out, reaped = 0, False, None
     while names:
         left = deadline - time.monotonic()
         if left <= 0 and not timed_out:
             timed_out = True
-            _kill_others()
+            reaped = _kill_others(track=pid)  # may reap the command's own process too
         ready, _, _ = select.select(list(names), [], [], max(min(left, 0.5), 0.01))
         for fd in ready:
             data = os.read(fd, 65536)
@@ -193,7 +200,7 @@ def run(req: dict) -> None:
             elif sent < FORWARD_CAP:
                 sent += len(data)
                 send({"fd": names[fd], "data": base64.b64encode(data).decode()})
-    _, status = os.waitpid(pid, 0)
+    status = reaped if reaped is not None else os.waitpid(pid, 0)[1]
     code = os.waitstatus_to_exitcode(status)
     _kill_others()
     send({"exit": code if code >= 0 else 128 - code, "timed_out": timed_out, "duration": time.monotonic() - t0})
