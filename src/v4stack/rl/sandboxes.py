@@ -106,15 +106,12 @@ class LocalDsec:
 
 
 def _cleanup(home: Path) -> None:
-    """What a SIGKILLed edge leaves behind: its cgroups and the mounts under ``home``."""
+    """What a SIGKILLed edge leaves behind: this home's sandboxes' cgroups, crun state, network
+    namespaces and mounts (DSec's own orphan reclaim; other DSec homes on the host are not touched)."""
     try:
-        from v4stack.dsec.cgroups import Cgroup
+        from v4stack.dsec.runtime import reclaim_orphans
 
-        for d in Path("/sys/fs/cgroup/pids").glob("dsec-*"):
-            c = Cgroup(d.name)
-            if c.dirs["pids"] == d and not any(c.dirs[k].joinpath("cgroup.procs").read_text().strip()
-                                                for k in ("pids",) if c.dirs[k].exists()):
-                c.destroy()
+        reclaim_orphans(Path(home))
     except Exception:
         pass
     prefix = str(Path(home).resolve()) + "/"
