@@ -65,3 +65,12 @@ def test_without_z3_a_build_takes_only_a_proof_recorded_for_these_sources(monkey
     monkeypatch.setattr(specs, "PROOFS", stale)
     with pytest.raises(prove.ContractError, match="no proof is recorded"):
         specs.build("sparse_attention")
+
+
+def test_a_pool_read_without_its_index_bound_is_rejected():
+    # the sparse attention reads a pool row only for 0 <= idx < N; trusting the caller (idx >= 0
+    # only) fails with an index at or past the pool's rows
+    failures = prove.prove(specs.sparse_attention(checked=False, name="sparse_attention_unchecked"))
+    assert {f["access"] for f in failures} == {"load P0", "load P1"}
+    cex = next(f["counterexample"] for f in failures if f["access"] == "load P0")
+    assert cex["r0"] >= cex["N0"] >= 0

@@ -67,6 +67,33 @@ def test_gemms():
     assert torch.equal(tg.indexer_scores(q, wt, k.expand(3, -1, -1)), tg.indexer_scores(q, wt, k))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_read_by_index_equal_the_gathered_keys(dtype):
+    from v4stack import ops
+
+    q, wt, pool = r(5, 8, 32).to(dtype), r(5, 8).to(dtype), r(90, 32).to(dtype)
+    rows = torch.randint(0, 90, (5, 70), generator=g)
+    rows[:, 60:] = -1
+    rows[1, :5] = -1  # hidden entries inside the row, and a row past the 64-key program
+    got = tg.indexer_scores(q, wt, pool, rows)
+    gathered = tg.indexer_scores(q, wt, pool[rows.clamp(min=0)])
+    assert torch.equal(got[rows >= 0], gathered[rows >= 0])  # the same MMA on the same key values
+    assert bool((got[rows < 0] == float("-inf")).all())
+    want = (torch.einsum("thd,tsd->ths", q.double(), pool[rows.clamp(min=0)].double()).relu()
+            * wt.double()[:, :, None]).sum(1)
+    close(got[rows >= 0], want[rows >= 0], 1e-5 if dtype == torch.float32 else 5e-2)
+    # a query alone gets its bits from the batch
+    assert torch.equal(tg.indexer_scores(q[3:4], wt[3:4], pool, rows[3:4]), got[3:4])
+    # the references of both modes: the gathered per-row path, -inf where hidden
+    for mode in ("invariant", "fast"):
+        with ops.mode(mode):
+            ref = ops.indexer_scores(q, wt, pool, rows=rows)
+            per_row = ops.indexer_scores(q, wt, pool[rows.clamp(min=0)]).masked_fill(rows < 0, float("-inf"))
+        assert torch.equal(ref, per_row)
+    with pytest.raises(IndexError, match="past the pool"):
+        ops.indexer_scores(q, wt, pool, rows=torch.full((5, 3), 90))
+
+
 def test_fp8_block_scaled_gemm():
     wq, sc = quantized.quantize_fp8(r(200, 300))  # e8m0 scales; blocks cut by both edges
     x = r(9, 300).bfloat16()

@@ -15,8 +15,8 @@ def kernels() -> dict:
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_rows as tr
 
-    attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 P1 I1 s_i1 K1 Sink"
-    attn_types = [BF, I, I, BF, "*i64", I, I, BF, "*i64", I, I, P]
+    attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 N0 P1 I1 s_i1 K1 N1 Sink"
+    attn_types = [BF, I, I, BF, "*i64", I, I, I, BF, "*i64", I, I, I, P]
     cx = dict(D=512, BH=16, CH=64, IEEE=False)
     return {
         "sparse_attention_fused": (ta.fused_kernel, _sig(attn_args + " O s_ot s_oh H scale NCH",
@@ -38,9 +38,9 @@ def kernels() -> dict:
                    dict(BM=16, BN=32, BK=32, SPLIT=1024)),
         "hc_finish": (tg.hc_finish_kernel, _sig("Pacc Pss Y M N Kf S eps", [P, P, P, I, I, F, I, F]),
                       dict(BM=16, BN=32)),
-        "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Y S H s_qt s_qh s_wt s_kt s_ks s_yt",
-                                                   [BF, P, BF, P, I, I, I, I, I, I, I, I]),
-                           dict(D=128, BH=64, BS=64, IEEE=False)),
+        "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
+                                                   [BF, BF, BF, "*i64", BF] + [I] * 10),
+                           dict(D=128, BH=64, BS=64, IEEE=False, INDEXED=True)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
                      dict(BM=64, BN=128, BK=128, SB=128)),
         "softmax_row": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]), dict(LOG=False, BLOCK=4096)),

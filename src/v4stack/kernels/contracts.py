@@ -75,6 +75,13 @@ def indexer_scores(q, w, k) -> bool:
             and _pow2(D) and 16 <= D <= 256 and q.shape[1] <= 128)
 
 
+def indexer_scores_rows(q, w, pool, rows) -> bool:
+    D = q.shape[-1]
+    return (pool.dtype == q.dtype and q.dtype in FLOATS and w.is_cuda and pool.is_cuda and rows.is_cuda
+            and not rows.is_floating_point() and pool.stride(-1) == 1 and _pow2(D) and 16 <= D <= 256
+            and q.shape[1] <= 128)
+
+
 def softmax(x, dim=-1) -> bool:
     return (dim == -1 or dim == x.dim() - 1) and x.dtype in FLOATS
 

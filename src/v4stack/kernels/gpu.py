@@ -159,5 +159,7 @@ def register_all(register) -> None:
     for mode in (inv, fast):
         register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=mode,
                  device="cuda", accepts=_with("triton", C.grouped_linear))
+        register("indexer_scores_rows", "triton_indexer_scores_rows", _lazy("triton_gemm", "indexer_scores_rows", "indexer"),
+                 mode=mode, device="cuda", accepts=trit(C.indexer_scores_rows))
         register("sparse_attention", "triton_sparse_attention", _lazy("triton_attention", "sparse_attention", "sparse_attention"),
                  mode=mode, device="cuda", accepts=_with("triton", C.sparse_attention))

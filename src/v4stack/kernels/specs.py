@@ -99,9 +99,15 @@ def softmax(BLOCK=4096) -> Spec:
     )
 
 
-def sparse_attention(D=512, BH=16, CH=64) -> Spec:
-    """The fused sparse attention: index loads per chunk column, pool rows read by index (the
-    indices are data: the contract is ``-1 <= idx < rows of its pool``), the output per head."""
+IDX_MIN, IDX_MAX = -(1 << 63), 1 << 63  # an index tensor's values: any int64 (int32 lies inside)
+
+
+def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention") -> Spec:
+    """The fused sparse attention: index loads per chunk column, pool rows read by index, the
+    output per head. The indices are data of any value: the kernel reads a pool row only when
+    ``0 <= idx < N`` of its pool (anything else is no candidate), so every read is in bounds for
+    any index tensor. ``checked=False`` drops the ``idx < N`` test (a kernel trusting its caller),
+    which the proof rejects with an index past the pool."""
     import z3
 
     def j(n):
@@ -110,20 +116,24 @@ def sparse_attention(D=512, BH=16, CH=64) -> Spec:
     def h(n):
         return n.hg * BH + n.hh
 
+    def ok(r, N):
+        return z3.And(r >= 0, r < N) if checked else r >= 0
+
     return Spec(
-        name="sparse_attention", dims=("T", "H", "K0", "K1", "N0", "N1"), zero_ok=("K0", "K1", "N0", "N1"),
+        name=name, dims=("T", "H", "K0", "K1", "N0", "N1"), zero_ok=("K0", "K1", "N0", "N1"),
         requires=lambda n: [n.K0 + n.K1 >= 1],
         grid=lambda n: {"t": n.T, "hg": cdiv(n.H, BH)},
         lanes=lambda n: {"c": cdiv(n.K0 + n.K1, CH), "jj": CH, "hh": BH, "d": D},
-        data=lambda n: {"r0": (-1, n.N0), "r1": (-1, n.N1)},
+        data=lambda n: {"r0": (IDX_MIN, IDX_MAX), "r1": (IDX_MIN, IDX_MAX)},
         accesses=(
             Access("Q", "load", lambda n: (n.t, h(n), n.d), lambda n: (n.T, n.H, D), lambda n: h(n) < n.H),
             Access("I0", "load", lambda n: (n.t, j(n)), lambda n: (n.T, n.K0), lambda n: j(n) < n.K0),
             Access("I1", "load", lambda n: (n.t, j(n) - n.K0), lambda n: (n.T, n.K1),
                    lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1)),
-            Access("P0", "load", lambda n: (n.r0, n.d), lambda n: (n.N0, D), lambda n: z3.And(j(n) < n.K0, n.r0 >= 0)),
+            Access("P0", "load", lambda n: (n.r0, n.d), lambda n: (n.N0, D),
+                   lambda n: z3.And(j(n) < n.K0, ok(n.r0, n.N0))),
             Access("P1", "load", lambda n: (n.r1, n.d), lambda n: (n.N1, D),
-                   lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1, n.r1 >= 0)),
+                   lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1, ok(n.r1, n.N1))),
             Access("Sink", "load", lambda n: (h(n),), lambda n: (n.H,), lambda n: h(n) < n.H),
             Access("O", "store", lambda n: (n.t, h(n), n.d), lambda n: (n.T, n.H, D), lambda n: h(n) < n.H,
                    lanes=("hh", "d")),
@@ -193,18 +203,25 @@ def f32_slices(BM=64, BN=64, BK=32, SPLIT=tiles.F32_SPLIT, name="f32_slices") ->
 
 def indexer(D=128, BH=64, BS=64) -> Spec:
     """Indexer scores: program (t, ps) scores keys ps*BS.. for query t over all heads; keys are
-    shared [S, D] or per row [T, S, D] (the per-row case is the larger index space)."""
+    shared [S, D], per row [T, S, D] (the larger index space of the two), or pool rows [NK, D]
+    read by index (``rows [T, S]``, any value; a row is read only when ``0 <= row < NK``)."""
+    import z3
+
     def s_(n):
         return n.ps * BS + n.s
 
     return Spec(
-        name="indexer", dims=("T", "H", "S"), requires=lambda n: [n.H <= BH],
+        name="indexer", dims=("T", "H", "S", "NK"), requires=lambda n: [n.H <= BH], zero_ok=("NK",),
         grid=lambda n: {"t": n.T, "ps": cdiv(n.S, BS)},
         lanes=lambda n: {"h": BH, "s": BS, "d": D},
+        data=lambda n: {"row": (IDX_MIN, IDX_MAX)},
         accesses=(
             Access("Q", "load", lambda n: (n.t, n.h, n.d), lambda n: (n.T, n.H, D), lambda n: n.h < n.H),
             Access("W", "load", lambda n: (n.t, n.h), lambda n: (n.T, n.H), lambda n: n.h < n.H),
             Access("K", "load", lambda n: (n.t, s_(n), n.d), lambda n: (n.T, n.S, D), lambda n: s_(n) < n.S),
+            Access("Rows", "load", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S),
+            Access("Pool", "load", lambda n: (n.row, n.d), lambda n: (n.NK, D),
+                   lambda n: z3.And(n.row >= 0, n.row < n.NK)),
             Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S, lanes=("s",)),
         ),
     )

@@ -28,16 +28,16 @@ BLOCK_H = 16
 
 
 @triton.jit
-def _chunk(q, c0, t, P0, I0, s_i0, K0, P1, I1, s_i1, K1, sink, scale, D: tl.constexpr, CH: tl.constexpr,
-           IEEE: tl.constexpr):
+def _chunk(q, c0, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, D: tl.constexpr,
+           CH: tl.constexpr, IEEE: tl.constexpr):
     j = c0 + tl.arange(0, CH)
     d = tl.arange(0, D)
     in0 = j < K0
     in1 = (j >= K0) & (j < K0 + K1)
     r0 = tl.load(I0 + t * s_i0 + j, mask=in0, other=-1).to(tl.int64)
     r1 = tl.load(I1 + t * s_i1 + (j - K0), mask=in1, other=-1).to(tl.int64)
-    v0 = in0 & (r0 >= 0)
-    v1 = in1 & (r1 >= 0)
+    v0 = in0 & (r0 >= 0) & (r0 < N0)  # an index outside [0, N) is no candidate: never read
+    v1 = in1 & (r1 >= 0) & (r1 < N1)
     k0 = tl.load(P0 + r0[:, None] * D + d[None, :], mask=v0[:, None], other=0.0)
     k1 = tl.load(P1 + r1[:, None] * D + d[None, :], mask=v1[:, None], other=0.0)
     kv = tl.where(v0[:, None], k0, k1)
@@ -72,7 +72,7 @@ def _load_q(Q, t, h0, s_qt, s_qh, H, D: tl.constexpr, BH: tl.constexpr):
 
 
 @triton.jit
-def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, P1, I1, s_i1, K1, Sink, O, s_ot, s_oh, H, scale, NCH,
+def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, H, scale, NCH,
                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BH
@@ -82,7 +82,7 @@ def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, P1, I1, s_i1, K1, Sink, O, s_o
     L = tl.full([BH], 1.0, tl.float32)
     A = tl.zeros([BH, D], tl.float32)
     for c in range(0, NCH):
-        m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, P1, I1, s_i1, K1, sink, scale, D, CH, IEEE)
+        m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, D, CH, IEEE)
         M, L, A = _merge(M, L, A, m, ls, acc)
     out = tl.div_rn(A, L[:, None])
     d = tl.arange(0, D)
@@ -90,14 +90,14 @@ def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, P1, I1, s_i1, K1, Sink, O, s_o
 
 
 @triton.jit
-def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, P1, I1, s_i1, K1, Sink, Pm, Pl, Pa, H, scale, NCH,
+def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, Pm, Pl, Pa, H, scale, NCH,
                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BH
     c = tl.program_id(2)
     q, h = _load_q(Q, t, h0, s_qt, s_qh, H, D, BH)
     sink = tl.load(Sink + h, mask=h < H, other=0.0)
-    m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, P1, I1, s_i1, K1, sink, scale, D, CH, IEEE)
+    m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, D, CH, IEEE)
     base = (t * NCH + c) * H + h
     tl.store(Pm + base, m, mask=h < H)
     tl.store(Pl + base, ls, mask=h < H)
@@ -149,14 +149,14 @@ def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None)
     if path is None:
         path = "split" if T * hg < SPLIT_BELOW else "fused"
     if path == "fused" or nch == 0:
-        launch(fused_kernel, (T, hg), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, out,
+        launch(fused_kernel, (T, hg), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p0.shape[0], p1, i1, s_i1, K1, p1.shape[0], sink, out,
                               out.stride(0), out.stride(1), H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK,
                               IEEE=ieee, num_warps=8)
         return out
     pm = torch.empty(T, nch, H, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pa = torch.empty(T, nch, H, D, dtype=torch.float32, device=q.device)
-    launch(split_kernel, (T, hg, nch), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p1, i1, s_i1, K1, sink, pm, pl, pa,
+    launch(split_kernel, (T, hg, nch), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p0.shape[0], p1, i1, s_i1, K1, p1.shape[0], sink, pm, pl, pa,
                                H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK, IEEE=ieee, num_warps=8)
     launch(merge_kernel, (T, hg), pm, pl, pa, sink, out, out.stride(0), out.stride(1), H, nch, D=D, BH=BLOCK_H, num_warps=8)
     return out

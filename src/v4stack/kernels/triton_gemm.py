@@ -206,42 +206,62 @@ def hc_mix(flat, fn, eps):
 
 
 @triton.jit
-def indexer_kernel(Q, Wt, Kc, Y, S, H, s_qt, s_qh, s_wt, s_kt, s_ks, s_yt, D: tl.constexpr, BH: tl.constexpr,
-                   BS: tl.constexpr, IEEE: tl.constexpr):
+def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s_rt, s_yt, D: tl.constexpr,
+                   BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BS + tl.arange(0, BS)
     h = tl.arange(0, BH)
     d = tl.arange(0, D)
     q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
-    k = tl.load(Kc + t * s_kt + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=(s < S)[None, :], other=0.0)
+    if INDEXED:  # key rows of the pool by index: -1 (or any row outside [0, NK)) is no entry
+        r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
+        ok = (r >= 0) & (r < NK)
+        k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
+    else:
+        ok = s < S
+        k = tl.load(Kc + t * s_kt + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=ok[None, :], other=0.0)
     if IEEE:
         dots = tl.dot(q, k, input_precision="ieee")
     else:
         dots = tl.dot(q, k)
     w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
     score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+    if INDEXED:
+        score = tl.where(ok, score, float("-inf"))
     tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
 
 
-def indexer_scores(q, w, k):
+INDEXER_BS = 64  # keys per program
+
+
+def indexer_scores(q, w, k, rows=None):
     """``I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s])``: one program per (query, 64 keys). Keys are
-    shared ``[S, d]`` or per row ``[T, S, d]``: one arithmetic for both (a row stride of 0 for
-    shared keys), so a query gets the same bits whichever form its step passes."""
+    shared ``[S, d]``, per row ``[T, S, d]``, or read by index from a pool ``k [N, d]`` with
+    ``rows [T, S]`` (``-1``: no entry, scored ``-inf``; nothing is gathered). One arithmetic for all
+    three (a row stride of 0 for shared keys; the same MMA on the same key values when indexed), so
+    a query gets the same bits whichever form its step passes."""
     import torch
 
     T, H, D = q.shape
-    S = k.shape[-2]
+    S = k.shape[-2] if rows is None else rows.shape[1]
     out = torch.empty(T, S, dtype=torch.promote_types(q.dtype, w.dtype), device=q.device)
     if T and S:
         qc, wc, kc = q.contiguous(), w.contiguous(), k.contiguous()
-        bs = 64
-        s_kt = kc.stride(0) if kc.dim() == 3 else 0
-        launch(indexer_kernel, (T, triton.cdiv(S, bs)), qc, wc, kc, out, S, H, qc.stride(0), qc.stride(1), wc.stride(0),
-               s_kt, kc.stride(-2), out.stride(0), D=D, BH=max(16, triton.next_power_of_2(H)), BS=bs,
-               IEEE=q.dtype == torch.float32)
+        if rows is None:
+            rc, s_rt, s_kt = qc, 0, (kc.stride(0) if kc.dim() == 3 else 0)
+        else:
+            rc = rows.contiguous()
+            s_rt, s_kt = rc.stride(0), 0
+        launch(indexer_kernel, (T, triton.cdiv(S, INDEXER_BS)), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
+               qc.stride(1), wc.stride(0), s_kt, kc.stride(-2), s_rt, out.stride(0), D=D,
+               BH=max(16, triton.next_power_of_2(H)), BS=INDEXER_BS, IEEE=q.dtype == torch.float32,
+               INDEXED=rows is not None)
     return out
 
 
+def indexer_scores_rows(q, w, pool, rows):
+    """``ops.indexer_scores(q, w, pool, rows=rows)`` on CUDA: keys read by index from the pool."""
+    return indexer_scores(q, w, pool, rows)
 
 
 @triton.jit

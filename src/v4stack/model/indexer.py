@@ -59,14 +59,9 @@ class Indexer(nn.Module):
         k = min(self.topk, E)
         if k == 0:
             return torch.zeros(n, 0, dtype=torch.long, device=q.device), torch.zeros(n, 0, dtype=torch.bool, device=q.device)
-        scores = torch.empty(n, E, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
-        chunk = max(1, _ROW_BUDGET // max(1, E * keys.shape[-1]))
-        for t0 in range(0, n, chunk):
-            sl = slice(t0, t0 + chunk)
-            scores[sl] = ops.indexer_scores(q[sl], w[sl], keys[rows[sl].clamp(min=0)])
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scores = ops.indexer_scores(q, w, keys, rows=rows).to(acc)  # keys read by index, no gathered copy
         scores = scores.masked_fill(~visible, float("-inf"))
         top, idx = ops.topk(scores, k, stable=True)
         return idx, top > float("-inf")
 
-
-_ROW_BUDGET = 1 << 24  # elements of one gathered per-row key tensor [rows, E, dim]

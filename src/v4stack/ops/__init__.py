@@ -121,8 +121,17 @@ def hc_mix(flat: torch.Tensor, fn: torch.Tensor, eps: float, fp: FloatSemantics 
     return _gemm("hc_mix", flat, fn, fp, flat, fn, eps)
 
 
-def indexer_scores(q, w, k, fp: FloatSemantics | None = None) -> torch.Tensor:
-    """Lightning-indexer score ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``."""
+def indexer_scores(q, w, k, fp: FloatSemantics | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Lightning-indexer score ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])``; q ``[T, h, d]``,
+    w ``[T, h]``, keys shared ``k [S, d]`` or per row ``k [T, S, d]`` -> ``[T, S]``. With ``rows``
+    (int ``[T, E]``) the keys are a pool ``k [N, d]`` and query ``t`` scores the pool rows
+    ``rows[t]`` (``-1``: no entry, scored ``-inf``) -> ``[T, E]``, read by index on the GPU (no
+    gathered copy); the same bits as passing the gathered keys ``k[rows]``."""
+    if rows is not None:
+        if q.dim() != 3 or rows.dim() != 2 or rows.shape[0] != q.shape[0] or k.dim() != 2 or k.shape[1] != q.shape[2]:
+            raise ValueError(f"indexer_scores: q [T, h, d], pool [N, d] and rows [T, E] expected, got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(rows.shape)}")
+        return _gemm("indexer_scores_rows", q, q, fp, q, w, k, rows)
     return _gemm("indexer_scores", q, q, fp, q, w, k)
 
 

@@ -10,7 +10,7 @@ Triton.
 
 from __future__ import annotations
 
-from v4stack.ops import core, grouped, invariant, sparse_attention
+from v4stack.ops import core, grouped, indexer_rows, invariant, sparse_attention
 from v4stack.ops.dispatch import register
 
 REFERENCE_OPS = ("linear", "rms_norm", "softmax", "log_softmax", "hc_mix", "weighted_pool", "indexer_scores",
@@ -23,6 +23,8 @@ for _op in REFERENCE_OPS:
 
 register("sparse_attention", "torch_gather", sparse_attention.fast, mode="fast")
 register("sparse_attention", "torch_gather_invariant", sparse_attention.reference, mode="invariant")
+register("indexer_scores_rows", "torch_gather", indexer_rows.fast, mode="fast")
+register("indexer_scores_rows", "torch_gather_invariant", indexer_rows.reference, mode="invariant")
 register("grouped_linear", "torch_loop", grouped.fast, mode="fast")
 register("grouped_linear", "torch_loop_invariant", grouped.reference, mode="invariant")
 
