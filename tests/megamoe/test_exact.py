@@ -1,10 +1,15 @@
 """Bit-identity of the expert-parallel backends, with real gloo processes on one host.
 
 Each rank checks its own tokens: MegaMoE == all-to-all == the single-process layer
-(``tests/megamoe/reference.py``: the model's own local backend) bitwise, forward and backward
-(gradients of x, of the routing weights and of every local expert's weights). Cases cover uniform
-and Zipf routing, experts that receive nothing, a rank that sends nothing, top-2 and top-3, fp32
-and bf16 activations, and FP8 dispatch (inference) against the reference fed the same rounding.
+(``tests/megamoe/reference.py``: the test's own plain-torch layer, itself checked equal to the
+model's ``LocalGrouped``) bitwise, forward and backward (gradients of x, of the routing weights and
+of every local expert's weights). Cases cover uniform and Zipf routing, experts that receive
+nothing, a rank that sends nothing, top-2 and top-3, fp32 and bf16 activations, and FP8 dispatch
+(inference) against the reference fed the same rounding.
+
+With ``source_order`` (what the trainer uses) each rank's rows are their own expert batch: outputs
+and input gradients equal the single-process layer run on that rank's tokens alone, and the
+experts' weight gradients equal one process accumulating the ranks' batches in rank order.
 """
 
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ from tests.optim.distributed import run_world
 from v4stack.megamoe.backend import ExpertParallel, make_transport
 from v4stack.megamoe.fp8 import FP8, pack_rows, unpack_rows
 from v4stack.megamoe.routing import histogram, routing
+from v4stack.model.moe import LocalGrouped
 
 PATHS = ("megamoe", "all_to_all")
 
@@ -50,6 +56,14 @@ EP8 = [  # one expert per rank
 ]
 
 
+def _same_grad(g, want) -> bool:
+    """Equal gradients, an unused parameter's ``None`` standing for zeros (the grouped layers give
+    an idle expert a zero gradient, the test's per-expert layer none)."""
+    if g is None or want is None:
+        return all(t is None or not t.any() for t in (g, want))
+    return torch.equal(g, want)
+
+
 def _inputs(case: Case, seed: int):
     g = torch.Generator().manual_seed(seed)
     n = sum(case.counts)
@@ -69,6 +83,8 @@ def _forward(rank, world, ci, case, transports):
         xr = unpack_rows(pack_rows(x), 64, x.dtype) if case.dispatch == FP8 else x
         with torch.no_grad():
             ref = single_process_routed(moe, xr, w, idx)[mine]
+            if call == 0:  # the test's own layer is the model's layer, bit for bit
+                assert torch.equal(single_process_routed(moe, xr, w, idx), LocalGrouped()(moe, xr, w, idx))
         for path in PATHS:
             be = ExpertParallel(moe, transports[path], dispatch_dtype=case.dispatch)
             with torch.no_grad():
@@ -95,6 +111,16 @@ def _backward(rank, world, ci, case, transports):
     (out * r).sum().backward()
     per = 8 // world
     local = range(rank * per, (rank + 1) * per)
+    if rank == 0:  # the test's own layer and the model's LocalGrouped: same outputs and gradients
+        model_moe = make_moe(topk=case.topk, seed=ci)
+        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ob = LocalGrouped()(model_moe, xb, wb, idx)
+        (ob * r).sum().backward()
+        assert torch.equal(ob, out) and torch.equal(xb.grad, xa.grad) and torch.equal(wb.grad, wa.grad)
+        for e in range(8):
+            for name in ("w1", "w2", "w3"):
+                g, gr = getattr(model_moe.experts[e], name).weight.grad, getattr(ref_moe.experts[e], name).weight.grad
+                assert _same_grad(g, gr), (case, e, name)
     for path in PATHS:
         moe = make_moe(topk=case.topk, seed=ci)
         xm, wm = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
@@ -106,8 +132,9 @@ def _backward(rank, world, ci, case, transports):
         for e in local:
             for name in ("w1", "w2", "w3"):
                 g, gr = getattr(moe.experts[e], name).weight.grad, getattr(ref_moe.experts[e], name).weight.grad
-                assert (g is None and gr is None) or torch.equal(g, gr), (case, path, e, name)
+                assert _same_grad(g, gr), (case, path, e, name)
         assert xm.grad.abs().sum() > 0 or case.counts[rank] == 0
+    _source_order(rank, world, ci, case, transports, x, idx, w, r)
     if case.dtype == torch.bfloat16 and world == 2:
         # control: the per-pair row gradients, added per token in expert order, give the reference's
         # bits; added in slot order (as plain per-pair code would) they do not - the order matters
@@ -121,6 +148,42 @@ def _backward(rank, world, ci, case, transports):
         by_slot = torch.zeros_like(x).index_put_((torch.arange(n * k) // k,), xp.grad, accumulate=True)
         assert torch.equal(by_expert, xa.grad)
         assert not torch.equal(by_slot, xa.grad)
+
+
+def _source_order(rank, world, ci, case, transports, x, idx, w, r):
+    off = offsets(list(case.counts))
+    per = 8 // world
+    # one process running each rank's tokens alone, accumulating gradients in rank order
+    ref_moe = make_moe(topk=case.topk, seed=ci)
+    want = []
+    for s in range(world):
+        sl = slice(off[s], off[s + 1])
+        xs, ws = x[sl].clone().requires_grad_(), w[sl].clone().requires_grad_()
+        out = single_process_routed(ref_moe, xs, ws, idx[sl])
+        if out.numel():  # a rank that sends nothing adds nothing
+            (out * r[sl]).sum().backward()
+        want.append((out.detach(), xs.grad if out.numel() else torch.zeros_like(xs),
+                     ws.grad if out.numel() else torch.zeros_like(ws)))
+    mine = slice(off[rank], off[rank + 1])
+    for path in PATHS:
+        moe = make_moe(topk=case.topk, seed=ci)
+        xm, wm = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+        got = ExpertParallel(moe, transports[path], source_order=True)(moe, xm, wm, idx[mine])
+        (got * r[mine]).sum().backward()
+        assert torch.equal(got.detach(), want[rank][0]), (case, path, "source-order forward")
+        assert torch.equal(xm.grad, want[rank][1]) and torch.equal(wm.grad, want[rank][2]), (case, path)
+        for e in range(rank * per, (rank + 1) * per):
+            for name in ("w1", "w2", "w3"):
+                g, gr = getattr(moe.experts[e], name).weight.grad, getattr(ref_moe.experts[e], name).weight.grad
+                assert _same_grad(g, gr), (case, path, e, name, "source order")
+    # control: one batch per expert over all sources (the layer order) gives other weight gradients
+    moe = make_moe(topk=case.topk, seed=ci)
+    xm, wm = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
+    (ExpertParallel(moe, transports["all_to_all"])(moe, xm, wm, idx[mine]) * r[mine]).sum().backward()
+    differ = [not _same_grad(getattr(moe.experts[e], n).weight.grad, getattr(ref_moe.experts[e], n).weight.grad)
+              for e in range(rank * per, (rank + 1) * per) for n in ("w1", "w2", "w3")]
+    if case.kind != "subset" and sum(c > 0 for c in case.counts) >= 2:
+        assert any(differ), (case, "the source order is not seen")
 
 
 def _world(rank, world, cases, grads):

@@ -88,7 +88,12 @@ class ExpertParallel:
 
     def __init__(self, moe, transport, *, dispatch_dtype: torch.dtype | None = None,
                  combine_dtype: torch.dtype = torch.float32, pipeline=None, kernels: bool | None = None,
-                 experts: LocalExperts | None = None, kernel_dtype: torch.dtype = torch.bfloat16):
+                 experts: LocalExperts | None = None, kernel_dtype: torch.dtype = torch.bfloat16,
+                 source_order: bool = False):
+        """``source_order``: under autograd run each source rank's rows as their own expert batch and
+        add the weight gradients in rank order (``LocalExperts.ffn_by_source``), which is what a
+        data-parallel trainer needs to equal one process accumulating its micro-batches; without
+        it each expert's rows from all sources are one batch, as in one layer call over all tokens."""
         rank, world = dist.get_rank(transport.group), dist.get_world_size(transport.group)
         self.experts = experts or LocalExperts(moe, rank, world)
         self.transport, self.pipeline = transport, pipeline
@@ -96,6 +101,7 @@ class ExpertParallel:
         self.kernels = (transport.device.type == "cuda" and K.available()) if kernels is None else kernels
         self.kernel_dtype = kernel_dtype
         self.dispatch_dtype, self.combine_dtype = dispatch_dtype, combine_dtype
+        self.source_order = source_order
         self.last_route = None
 
     def _needs_grad(self, x, w) -> bool:
@@ -108,7 +114,10 @@ class ExpertParallel:
                                  "in x's dtype and outputs in fp32")
             box = _Box()
             xe, we = _Dispatch.apply(x, weights, indices, self.transport, box)
-            ye = self.experts.ffn(xe, we, box.route.counts)
+            if self.source_order:
+                ye = self.experts.ffn_by_source(xe, we, box.route.grid)
+            else:
+                ye = self.experts.ffn(xe, we, box.route.counts)
             comb = _Combine.apply(ye, self.transport, box)
             self.last_route = box.route
             return reduce_pairs(comb, indices)

@@ -48,7 +48,7 @@ class AllToAllTransport:
         rc = host[: recv.numel()].view_as(recv)                     # [source, local expert]
         send_rows = host[recv.numel():].tolist()
         perm = self._perm(recv.long(), int(rc.sum()))
-        return Route(n=n, k=k, idx=idx, order=order, counts=rc.sum(0).tolist(), send_rows=send_rows,
+        return Route(n=n, k=k, idx=idx, order=order, counts=rc.sum(0).tolist(), grid=rc.tolist(), send_rows=send_rows,
                      recv_rows=rc.sum(1).tolist(), perm=perm)
 
     def _perm(self, rc: torch.Tensor, rows: int) -> torch.Tensor:

@@ -80,41 +80,117 @@ class LocalExperts:
                                       for ws in (self.w1, self.w3, self.w2))
         return self._stacked
 
-    def ffn(self, xe: torch.Tensor, we: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def ffn(self, xe: torch.Tensor, we: torch.Tensor, counts: list[int], weights=None) -> torch.Tensor:
         """Expert math on expert-major rows (``counts`` rows per local expert), fp32 ``[R, h]``.
 
         This is the model's own local backend (``LocalGrouped``: one grouped GEMM per projection,
         V4 clamps, routing weight before ``w2``) run on this block as a layer of ``n_local``
         experts with one slot per row, so each expert's rows meet exactly the GEMMs, in the same
-        row order, as in the single-process layer (and autograd records the same graph)."""
+        row order, as in the single-process layer (and autograd records the same graph).
+        ``weights``: ``(w1s, w2s, w3s)`` lists standing in for the block's parameters."""
+        w1s, w2s, w3s = weights or (self.w1, self.w2, self.w3)
         if not xe.shape[0]:  # no rows here: an empty result still tied to xe and we, so every
             # rank's backward reaches the dispatch (a collective) whatever its routing
             # (and to the block's weights, whose gradient is then zero, as for any idle expert)
             cd = compute_dtype(xe.dtype)
             tie = xe.sum().to(cd) + we.sum().to(cd)
-            if torch.is_grad_enabled() and self.w1[0].requires_grad:
-                tie = tie + sum(w.sum() for w in self.w1 + self.w2 + self.w3).to(cd)
+            if torch.is_grad_enabled() and w1s[0].requires_grad:
+                tie = tie + sum(w.sum() for w in w1s + w2s + w3s).to(cd)
             return xe.new_zeros((0, self.hidden), dtype=cd) + tie * 0
         ids = torch.repeat_interleave(torch.arange(self.n_local, device=xe.device),
                                       torch.tensor(counts, device=xe.device)).unsqueeze(1)
-        return LocalGrouped()(_Block(self), xe, we.unsqueeze(1), ids)
+        return LocalGrouped()(_Block(self, weights), xe, we.unsqueeze(1), ids)
+
+    def ffn_by_source(self, xe: torch.Tensor, we: torch.Tensor, grid: list[list[int]]) -> torch.Tensor:
+        """``ffn`` with each source rank's rows as their own batch (``grid[s][e]`` rows of source
+        ``s`` for local expert ``e``; rows expert-major, sources in rank order inside an expert).
+
+        The rows one source sends are exactly the rows its tokens bring to these experts in a
+        single process running that source's micro-batch alone, so each source's outputs and input
+        gradients are that process's bits, and the block's weight gradients are the sources' parts
+        added in rank order: the order in which one process accumulates the micro-batches of a
+        data-parallel step (and in which the sharded optimizer sums the dense gradients). Expert
+        gradients then do not depend on the expert-parallel layout."""
+        return _BySource.apply(self, grid, xe, we, *self.w1, *self.w2, *self.w3)
+
+
+class _BySource(torch.autograd.Function):
+    """One autograd node over the per-source expert batches; its backward adds the sources' weight
+    gradients in rank order (autograd itself would add them in the order it meets them)."""
+
+    @staticmethod
+    def forward(ctx, ex: "LocalExperts", grid, xe, we, *weights):
+        n = ex.n_local
+        grid_t = torch.tensor(grid, dtype=torch.long).view(-1, n)             # [sources, n_local]
+        per_exp = grid_t.sum(0)
+        exp_off = torch.cumsum(per_exp, 0) - per_exp
+        src_off = torch.cumsum(grid_t, 0) - grid_t
+        out = xe.new_empty((xe.shape[0], ex.hidden), dtype=compute_dtype(xe.dtype))
+        parts = []
+        for s in range(grid_t.shape[0]):
+            counts = grid_t[s].tolist()
+            if not sum(counts):
+                continue
+            sel = torch.cat([torch.arange(int(exp_off[e] + src_off[s, e]), int(exp_off[e] + src_off[s, e]) + c)
+                             for e, c in enumerate(counts)]).to(xe.device)
+            with torch.enable_grad():
+                xs = xe.detach()[sel].requires_grad_(ctx.needs_input_grad[2])
+                ws = we.detach()[sel].requires_grad_(ctx.needs_input_grad[3])
+                leaves = [w.detach().requires_grad_(True) for w in weights]
+                ys = ex.ffn(xs, ws, counts, (leaves[:n], leaves[n : 2 * n], leaves[2 * n :]))
+            out[sel] = ys.detach()
+            parts.append((sel, xs, ws, leaves, ys))
+        ctx.parts, ctx.shapes = parts, (xe.shape, xe.dtype, we.shape, we.dtype)
+        ctx.weight_meta = [(w.shape, w.dtype, w.device) for w in weights]
+        return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        (xshape, xdtype, wshape, wdtype), dev = ctx.shapes, gy.device
+        gx = torch.zeros(xshape, dtype=xdtype, device=dev) if ctx.needs_input_grad[2] else None
+        gw = torch.zeros(wshape, dtype=wdtype, device=dev) if ctx.needs_input_grad[3] else None
+        acc: list[torch.Tensor | None] = [None] * len(ctx.weight_meta)
+        for sel, xs, ws, leaves, ys in ctx.parts:  # sources in rank order
+            inputs = [t for t in (xs, ws) if t.requires_grad] + leaves
+            grads = list(torch.autograd.grad(ys, inputs, gy[sel], allow_unused=True))
+            if xs.requires_grad:
+                gx[sel] = grads.pop(0)
+            if ws.requires_grad:
+                gw[sel] = grads.pop(0)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    acc[i] = g if acc[i] is None else acc[i] + g
+        ctx.parts = None
+        gws = [a if a is not None else torch.zeros(s, dtype=d, device=v)
+               for a, (s, d, v) in zip(acc, ctx.weight_meta)]
+        return (None, None, gx, gw, *gws)
 
 
 class _Block:
     """A rank's block of experts seen as a layer of ``n_local`` experts (what ``LocalGrouped`` reads)."""
 
-    def __init__(self, ex: LocalExperts):
+    def __init__(self, ex: LocalExperts, weights=None):
         self.ex, self.n_experts, self.limit = ex, ex.n_local, ex.limit
+        self.override = weights is not None
+        self.weights = weights if weights is not None else (ex.w1, ex.w2, ex.w3)
 
     def stacked_weights(self):
-        ex = self.ex
-        if torch.is_grad_enabled() and ex.w1[0].requires_grad:
-            return tuple(torch.stack(ws) for ws in (ex.w1, ex.w2, ex.w3))  # in the graph
-        if ex.moe is not None:  # the layer's own stacks (views of its parameters), our slice
+        ex, ws3 = self.ex, self.weights
+        if torch.is_grad_enabled() and ws3[0][0].requires_grad:
+            return tuple(torch.stack(ws) for ws in ws3)  # in the graph
+        if not self.override and ex.moe is not None and _whole(ex.moe):  # the layer's own stacks (views of its parameters), our slice
             return tuple(w[ex.first : ex.first + ex.n_local] for w in ex.moe.stacked_weights())
-        if getattr(ex, "_block", None) is None:
-            ex._block = tuple(torch.stack(ws) for ws in (ex.w1, ex.w2, ex.w3))
+        if self.override or ex.moe is not None:  # parameters that change between calls
+            return tuple(torch.stack(ws) for ws in ws3)
+        if getattr(ex, "_block", None) is None:  # a fixed block (benchmarks): stacked once
+            ex._block = tuple(torch.stack(ws) for ws in ws3)
         return ex._block
+
+
+def _whole(moe: MoE) -> bool:
+    """Whether the layer holds every expert's weights (a trainer running expert parallelism keeps
+    only its own block; the others are empty tensors)."""
+    return all(m.w1.weight.numel() for m in (moe.experts[0], moe.experts[-1]))
 
 
 def reduce_pairs(comb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

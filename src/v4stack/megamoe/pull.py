@@ -107,7 +107,7 @@ class SymmetricTransport:
                 if c:
                     st = int(start[s, e])
                     segs.append((e, s, pairs[s, st : st + c].to(self.device, torch.long).clone()))
-        return Route(n=n, k=k, idx=idx, order=order, counts=local.sum(0).tolist(), segs=segs)
+        return Route(n=n, k=k, idx=idx, order=order, counts=local.sum(0).tolist(), grid=local.tolist(), segs=segs)
 
     def _gather(self, route: Route, name: str, dtype: torch.dtype, by_token: bool, width: int | None = None):
         width = width or self.hidden

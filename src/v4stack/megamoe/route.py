@@ -21,6 +21,7 @@ class Route:
     idx: torch.Tensor                    # [n, k] expert ids (source side)
     order: torch.Tensor                  # [n * k] pair ids sorted by (expert, pair id)
     counts: list[int]                    # rows per local expert (expert side)
+    grid: list[list[int]] = field(default_factory=list)  # rows per (source rank, local expert)
     segs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (expert, source, pair ids)
     # all-to-all only: rows per peer out / in, and expert-major position of each received row
     send_rows: list[int] = field(default_factory=list)
