@@ -29,6 +29,9 @@ def loop_command(
     ray: bool = typer.Option(True, "--ray/--no-ray", help="Run the fleet as Ray actors (default) or in this process."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster instead of starting a local Ray."),
     edges: int = typer.Option(1, min=1, help="Sandbox edges to start (when DSEC_API_URL is not set)."),
+    edge_resource: Optional[str] = typer.Option(None, help="Ray resource each edge actor needs (pins edges to the hosts "
+                                                "that may run sandboxes)."),
+    policy: Optional[str] = typer.Option(None, help="Directory of supervised runs (default OUT/policy)."),
     fault: List[str] = typer.Option([], help="Fault injection, KIND@STEP: worker@N, trainer@N, edge@N (repeatable)."),
     fresh: bool = typer.Option(False, "--fresh", help="Start the RL steps over in --out (the supervised policy is kept)."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout (steps, evals, then the summary)."),
@@ -42,7 +45,8 @@ def loop_command(
     try:
         cfg = LoopConfig(preset=preset, out=out, minutes=minutes, steps=steps, workers=workers, groups=groups,
                          group_size=group_size, max_tokens=max_tokens, temperature=temperature, eval_n=eval_n, eval_every=eval_every,
-                         seed=seed, threads=threads, ray=ray, address=address, edges=edges, faults=list(fault),
+                         seed=seed, threads=threads, ray=ray, address=address, edges=edges, edge_resource=edge_resource, policy=policy,
+                         faults=list(fault),
                          sft=SFTConfig(preset=preset, steps=sft_steps, minutes=sft_minutes, seed=seed, threads=threads),
                          grpo=GRPOConfig(muon_lr=muon_lr)).validate()
     except ValueError as e:

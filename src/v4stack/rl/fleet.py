@@ -97,6 +97,22 @@ class RolloutHost:
         return self.s.stats()
 
 
+def init_ray(address: str | None, workers: int) -> bool:
+    """A local Ray (``address`` None) or the cluster at ``address``; -> whether this call started
+    a local one (and its owner shuts it down). Actors see this process's PYTHONPATH."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+    if address:
+        ray.init(address=address, runtime_env=env, logging_level="ERROR")
+        return False
+    ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
+             runtime_env=env, logging_level="ERROR", log_to_driver=False)
+    return True
+
+
 class LocalFleet:
     def __init__(self, workers: list[str], root: str, preset: str, dsec_url: str, dsec_token: str,
                  trainer_args: tuple, threads: int = 0):
@@ -130,14 +146,7 @@ class RayFleet:
         import ray
 
         self.ray = ray
-        if not ray.is_initialized():
-            env = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
-            if address:
-                ray.init(address=address, runtime_env=env, logging_level="ERROR")
-            else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, len(workers) + 1), include_dashboard=False,
-                         runtime_env=env, logging_level="ERROR", log_to_driver=False)
-        self._started = not address
+        self._started = init_ray(address, len(workers))
         R = ray.remote(num_cpus=1, max_restarts=-1)(RolloutHost)
         Tr = ray.remote(num_cpus=1, max_restarts=-1)(TrainerHost)
         self.names = list(workers)

@@ -23,7 +23,6 @@ import math
 import os
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +58,8 @@ class LoopConfig:
     ray: bool = True
     address: str | None = None
     edges: int = 1
+    edge_resource: str | None = None  # Ray resource an edge actor needs (the hosts that may run sandboxes)
+    policy: str | None = None  # where supervised runs are kept (default <out>/policy); shared runs reuse one
     faults: list[str] = field(default_factory=list)  # "worker@3", "trainer@2", "edge@4"
     progress: bool = True
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -77,8 +78,9 @@ class LoopConfig:
             raise ValueError("loop fields 'minutes', 'steps', 'eval_every', 'max_lag' must be >= 0")
         if self.minutes == 0 and self.steps == 0:
             raise ValueError("loop fields 'minutes' and 'steps' are both 0: the loop would never stop")
-        if self.faults and not self.ray:
-            raise ValueError("loop field 'faults': fault injection kills fleet processes; it needs the Ray fleet")
+        if any(not f.startswith("edge@") for f in self.faults) and not self.ray:
+            raise ValueError("loop field 'faults': killing a rollout worker or the trainer needs the Ray fleet "
+                             "(separate processes)")
         for f in self.faults:
             kind, _, at = f.partition("@")
             if kind not in FAULT_KINDS or not at.isdigit() or int(at) < 1:
@@ -129,6 +131,7 @@ class Loop:
         self.dsec = None
         self.fleet = None
         self.fault_log: list[dict] = []
+        self._ray_started = False
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -155,14 +158,22 @@ class Loop:
     def start(self) -> None:
         cfg = self.cfg
         t0 = time.perf_counter()
-        self.sft_run, self.sft_summary = ensure_sft(self.out / "policy", cfg.sft, progress=cfg.progress)
+        self.sft_run, self.sft_summary = ensure_sft(Path(cfg.policy) if cfg.policy else self.out / "policy", cfg.sft,
+                                                    progress=cfg.progress)
         self.doc["sft"] = {"run": str(self.sft_run), **{k: v for k, v in self.sft_summary.items()
                                                         if isinstance(v, (int, float, str, bool))}}
+        if cfg.ray:
+            from v4stack.rl.fleet import init_ray
+
+            self._ray_started = init_ray(cfg.address, cfg.workers)
         url, token = os.environ.get("DSEC_API_URL"), os.environ.get("DSEC_TOKEN")
         if not url:
+            from v4stack.rl.edges import node_address
             from v4stack.rl.sandboxes import LocalDsec
 
-            self.dsec = LocalDsec(self.out / "dsec", edges=cfg.edges, pool=2)
+            host = node_address() if cfg.address else "127.0.0.1"  # a cluster's actors must reach it
+            self.dsec = LocalDsec(self.out / "dsec", edges=cfg.edges, pool=2, host=host, ray_edges=cfg.ray,
+                                  edge_resource=cfg.edge_resource)
             url, token = self.dsec.url, self.dsec.token
         names = [f"w{i}" for i in range(cfg.workers)]
         grpo = {**dataclasses.asdict(cfg.grpo), "temperature": cfg.temperature}
@@ -177,6 +188,9 @@ class Loop:
         self._apply_marks(meta)
         self.doc["records"] = [r for r in self.doc["records"] if r["step"] <= self.step_no]
         self.doc["evals"] = [e for e in self.doc["evals"] if e["step"] <= self.step_no]
+        if self.step_no and not any(r["step"] == self.step_no for r in self.doc["records"]):
+            # the last run committed this step and died before logging it
+            self.doc["records"].append({"step": self.step_no, "committed_before_restart": True})
         self._push_weights()
         for n in self.fleet.names:
             self._add(self.fleet.call(n, "recover"))
@@ -213,24 +227,20 @@ class Loop:
         return [f.partition("@")[0] for f in self.cfg.faults if int(f.partition("@")[2]) == step
                 and not any(x["step"] == step and x["kind"] == f.partition("@")[0] for x in self.doc["faults"])]
 
-    def _arm(self, kind: str, step: int, delay: float) -> threading.Timer:
-        def fire():
-            if kind == "edge":
-                name = sorted(self.dsec.edges)[0] if self.dsec else None
-                if name is None or self.dsec.edges[name].poll() is not None:
-                    return
-                pid = self.dsec.kill_edge(name)
-                self.dsec.start_edge(f"edge-r{step}")
-            else:
-                return
-            rec = {"step": step, "kind": kind, "pid": pid, "t": time.time()}
-            self.fault_log.append(rec)
-            self.doc["faults"].append(rec)
-            self._say(f"fault: SIGKILL {kind} (pid {pid}) at step {step}")
-
-        t = threading.Timer(delay, fire)
-        t.start()
-        return t
+    def _kill_edge(self, step: int) -> None:
+        """SIGKILL the first edge before the round's rollouts and start its next incarnation: the
+        rollout servers' pooled sandboxes live on the dead edge, so the round's first tool calls
+        are addressed to it, fail, and are re-run on fresh sandboxes (OBS how='rerun')."""
+        if self.dsec is None:
+            raise RuntimeError("fault 'edge': the loop kills edges of its own DSec (DSEC_API_URL is set)")
+        name = self.dsec.edges.names[0]
+        dead = self.dsec.kill_edge(name)
+        new = self.dsec.ensure_edge(name)
+        rec = {"step": step, "kind": "edge", "edge": dead["id"], "pid": dead["pid"], "replacement": new["id"],
+               "when": "before the round's rollouts", "t": time.time()}
+        self.fault_log.append(rec)
+        self.doc["faults"].append(rec)
+        self._say(f"fault: SIGKILL edge {dead['id']} (pid {dead['pid']}) at step {step}; now {new['id']}")
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -240,7 +250,8 @@ class Loop:
             self._demonstrated = T.demonstrated(self.cfg.sft.corpus_bytes, self.cfg.sft.seed)
         jobs = round_jobs(self.cfg, step, self.fleet.names, self._demonstrated)
         due = self._faults_at(step)
-        timers = [self._arm("edge", step, 1.0)] if "edge" in due else []
+        if "edge" in due:
+            self._kill_edge(step)
         kill = {}
         if "worker" in due:  # the first worker SIGKILLs itself a few engine steps into the round
             kill = {self.fleet.names[0]: 4}
@@ -257,17 +268,22 @@ class Loop:
                 break
             except ActorDied as e:  # a rollout server died: it restarts, recovers from its WAL
                 self._say(f"rollout server died ({e}); recovering from its WAL")
-                for t in timers:
-                    t.join()
                 for n in self.fleet.names:
                     self.fleet.refresh_pid(n)
                     self.fleet.call(n, "set_weights", self.fleet.put(self.fleet.train("weights")), self.step_no)
                     self._add(self.fleet.call(n, "recover"))
         else:
             raise RuntimeError(f"step {step}: rollouts failed five times")
-        for t in timers:
-            t.join()
         return time.perf_counter() - t0
+
+    def _tool_stats(self) -> dict:
+        """Tool calls so far, summed over the rollout servers (since each server's last start)."""
+        tot: dict = {}
+        for n in self.fleet.names:
+            for k, v in self.fleet.call(n, "stats").items():
+                if isinstance(v, int):
+                    tot[k] = tot.get(k, 0) + v
+        return tot
 
     def _train(self, step: int) -> dict:
         cfg = self.cfg
@@ -336,6 +352,7 @@ class Loop:
             t0 = time.perf_counter()
             roll_s = self._rollouts(step)
             stats = self._train(step)
+            stats["tools"] = self._tool_stats()
             self.step_no = step
             self._push_weights()
             rec = {"step": step, "rollout_s": round(roll_s, 3), "step_s": round(time.perf_counter() - t0, 3),
@@ -380,6 +397,10 @@ class Loop:
             self.fleet.close()
         if self.dsec is not None:
             self.dsec.close()
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
 
 
 def _asdict(cfg: LoopConfig) -> dict:

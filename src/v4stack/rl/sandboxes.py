@@ -1,20 +1,19 @@
-"""The sandbox side of the loop: a local DSec (apiserver in this process, edges as child
-processes) and a tool runner that executes a trajectory's commands in DSec sandboxes.
+"""The sandbox side of the loop: a local DSec (apiserver and watcher in this process, edges owned
+by fleet members: ``edges.py``) and a tool runner that executes a trajectory's commands in DSec
+sandboxes.
 
 ``LocalDsec`` is the embedded default; with ``DSEC_API_URL`` set the loop uses that apiserver
 instead and starts nothing. ``ToolRunner`` keeps one process-substrate sandbox per rollout slot
 and runs every command through the client SDK (``v4stack.dsec.client.Sandbox``); a call that
-fails because its edge died is retried once on a fresh sandbox (the tasks' commands are pure, so
-a re-run gives the same observation), and the failure is counted.
+fails because its edge died is re-run on a fresh sandbox (the tasks' commands are pure, so a
+re-run gives the same observation), and the failure is counted.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,22 +22,19 @@ from pathlib import Path
 import httpx
 
 
-def _free_sock() -> socket.socket:
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
-    return s
-
-
 class LocalDsec:
-    """apiserver and watcher (threads of this process) + ``edges`` edge processes over one home."""
+    """apiserver and watcher (threads of this process) over one home, and ``edges`` edges: Ray
+    actors spread over the cluster when ``ray_edges``, else children of this process. ``host``:
+    the address the apiserver binds (a cluster's edges and rollout actors must reach it)."""
 
-    def __init__(self, home: str | os.PathLike, edges: int = 1, pool: int = 2):
+    def __init__(self, home: str | os.PathLike, edges: int = 1, pool: int = 2, host: str = "127.0.0.1",
+                 ray_edges: bool = False, edge_resource: str | None = None):
         import uvicorn
 
         from v4stack.dsec.apiserver import make_app
         from v4stack.dsec.auth import Credentials
         from v4stack.dsec.images import ImageStore
+        from v4stack.rl.edges import LocalEdges, RayEdges
 
         self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
@@ -46,8 +42,10 @@ class LocalDsec:
         self.token = next(iter(creds.tenants.values()))  # the loop is one tenant's client
         self.pool = pool
         ImageStore(self.home).build("busybox")
-        sock = _free_sock()
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.home, creds), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -55,50 +53,26 @@ class LocalDsec:
 
         self.watcher = Watcher(self.home, creds.control, dead_after=1.5, layer_grace=0)
         threading.Thread(target=self.watcher.run, args=(0.5,), daemon=True).start()
-        self.edges: dict[str, subprocess.Popen] = {}
-        for i in range(edges):
-            self.start_edge(f"edge-{i}")
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.05)
+        names = [f"edge-{i}" for i in range(edges)]
+        self.edges = (RayEdges(names, str(self.home), self.url, pool, edge_resource) if ray_edges
+                      else LocalEdges(names, str(self.home), self.url, pool))
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {self.token}"})
 
-    def start_edge(self, name: str | None = None, timeout: float = 60.0) -> subprocess.Popen:
-        if name is None:
-            name = f"edge-{len(self.edges)}"
-        log = open(self.home / f"{name}.out", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "v4stack.dsec.cli", "edge", "--home", str(self.home),
-                              "--apiserver", self.url, "--id", name, "--pool", str(self.pool),
-                              "--heartbeat", "0.3"],
-                             stdout=log, stderr=log)
-        self.edges[name] = p
-        deadline = time.time() + timeout
-        with self.api() as c:
-            while time.time() < deadline:
-                if p.poll() is not None:
-                    break
-                if self.server.started:
-                    rows = c.get("/v1/edges").json()
-                    if any(r["id"] == name and r["state"] == "alive" for r in rows):
-                        return p
-                time.sleep(0.1)
-        raise RuntimeError(f"edge {name} did not register: {(self.home / f'{name}.out').read_text()[-2000:]}")
+    def kill_edge(self, name: str) -> dict:
+        """SIGKILL edge ``name``'s process (fault injection); -> the dead edge's id and pid."""
+        return self.edges.call(name, "kill")
 
-    def kill_edge(self, name: str) -> int:
-        """SIGKILL an edge (the fault tests' and the loop's fault injection); returns its pid."""
-        p = self.edges[name]
-        p.send_signal(signal.SIGKILL)
-        p.wait(10)
-        return p.pid
+    def ensure_edge(self, name: str) -> dict:
+        """Edge ``name`` serving again (a new incarnation when it died); -> its health."""
+        return self.edges.call(name, "ensure")
 
     def close(self) -> None:
-        for p in self.edges.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(10)
+        self.edges.close()
         self.watcher.stop.set()
         self.server.should_exit = True
         self.thread.join(10)
@@ -172,6 +146,10 @@ class ToolRunner:
             if len(self._free) < self.slots:
                 self._free.append(sbx)
                 return
+        self._drop(sbx)
+
+    @staticmethod
+    def _drop(sbx) -> None:
         try:
             sbx.kill()
         except Exception:
@@ -186,15 +164,21 @@ class ToolRunner:
         from v4stack.dsec.client import SandboxError
 
         self.stats.retried += 1
-        try:
-            sbx = self._new()
-            r = self._exec(sbx, cmd, None)
-        except SandboxError as e:
-            self.stats.failed += 1
-            self.stats.errors.append(str(e)[:200])
-            return "", "rerun"
-        self._give(sbx)
-        return r.stdout, "rerun"
+        for attempt in range(3):  # placement may pick a dead edge until the watcher has marked it
+            sbx = None
+            try:
+                sbx = self._new()
+                r = self._exec(sbx, cmd, None)
+            except SandboxError as e:
+                self.stats.errors.append(str(e)[:200])
+                if sbx is not None:
+                    self._drop(sbx)
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            self._give(sbx)
+            return r.stdout, "rerun"
+        self.stats.failed += 1
+        return "", "rerun"
 
     def run(self, sbx, seq: int, cmd: str) -> tuple[str, str]:
         """-> (stdout, how): 'ran', or 'rerun' on a fresh sandbox when ``sbx`` failed."""
