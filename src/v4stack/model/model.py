@@ -145,11 +145,12 @@ class V4Model(nn.Module):
             out.append(logits[seg.rows])
         return (out, [x[seg.rows] for seg in segs]) if hidden else out
 
-    def step_paged(self, batch: StepBatch, cache: PagedCache) -> torch.Tensor:
+    def step_paged(self, batch: StepBatch, cache: PagedCache, hidden: bool = False):
         """Incremental forward of one flat step over paged storage (``model/paged.py``): every
         layer reads the pools by index and writes the rows the step produces. Returns logits of
-        ``batch.out_rows`` (all rows if None)."""
-        x = self._trunk(batch.ids, batch.positions, PagedStep(batch, cache))
+        ``batch.out_rows`` (all rows if None); with ``hidden`` also the final streams of every
+        row ``[T, n_hc, d]`` (the MTP block's input)."""
+        h = x = self._trunk(batch.ids, batch.positions, PagedStep(batch, cache))
         if batch.out_rows is not None:
             x = x[batch.out_rows]
-        return self._head(x)
+        return (self._head(x), h) if hidden else self._head(x)

@@ -24,6 +24,7 @@ from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
 from v4stack.serve.sampling import Draw, Row, SamplingParams, sample, top_logprobs
 from v4stack.serve.scheduler import Scheduler
+from v4stack.serve.spec_step import MTPStep
 
 
 @dataclass
@@ -36,6 +37,8 @@ class EngineConfig:
     ops_mode: str = "invariant"
     eos_token_id: int | None = None  # finishes a request unless it sets ignore_eos
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
+    speculative: str | None = None  # "mtp": the MTP block drafts, the next step verifies (serve/spec_step.py)
+    num_draft: int = 1  # draft tokens per request per step (one MTP block drafts one)
 
     def validate(self) -> "EngineConfig":
         for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
@@ -43,6 +46,10 @@ class EngineConfig:
                 raise ValueError(f"engine setting '{name}' must be >= 1, got {getattr(self, name)}")
         if self.ops_mode not in ("fast", "invariant"):
             raise ValueError(f"engine setting 'ops_mode' must be 'fast' or 'invariant', got {self.ops_mode!r}")
+        if self.speculative not in (None, "mtp"):
+            raise ValueError(f"engine setting 'speculative' must be None or 'mtp', got {self.speculative!r}")
+        if self.num_draft != 1:
+            raise ValueError(f"engine setting 'num_draft' must be 1 (the MTP block drafts one token), got {self.num_draft}")
         return self
 
 
@@ -57,6 +64,8 @@ class EngineStats:
     aborted: int = 0
     cache_bytes_written: int = 0  # bytes the model wrote into the cache pools, all steps
     last_step_cache_bytes: int = 0  # ... in the last step (O(new rows), never O(context))
+    drafted: int = 0  # speculative: drafts verified
+    accepted: int = 0  # ... and accepted
     # per finished request: (arrival, first token time, token times, prompt tokens, prefix-hit tokens)
     log: list = field(default_factory=list)
 
@@ -68,7 +77,9 @@ class Engine:
         c = self.config
         self.cache = CacheManager(model.cfg, model.dtype, c.n_blocks, c.n_slots, c.n_snapshots,
                                   device=model.embed.weight.device)
-        self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running)
+        self.spec = MTPStep(self) if c.speculative == "mtp" else None
+        self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running,
+                                   draft_tokens=self.spec.draft_tokens if self.spec is not None else None)
         self.runner = ModelRunner(self.model, self.cache)
         if c.cuda_graphs and self.runner.device.type == "cuda":
             self.runner.graphs = DecodeGraphs(self.model, self.cache, max_rows=c.max_running)
@@ -155,6 +166,8 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
+        if self.spec is not None:
+            return self.spec.step()
         plan = self.scheduler.schedule()
         if not plan:
             return []

@@ -6,7 +6,8 @@ every block boundary inside a chunk, so chunks need no alignment); waiting reque
 oldest first, while the budget, the free blocks and the state slots allow. When a running request cannot get a block
 for its next token, the most recently admitted request is preempted: its cache is released and it
 goes back to the front of the queue, to be recomputed from its prompt and the tokens it already
-produced (which are kept, never re-sampled).
+produced (which are kept, never re-sampled). With speculative decoding a decoding request whose
+draft is ready feeds it too (two tokens), when the budget and its blocks allow.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from v4stack.serve.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, token_budget: int = 256, max_running: int = 64):
+    def __init__(self, cache: CacheManager, token_budget: int = 256, max_running: int = 64, draft_tokens=None):
         if token_budget < 1 or max_running < 1:
             raise ValueError("token_budget and max_running must be >= 1")
         self.cache, self.budget, self.max_running = cache, token_budget, max_running
+        self.draft_tokens = draft_tokens  # speculative: req -> draft tokens its decode chunk may carry
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._order = itertools.count()
@@ -72,7 +74,12 @@ class Scheduler:
             if req not in self.running:  # preempted by an earlier one in this loop
                 continue
             n = self._chunk(req, budget)
+            if self.draft_tokens is not None and n == req.pending:
+                n += min(self.draft_tokens(req), budget - n)
             while not self.cache.reserve(req.cache, n):
+                if n > req.pending:  # no room for the draft: plain decode
+                    n = req.pending
+                    continue
                 victim = max(self.running, key=lambda r: r.admitted_order)
                 self.preempt(victim)
                 plan = [(r, k) for r, k in plan if r is not victim]

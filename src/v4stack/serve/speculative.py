@@ -69,6 +69,33 @@ def verify(p: torch.Tensor, q: torch.Tensor, draft: int, u_accept: float, u_resa
     return _draw(resid, u_resample), False
 
 
+def mtp_state(model: V4Model) -> list:
+    """A fresh MTP window (the block is SWA-only), placed where ``Block`` looks for its layer."""
+    cfg = model.cfg
+    st = LayerState(swa_kv=torch.zeros(cfg.sliding_window, cfg.head_dim, dtype=model.dtype,
+                                       device=model.embed.weight.device))
+    return [None] * cfg.num_hidden_layers + [st]
+
+
+def mtp_forward(model: V4Model, rows: list[tuple[list, torch.Tensor, list[int], int]]) -> list[torch.Tensor]:
+    """Feed MTP rows ``(h_p, t_{p+1})`` for positions ``p0, p0 + 1, ...`` of several requests,
+    each ``(mtp state, streams [n, n_hc, d], next tokens [n], p0)``; every state advances. Returns
+    each request's last row's logits (the draft distribution for position ``p0 + n + 1``)."""
+    blk = model.mtp[0]
+    segs, hs, nxt, pos, start = [], [], [], [], 0
+    for state, h, toks, p0 in rows:
+        n = len(toks)
+        segs.append(Segment(start=start, length=n, pos0=p0, state=state))
+        hs.append(h)
+        nxt.append(torch.tensor(toks, device=h.device))
+        pos.append(torch.arange(p0, p0 + n, device=h.device))
+        start += n
+    ids = torch.cat(nxt)
+    y = blk.predict(torch.cat(hs), model.embed(ids), torch.cat(pos), segs, ids)
+    last = torch.tensor([s.start + s.length - 1 for s in segs], device=y.device)
+    return list(model.head(y[last]))
+
+
 @dataclass
 class SpecRequest:
     prompt: list[int]
@@ -105,27 +132,10 @@ class SpeculativeDecoder:
     # ---- model calls ---------------------------------------------------------------------
 
     def _mtp_state(self) -> list:
-        m, cfg = self.model, self.model.cfg
-        st = LayerState(swa_kv=torch.zeros(cfg.sliding_window, cfg.head_dim, dtype=m.dtype, device=m.embed.weight.device))
-        return [None] * cfg.num_hidden_layers + [st]
+        return mtp_state(self.model)
 
     def _mtp(self, rows: list[tuple[SpecRequest, torch.Tensor, list[int], int]]) -> list[torch.Tensor]:
-        """Feed MTP rows ``(h_p, t_{p+1})`` for positions ``p0..``; returns each request's last
-        row's logits (the draft distribution for the next position)."""
-        m = self.model
-        blk = m.mtp[0]
-        segs, hs, nxt, pos, start = [], [], [], [], 0
-        for req, h, toks, p0 in rows:
-            n = len(toks)
-            segs.append(Segment(start=start, length=n, pos0=p0, state=req.mtp_state))
-            hs.append(h)
-            nxt.append(torch.tensor(toks, device=h.device))
-            pos.append(torch.arange(p0, p0 + n, device=h.device))
-            start += n
-        ids = torch.cat(nxt)
-        y = blk.predict(torch.cat(hs), m.embed(ids), torch.cat(pos), segs, ids)
-        logits = m.head(y)
-        return [logits[s.start + s.length - 1] for s in segs]
+        return mtp_forward(self.model, [(r.mtp_state, h, toks, p0) for r, h, toks, p0 in rows])
 
     def _draft(self, req: SpecRequest, logits: torch.Tensor) -> None:
         i = len(req.output)  # the draft is a candidate for output index i
