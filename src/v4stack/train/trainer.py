@@ -35,6 +35,7 @@ from v4stack.optim.muon import MuonHyper
 from v4stack.optim.reshard import full_state, load_full_state
 from v4stack.optim.zero import ZeroMuonAdamW
 from v4stack.train import checkpoint as ckpt
+from v4stack.train import expert_parallel
 from v4stack.train.corpus import load_text, unigram_entropy
 from v4stack.train.data import ByteBatches
 from v4stack.train.log import LossLog, Progress, plot_curves
@@ -43,6 +44,7 @@ from v4stack.train.pipeline import Stage, first_last_groups, run_1f1b, tie_embed
 from v4stack.train.recompute import apply_recompute
 
 OPTIMIZERS = ("muon", "adamw")
+EP_BACKENDS = ("all_to_all", "megamoe")
 
 
 @dataclass
@@ -56,6 +58,8 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step and replica (the pipeline's micro-batches when pp > 1)
     pp: int = 1  # pipeline stages (under torchrun; the world is pp x dp)
+    ep: int = 1  # expert-parallel ranks inside the dp ranks (train/expert_parallel.py)
+    ep_backend: str = "all_to_all"  # all_to_all or megamoe
     recompute: str = "none"  # none, full, matmul (torch's selective policy) or plan:F (train/recompute.py)
     optimizer: str = "muon"  # "adamw": the AdamW-only baseline
     muon_lr: float = 0.02
@@ -79,7 +83,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(msg)
 
-        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "eval_batches", "corpus_bytes", "pp"):
+        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "eval_batches", "corpus_bytes", "pp", "ep"):
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 1, f"train field '{name}' must be an integer >= 1, got {v!r}")
         need(self.seq_len >= 4, f"train field 'seq_len' must be >= 4, got {self.seq_len}")
@@ -88,6 +92,8 @@ class TrainConfig:
         need(self.weight_decay >= 0, f"train field 'weight_decay' must be >= 0, got {self.weight_decay}")
         need(self.warmup >= 0, f"train field 'warmup' must be >= 0, got {self.warmup}")
         need(self.mtp_weight >= 0, f"train field 'mtp_weight' must be >= 0 (0 = off), got {self.mtp_weight}")
+        need(self.ep_backend in EP_BACKENDS,
+             f"train field 'ep_backend' must be one of {EP_BACKENDS}, got {self.ep_backend!r}")
         need(self.device in ("cpu", "cuda"), f"train field 'device' must be 'cpu' or 'cuda', got {self.device!r}")
         need(self.recompute in ("none", "full", "matmul") or self.recompute.startswith("plan:"),
              f"train field 'recompute' must be none, full, matmul or plan:F, got {self.recompute!r}")
@@ -189,12 +195,18 @@ def _train(cfg: TrainConfig) -> dict:
     else:
         params = dict(model.named_parameters())
     tie_group = first_last_groups(mesh) if stage is not None else None
+    if cmeta is not None and (cmeta.get("ep", 1) != cfg.ep or (cfg.ep > 1 and cmeta["world"] != world)):
+        raise ValueError(f"train field 'ep': resume with the checkpoint's ep ({cmeta.get('ep', 1)}) and world "
+                         f"({cmeta['world']}); expert-parallel optimizer state is not re-cut")
+    ep = expert_parallel.setup(model, cfg.ep, cfg.ep_backend, mesh, dev, cfg.batch_size * cfg.seq_len)
+    if ep is not None:
+        params = {n: p for n, p in params.items() if not ep.is_expert(n) or ep.owns(n)}
     if cfg.recompute != "none":
         sample = batches.batch(0, 0).to(dev)
         if cfg.recompute.startswith("plan:") and stage is not None:
             raise ValueError("train field 'recompute': plan:F profiles the whole model; use it with pp = 1")
         apply_recompute(model, cfg.recompute, (sample,), stage.layers if stage is not None else None)
-    opt = _optimizer(cfg, params, mesh)
+    opt = _optimizer(cfg, params, mesh, ep)
     if cmeta is not None:
         same = (cmeta["world"], cmeta.get("pp", 1)) == (world, mesh.pp)
         if same:
@@ -241,7 +253,7 @@ def _train(cfg: TrainConfig) -> dict:
                "tokens": step * tokens_per_step, "elapsed_s": round(now - t0, 3)}
         if use_mtp:
             rec["mtp_loss"] = round(float(sums[1]), 6)
-        if cfg.eval_every and step % cfg.eval_every == 0 and rank == 0 and stage is None:
+        if cfg.eval_every and step % cfg.eval_every == 0 and (rank == 0 or ep is not None) and stage is None:
             rec["val_loss"] = round(eval_loss(model, batches, cfg.eval_batches), 6)
         log.add(**rec)
         if progress:
@@ -250,12 +262,13 @@ def _train(cfg: TrainConfig) -> dict:
         if world > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if step % cfg.ckpt_every == 0 or step == cfg.steps or stop.item():
-            _save(root, step, mesh, stage, model, opt, log, now - t0, cfg.keep)
+            _save(root, step, mesh, stage, model, opt, log, now - t0, cfg.keep, ep)
         if stop.item():
             break
     summary = {}
+    # with expert parallelism every rank takes part in the evaluation (the exchange is collective)
+    final_val = eval_loss(model, batches, cfg.eval_batches) if stage is None and (rank == 0 or ep) else None
     if rank == 0:
-        final_val = eval_loss(model, batches, cfg.eval_batches) if stage is None else None
         tail = [r["loss"] for r in log.records[-10:]]
         summary = {"steps": step, "final_loss": sum(tail) / max(len(tail), 1), "val_loss": final_val,
                    "unigram_nats": unigram, "tokens": step * tokens_per_step,
@@ -282,9 +295,13 @@ def _to_device(obj, dev: torch.device):
     return obj
 
 
-def _optimizer(cfg: TrainConfig, params: dict, mesh):
+def _optimizer(cfg: TrainConfig, params: dict, mesh, ep=None):
     muon_hp = MuonHyper(lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
     adamw_hp = AdamWHyper(lr=cfg.adamw_lr, weight_decay=cfg.weight_decay)
+    if ep is not None:
+        if cfg.optimizer != "muon":
+            raise ValueError("train field 'optimizer': expert parallelism runs the sharded Muon step")
+        return expert_parallel.optimizer(params, ep, muon_hp, adamw_hp, stochastic=cfg.stochastic_bf16, seed=cfg.seed)
     if mesh.dp == 1:
         return MuonAdamW(params, muon_hp, adamw_hp, use_muon=cfg.optimizer == "muon")
     if cfg.optimizer != "muon":
@@ -293,14 +310,17 @@ def _optimizer(cfg: TrainConfig, params: dict, mesh):
     return ZeroMuonAdamW(params, muon_hp, adamw_hp, stochastic=cfg.stochastic_bf16, seed=cfg.seed, **sub)
 
 
-def _save(root: Path, step: int, mesh, stage, model, opt, log: LossLog, elapsed: float, keep: int) -> None:
+def _save(root: Path, step: int, mesh, stage, model, opt, log: LossLog, elapsed: float, keep: int, ep=None) -> None:
     ckpt.write_shard(root, step, mesh.rank, {"optim": opt.state_dict(), "rng": torch.get_rng_state()})
+    if ep is not None:  # each rank of the first EP group: its experts; rank 0 below: the dense weights
+        ep.save_part(root, step, model)
     if stage is not None and mesh.replica == 0:  # each stage's weights, by name
         ckpt.write_model_part(root, step, f"stage{mesh.stage}", {"model": stage.state()})
     _barrier(mesh.world)
     if mesh.rank == 0:
         meta = {"step": step, "world": mesh.world, "pp": mesh.pp, "dp": mesh.dp, "elapsed": elapsed,
-                "records": log.records}
-        ckpt.commit(root, step, {"model": model.state_dict()} if stage is None else None, meta, keep)
+                "records": log.records, **({"ep": ep.ep} if ep is not None else {})}
+        state = model.state_dict() if ep is None else ep.dense_state(model)
+        ckpt.commit(root, step, {"model": state} if stage is None else None, meta, keep)
         log.save()
     _barrier(mesh.world)
