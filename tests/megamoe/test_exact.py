@@ -189,10 +189,12 @@ def _source_order(rank, world, ci, case, transports, x, idx, w, r):
 def _world(rank, world, cases, grads):
     if world == 2:  # one set of processes also checks the shm buffers and the whole model (spawns are slow)
         from tests.megamoe.test_model import _world as model_world
+        from tests.megamoe.test_serving import _world as serving_world
         from tests.megamoe.test_symm import _shm_world
 
         _shm_world(rank, world)
         model_world(rank, world)
+        serving_world(rank, world)
     transports = {p: make_transport(p, n_experts=8, topk=3, hidden=64, max_tokens=12) for p in PATHS}
     for ci, case in enumerate(cases):
         _forward(rank, world, ci, case, transports)

@@ -27,6 +27,9 @@ from v4stack.serve.scheduler import Scheduler
 from v4stack.serve.spec_step import MTPStep
 
 
+EXPERT_BACKENDS = ("local", "all_to_all", "megamoe")
+
+
 @dataclass
 class EngineConfig:
     n_blocks: int = 256
@@ -39,6 +42,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA only)
     speculative: str | None = None  # "mtp": the MTP block drafts, the next step verifies (serve/spec_step.py)
     num_draft: int = 1  # draft tokens per request per step (one MTP block drafts one)
+    # "all_to_all" / "megamoe": the routed experts run expert-parallel over the default process group
+    # (under torchrun, one engine per rank, each holding its block of experts); every rank's engine
+    # must run its steps together (the expert exchange is collective)
+    expert_backend: str = "local"
 
     def validate(self) -> "EngineConfig":
         for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
@@ -48,6 +55,9 @@ class EngineConfig:
             raise ValueError(f"engine setting 'ops_mode' must be 'fast' or 'invariant', got {self.ops_mode!r}")
         if self.speculative not in (None, "mtp"):
             raise ValueError(f"engine setting 'speculative' must be None or 'mtp', got {self.speculative!r}")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"engine setting 'expert_backend' must be one of {EXPERT_BACKENDS}, "
+                             f"got {self.expert_backend!r}")
         if self.num_draft != 1:
             raise ValueError(f"engine setting 'num_draft' must be 1 (the MTP block drafts one token), got {self.num_draft}")
         return self
@@ -81,11 +91,25 @@ class Engine:
         self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running,
                                    draft_tokens=self.spec.draft_tokens if self.spec is not None else None)
         self.runner = ModelRunner(self.model, self.cache)
-        if c.cuda_graphs and self.runner.device.type == "cuda":
+        if c.expert_backend != "local":
+            self._expert_parallel(c)
+        if c.cuda_graphs and self.runner.device.type == "cuda" and c.expert_backend == "local":
             self.runner.graphs = DecodeGraphs(self.model, self.cache, max_rows=c.max_running)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    def _expert_parallel(self, c: EngineConfig) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError(f"engine setting 'expert_backend' is {c.expert_backend!r}: expert parallelism needs "
+                             "torch.distributed initialised (run under torchrun)")
+        from v4stack.megamoe.backend import expert_parallel_factory
+
+        rows = c.token_budget + c.max_running * (1 + c.num_draft)  # a step's tokens, with headroom for drafts
+        self.model.set_expert_backend(expert_parallel_factory(c.expert_backend, max_tokens=rows,
+                                                              device=self.runner.device))
 
     @property
     def max_context(self) -> int:
