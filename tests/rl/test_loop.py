@@ -29,14 +29,18 @@ def need_ray_and_dsec():
 
 
 def test_loop_on_ray_with_a_rollout_worker_killed(tmp_path, policy_root):
-    """Default run: a local Ray with 2 rollout actors, the trainer actor and an edge actor, 2 steps;
+    """Default run: a local Ray with 2 rollout actors, the trainer actor (rank 0 of 2 trainer
+    processes) and an edge actor, 2 steps;
     rollout worker w0 SIGKILLs itself 4 engine steps into round 2, restarts, recovers its WAL, and
     the step completes with nothing lost or trained twice."""
     need_ray_and_dsec()
     out = tmp_path / "run"
-    summary = run(loop_cfg(out, policy_root, 2, ["worker@2"]))
+    summary = run(loop_cfg(out, policy_root, 2, ["worker@2"], trainer_procs=2))
     assert summary["steps"] == 2
     a = audit(out, 2)
+    # the trainer ran as 2 processes (a gloo group launched by the trainer actor): a shard per rank
+    ck = out / "trainer" / "ckpt" / "step_000002"
+    assert sorted(p.name for p in ck.glob("optim.rank*.pt")) == ["optim.rank0.pt", "optim.rank1.pt"]
     assert a["trajectories"] == 2 * 2 * 2
     assert [f["kind"] for f in a["doc"]["faults"]] == ["worker"]
     assert summary["consumed"] == summary["trajectories"] == 8
@@ -52,10 +56,12 @@ def test_loop_on_ray_with_a_rollout_worker_killed(tmp_path, policy_root):
 
 @pytest.mark.slow
 def test_loop_survives_trainer_kills(tmp_path, policy_root):
-    """The trainer actor SIGKILLed in step 1 before its checkpoint commit and in step 2 after it."""
+    """The trainer actor (rank 0 of 2 trainer processes) SIGKILLed in step 1 before its checkpoint
+    commit and in step 2 after it; its group goes down with it and the restarted actor's new group
+    resumes from the checkpoint."""
     need_ray_and_dsec()
     out = tmp_path / "run"
-    summary = run(loop_cfg(out, policy_root, 3, ["trainer@1", "trainer@2"]))
+    summary = run(loop_cfg(out, policy_root, 3, ["trainer@1", "trainer@2"], trainer_procs=2))
     a = audit(out, 3)
     assert [(f["kind"], f["when"]) for f in a["doc"]["faults"]] == [("trainer", "before_commit"),
                                                                     ("trainer", "after_commit")]

@@ -26,6 +26,8 @@ def loop_command(
     sft_minutes: float = typer.Option(15.0, min=0.0, help="Wall-clock cap of the supervised run."),
     seed: int = typer.Option(0),
     threads: int = typer.Option(1, min=0, help="torch threads per actor (0 = torch default)."),
+    trainer_procs: int = typer.Option(1, min=1, help="Trainer processes: a gloo group with ZeRO (launched by the "
+                                      "trainer actor) when > 1."),
     ray: bool = typer.Option(True, "--ray/--no-ray", help="Run the fleet as Ray actors (default) or in this process."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster instead of starting a local Ray."),
     edges: int = typer.Option(1, min=1, help="Sandbox edges to start (when DSEC_API_URL is not set)."),
@@ -45,7 +47,7 @@ def loop_command(
     try:
         cfg = LoopConfig(preset=preset, out=out, minutes=minutes, steps=steps, workers=workers, groups=groups,
                          group_size=group_size, max_tokens=max_tokens, temperature=temperature, eval_n=eval_n, eval_every=eval_every,
-                         seed=seed, threads=threads, ray=ray, address=address, edges=edges, edge_resource=edge_resource, policy=policy,
+                         seed=seed, threads=threads, trainer_procs=trainer_procs, ray=ray, address=address, edges=edges, edge_resource=edge_resource, policy=policy,
                          faults=list(fault),
                          sft=SFTConfig(preset=preset, steps=sft_steps, minutes=sft_minutes, seed=seed, threads=threads),
                          grpo=GRPOConfig(muon_lr=muon_lr)).validate()

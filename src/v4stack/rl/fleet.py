@@ -35,15 +35,24 @@ def _resolve(handles: list) -> list:
 
 
 class TrainerHost:
-    """The trainer side of the fleet: a ``PolicyTrainer`` that resolves heavy handles itself."""
+    """The trainer side of the fleet: a ``PolicyTrainer`` (or rank 0 of a ``TrainerGroup`` of
+    ``procs`` processes) that resolves the batch's heavy handles itself."""
 
-    def __init__(self, preset: str, out: str, init: str | None, grpo: dict, threads: int):
+    def __init__(self, preset: str, out: str, init: str | None, grpo: dict, threads: int, procs: int = 1):
         from v4stack.rl.grpo import GRPOConfig, PolicyTrainer
+        from v4stack.rl.trainer_group import TrainerGroup
 
-        self.t = PolicyTrainer(preset, out, init, GRPOConfig(**grpo), threads=threads)
+        if procs > 1:  # rank 0 here, the other ranks launched by it (a gloo group, ZeRO)
+            self.t = TrainerGroup(procs, preset, out, init, grpo, threads)
+        else:
+            self.t = PolicyTrainer(preset, out, init, GRPOConfig(**grpo), threads=threads)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        if hasattr(self.t, "close"):
+            self.t.close()
 
     def position(self) -> tuple[int, dict]:
         return self.t.step_no, self.t.meta
@@ -138,6 +147,7 @@ class LocalFleet:
     def close(self) -> None:
         for w in self.workers.values():
             w.s.close()
+        self.trainer.close()
 
 
 class RayFleet:
@@ -215,6 +225,10 @@ class RayFleet:
                 self.ray.kill(w)
             except Exception:
                 pass
+        try:
+            self.ray.get(self.trainer.close.remote(), timeout=60)  # its group's other ranks exit
+        except Exception:
+            pass
         try:
             self.ray.kill(self.trainer)
         except Exception:

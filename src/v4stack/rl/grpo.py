@@ -18,6 +18,7 @@ marks, or is lost with its data still unconsumed and trained again - never twice
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from v4stack.config import preset as get_preset
@@ -108,23 +110,42 @@ def grpo_loss(model: V4Model, heavy: list[dict], adv: torch.Tensor, clip: float,
 
 
 class PolicyTrainer:
-    """One process's policy: the model, its Muon/AdamW optimizer, and the step checkpoints."""
+    """One trainer process's policy: the model, its optimizer, and the step checkpoints. With
+    ``world`` > 1 it is rank ``rank`` of a gloo group (``trainer_group.py``): it trains on every
+    ``world``-th row of each batch, ZeRO (``optim.zero.ZeroMuonAdamW``) sums the ranks' gradients
+    at the owners and gathers the updated weights, every rank writes its optimizer shard and rank 0
+    commits the checkpoint. A checkpoint written by another number of processes is resharded."""
 
     def __init__(self, preset: str, out: str | Path, init: str | Path | None = None,
-                 cfg: GRPOConfig | None = None, threads: int = 0):
+                 cfg: GRPOConfig | None = None, threads: int = 0, rank: int = 0, world: int = 1):
         if threads:
             torch.set_num_threads(threads)
         self.cfg = (cfg or GRPOConfig()).validate()
+        self.rank, self.world = rank, world
         self.model = V4Model(get_preset(preset), seed=0)
-        self.opt = MuonAdamW(self.model, MuonHyper(lr=self.cfg.muon_lr, weight_decay=self.cfg.weight_decay),
-                             AdamWHyper(lr=self.cfg.adamw_lr, weight_decay=self.cfg.weight_decay))
+        muon = MuonHyper(lr=self.cfg.muon_lr, weight_decay=self.cfg.weight_decay)
+        adamw = AdamWHyper(lr=self.cfg.adamw_lr, weight_decay=self.cfg.weight_decay)
+        if world > 1:  # ZeRO over the process group (gloo): owners hold the state, rounding off (exact sums)
+            from v4stack.optim.zero import ZeroMuonAdamW
+
+            self.opt = ZeroMuonAdamW(self.model, muon, adamw, zero_group_size=world, stochastic=False)
+        else:
+            self.opt = MuonAdamW(self.model, muon, adamw)
         self.root = Path(out) / "ckpt"
         self.step_no, self.meta = 0, {}
-        found = ckpt.latest(self.root)
+        found = ckpt.latest(self.root, clean=rank == 0)
         if found is not None:
-            model_state, optim_state, self.meta = ckpt.load(found, 0)
+            self.meta = json.loads((found / "meta.json").read_text())
+            if int(self.meta.get("world", 1)) == world:
+                model_state, optim_state, _ = ckpt.load(found, rank)
+                self.opt.load_state_dict(optim_state["optim"])
+            else:  # written by another number of trainer processes: merge the shards, take this rank's part
+                from v4stack.optim.reshard import full_state, load_full_state
+
+                shards = ckpt.load_all_optim(found, int(self.meta["world"]))
+                load_full_state(self.opt, full_state([sh["optim"] for sh in shards]))
+                model_state = ckpt.load_model(found)
             self.model.load_state_dict(model_state["model"])
-            self.opt.load_state_dict(optim_state["optim"])
             self.step_no = int(self.meta["step"])
         elif init is not None:
             self.model.load_state_dict(load_model_state(init))
@@ -145,10 +166,15 @@ class PolicyTrainer:
         if fault == "before_commit":
             os.kill(os.getpid(), signal.SIGKILL)
         t1 = time.perf_counter()
-        meta = {"step": step_no, "world": 1, "elapsed": 0.0, "records": [], "version": step_no,
+        meta = {"step": step_no, "world": self.world, "elapsed": 0.0, "records": [], "version": step_no,
                 "consumed": consumed, **(extra_meta or {})}
-        ckpt.write_shard(self.root, step_no, 0, {"optim": self.opt.state_dict()})
-        ckpt.commit(self.root, step_no, {"model": self.model.state_dict()}, meta, self.cfg.keep)
+        ckpt.write_shard(self.root, step_no, self.rank, {"optim": self.opt.state_dict()})
+        if self.world > 1:
+            dist.barrier()  # every shard is durable before rank 0 commits
+        if self.rank == 0:
+            ckpt.commit(self.root, step_no, {"model": self.model.state_dict()}, meta, self.cfg.keep)
+        if self.world > 1:
+            dist.barrier()
         self.step_no, self.meta = step_no, meta
         stats["ckpt_s"] = time.perf_counter() - t1
         if fault == "after_commit":
@@ -163,7 +189,10 @@ class PolicyTrainer:
             raise ValueError(f"trainer step {step_no}: the last committed step is {self.step_no}")
         t0 = time.perf_counter()
         adv_t = torch.as_tensor(adv, dtype=torch.float32)
-        n_tok = float(sum(int(np.sum(h["mask"])) for h in heavy)) or 1.0
+        n_tok = float(sum(int(np.sum(h["mask"])) for h in heavy)) or 1.0  # the whole batch's tokens
+        if self.world > 1:  # this rank's rows; the optimizer sums the ranks' gradients
+            mine = list(range(self.rank, len(heavy), self.world))
+            heavy, adv_t = [heavy[i] for i in mine], adv_t[mine]
         mb = self.cfg.micro_batch
         with ops_mode("fast"):
             self.model.train()
@@ -175,12 +204,17 @@ class PolicyTrainer:
                                         self.cfg.temperature, n_tok)
                     loss.backward()
                     w = s["tokens"] / n_tok
-                    stats["loss"] += float(loss)
+                    stats["loss"] += float(loss.detach())
                     stats["tokens"] += s["tokens"]
                     for k in ("ratio_mean", "clipped", "kl_rollout"):
                         stats[k] += w * s[k]
                 self.opt.step()
                 self.opt.zero_grad()
+        if self.world > 1:  # every rank reports the whole batch's numbers
+            keys = ("loss", "tokens", "ratio_mean", "clipped", "kl_rollout")
+            tot = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64)
+            dist.all_reduce(tot)
+            stats.update({k: float(v) for k, v in zip(keys, tot.tolist())}, tokens=int(tot[1]))
         stats["update_s"] = time.perf_counter() - t0
         if not all(math.isfinite(v) for v in (stats["loss"], stats["ratio_mean"])):
             raise FloatingPointError(f"grpo step {step_no}: non-finite loss or ratio {stats}")

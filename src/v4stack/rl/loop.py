@@ -55,6 +55,7 @@ class LoopConfig:
     eval_every: int = 0  # 0 = start and end only
     seed: int = 0
     threads: int = 1
+    trainer_procs: int = 1  # trainer processes (a gloo group with ZeRO when > 1)
     ray: bool = True
     address: str | None = None
     edges: int = 1
@@ -66,7 +67,7 @@ class LoopConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def validate(self) -> "LoopConfig":
-        for name in ("workers", "groups", "group_size", "max_tokens", "eval_n", "edges"):
+        for name in ("workers", "groups", "group_size", "max_tokens", "eval_n", "edges", "trainer_procs"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"loop field '{name}' must be an integer >= 1, got {v!r}")
@@ -177,7 +178,7 @@ class Loop:
             url, token = self.dsec.url, self.dsec.token
         names = [f"w{i}" for i in range(cfg.workers)]
         grpo = {**dataclasses.asdict(cfg.grpo), "temperature": cfg.temperature}
-        targs = (cfg.preset, str(self.out / "trainer"), str(self.sft_run), grpo, cfg.threads)
+        targs = (cfg.preset, str(self.out / "trainer"), str(self.sft_run), grpo, cfg.threads, cfg.trainer_procs)
         root = str(self.out / "rollouts")
         if cfg.ray:
             self.fleet = RayFleet(names, root, cfg.preset, url, token, targs, cfg.threads, cfg.address)
