@@ -37,6 +37,8 @@ if __package__ in (None, ""):  # run as a file (torchrun bench/megamoe.py): make
 import torch
 import torch.distributed as dist
 
+from bench.timing import cuda_median, cuda_times
+
 SHAPES = {  # hidden, expert width, routed experts, top-k
     "flash": (4096, 2048, 256, 6),
     "pro": (7168, 3072, 384, 6),
@@ -73,35 +75,21 @@ def _ceilings(device, world: int, rank: int) -> tuple[float, float, float]:
 
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ts = _cuda_times(lambda: a @ b, 10)
+    ts = cuda_times(lambda: a @ b, 10)
     flops = 2 * 8192**3 / statistics.median(ts)
     buf = symmetric_buffer({"x": ((1 << 28,), torch.bfloat16)}, None, device)  # 512 MiB
     dst = torch.empty(1 << 28, dtype=torch.bfloat16, device=device)
     peer = buf.remote((rank + 1) % world, "x")
     buf.barrier()
-    ts = _cuda_times(lambda: dst.copy_(peer), 10)
+    ts = cuda_times(lambda: dst.copy_(peer), 10)
     buf.barrier()
     torch.cuda.synchronize()
     buf.close()
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
     big = torch.empty_like(src)
-    hbm = 2 * (1 << 30) / statistics.median(_cuda_times(lambda: big.copy_(src), 10))
+    hbm = 2 * (1 << 30) / cuda_median(lambda: big.copy_(src), 10)
     del src, big
     return flops, (1 << 29) / statistics.median(ts), hbm
-
-
-def _cuda_times(fn, reps):
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) * 1e-3)
-    return out
 
 
 def run_rank(cfg: dict, checkpoint=None) -> list[dict] | None:

@@ -11,28 +11,13 @@ Linear (``torch._grouped_mm``).
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
 
 from v4stack.megamoe.plan import H200, plan_waves
 from v4stack.megamoe.routing import routing
 
-
-def _time(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(ts)
+from bench.timing import cuda_median
 
 
 def _act(h13: torch.Tensor, w: torch.Tensor, inner: int, limit: float) -> torch.Tensor:
@@ -43,7 +28,7 @@ def _act(h13: torch.Tensor, w: torch.Tensor, inner: int, limit: float) -> torch.
 def matmul_peak(n: int = 8192, reps: int = 10) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / _time(lambda: a @ b, reps)
+    return 2 * n**3 / cuda_median(lambda: a @ b, reps)
 
 
 def bench_compute(tokens=(1, 32, 512, 4096, 8192), hidden=4096, inner=2048, n_experts=256, ep=8,
@@ -100,7 +85,7 @@ def bench_compute(tokens=(1, 32, 512, 4096, 8192), hidden=4096, inner=2048, n_ex
                 h13 = torch._grouped_mm(x[lo:hi], w13[e0:e1].transpose(-2, -1), offs=offs)
                 ref = torch.cat([F.linear(x[starts[e]:starts[e + 1]], w13[e]) for e in range(e0, e1)])
                 err = float((h13.float() - ref.float()).abs().max() / ref.float().abs().max())
-        tg, te = _time(grouped, reps), _time(per_expert, reps)
+        tg, te = cuda_median(grouped, reps), cuda_median(per_expert, reps)
         flops = 6 * hidden * inner * m
         rows_out.append(dict(tokens_per_rank=t, rows=m, active_experts=sum(c > 0 for c in counts),
                              waves=len(plan.waves), experts_per_wave=plan.experts_per_wave,

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from bench.runner import write_result
+from bench.timing import cuda_median
 from v4stack import ops
 from v4stack.ops.quantized import QuantizedWeight, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 
@@ -35,18 +35,8 @@ EXPERT = ("experts.w1 (fp4)", 2048, 4096)
 
 
 def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(out)
+    """Median microseconds per call."""
+    return cuda_median(fn, iters) * 1e6
 
 
 def _act_quant(x: torch.Tensor):

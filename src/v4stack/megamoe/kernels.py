@@ -85,19 +85,24 @@ if triton is not None:
             return lambda f: f
         return triton.autotune(configs=_configs(shapes), key=["N", "K"], prune_configs_by={"early_config_prune": _prune})
 
+    @triton.jit
+    def _tile(t, t_e, t_r0, t_r1, base, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Tile ``t`` of a wave: (expert, its rows in the wave's buffers, their mask, this program's
+        columns, the K offsets of one step)."""
+        e = tl.load(t_e + t).to(tl.int64)
+        b = tl.load(base)
+        rows = (tl.load(t_r0 + t) - b) + tl.arange(0, BM)
+        rm = rows < tl.load(t_r1 + t) - b
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        return e, rows.to(tl.int64), rm, cols, tl.arange(0, BK)
+
     @_tuned([(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)])
     @triton.jit
     def _swiglu_gemm(x, wr, w1, w3, act, t_e, t_r0, t_r1, ts, ne, base, limit, N: tl.constexpr, K: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         t = tl.load(ts) + tl.program_id(0)
         if t < tl.load(ts + ne):
-            e = tl.load(t_e + t).to(tl.int64)
-            b = tl.load(base)
-            rows = (tl.load(t_r0 + t) - b) + tl.arange(0, BM)
-            rm = rows < tl.load(t_r1 + t) - b
-            rows = rows.to(tl.int64)
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            kk = tl.arange(0, BK)
+            e, rows, rm, cols, kk = _tile(t, t_e, t_r0, t_r1, base, BM, BN, BK)
             a_ptr = x + rows[:, None] * K + kk[None, :]
             g_ptr = w1 + e * N * K + cols[None, :] * K + kk[:, None]
             u_ptr = w3 + e * N * K + cols[None, :] * K + kk[:, None]
@@ -123,13 +128,7 @@ if triton is not None:
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         t = tl.load(ts) + tl.program_id(0)
         if t < tl.load(ts + ne):
-            e = tl.load(t_e + t).to(tl.int64)
-            b = tl.load(base)
-            rows = (tl.load(t_r0 + t) - b) + tl.arange(0, BM)
-            rm = rows < tl.load(t_r1 + t) - b
-            rows = rows.to(tl.int64)
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            kk = tl.arange(0, BK)
+            e, rows, rm, cols, kk = _tile(t, t_e, t_r0, t_r1, base, BM, BN, BK)
             a_ptr = a + rows[:, None] * K + kk[None, :]
             b_ptr = w2 + e * N * K + cols[None, :] * K + kk[:, None]
             acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -148,8 +147,6 @@ def _check(n: int, k: int) -> dict:
     if n % 16 or k % 16:
         raise ValueError(f"expert GEMM shapes must be multiples of 16, got N={n}, K={k}")
     return {} if TUNED else {"BN": min(128, n), "BK": min(64, k)}
-
-
 
 
 def move_rows(src, dst, pairs, dest, span, base, *, k: int, bound_rows: int, pull: bool,
