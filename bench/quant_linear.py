@@ -9,7 +9,14 @@ Paths timed per shape and token count M:
   dense weight, dense GEMM; since 4a6c593 FP8 runs the Triton block-scaled FP8 GEMM);
 - ``dequant_per_call``: dequantise then GEMM on every call (what a cache-less fallback costs);
 - ``fp8_scaled_mm``: ``torch._scaled_mm`` with 1x128 activation and 128x128 weight block scales,
-  activation quantisation included, where this torch/GPU supports it (else the error is recorded).
+  activation quantisation included, where this torch/GPU supports it (else the error is recorded);
+- ``fp4_triton`` (the FP4 expert row): the packed-FP4 Triton GEMM (``kernels/triton_fp4.py``),
+  with its error against dequantise-then-GEMM (fp32 reference).
+``impl`` records which implementation ``ops.linear`` dispatched to (the ops counters).
+
+``--grouped``: the routed-expert GEMM at Flash widths (w1: 2048 x 4096 per expert, ``--experts``
+experts, rows spread evenly): bf16 ``ops.grouped_linear`` on stacked dense weights vs the FP4
+grouped kernel on packed weights vs dequantise-then-grouped-GEMM per call; resident weight bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch.nn.functional as F
 from bench.runner import write_result
 from bench.timing import cuda_median
 from v4stack import ops
+from v4stack.ops import dispatch
 from v4stack.ops.quantized import QuantizedWeight, dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -61,17 +69,67 @@ def _scaled_mm_fn(x, q, sw, variant: int):
     return run
 
 
+def _grouped(args, dev, g) -> list[dict]:
+    from v4stack.kernels import triton_fp4
+    from v4stack.ops.mode import mode
+
+    E, (name, N, K) = args.experts, EXPERT
+    packed, scales, dense = [], [], []
+    for _ in range(E):
+        d, s = quantize_fp4((torch.randn(N, K, generator=g) * K ** -0.5).to(dev))
+        packed.append(d)
+        scales.append(s)
+        dense.append(dequantize_fp4(d, s).to(torch.bfloat16))
+    packed, scales, wb = torch.stack(packed), torch.stack(scales), torch.stack(dense)
+    del dense
+    out = []
+    for R in [int(r) for r in args.grouped.split(",")]:
+        counts = torch.full((E,), R // E)
+        counts[: R % E] += 1
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(dev)
+        x = torch.randn(R, K, generator=g).to(dev, torch.bfloat16)
+        r = {"name": f"{name} grouped", "experts": E, "rows": R, "N": N, "K": K,
+             "weight_bytes": {"bf16": wb.numel() * 2, "fp4_packed": packed.numel() + scales.numel()}}
+        with torch.no_grad(), mode("fast"):
+            ref = torch.cat([x[int(offsets[e]) : int(offsets[e + 1])].float() @ wb[e].float().T for e in range(E)])
+            y4 = triton_fp4.grouped_fp4_linear(x, packed, scales, offsets)
+            yb = ops.grouped_linear(x, wb, offsets)
+            r["fp4_rel_err"] = ((y4.float() - ref).norm() / ref.norm()).item()
+            r["bf16_rel_err"] = ((yb.float() - ref).norm() / ref.norm()).item()
+            dispatch.reset_counters()
+            ops.grouped_linear(x, wb, offsets)
+            r["bf16_impl"] = dispatch.counters()
+            r["us_bf16_grouped"] = _time(lambda: ops.grouped_linear(x, wb, offsets), args.iters)
+            r["us_fp4_grouped"] = _time(lambda: triton_fp4.grouped_fp4_linear(x, packed, scales, offsets), args.iters)
+
+            def deq():
+                w = torch.stack([dequantize_fp4(packed[e], scales[e]) for e in range(E)]).to(torch.bfloat16)
+                return ops.grouped_linear(x, w, offsets)
+
+            r["us_dequant_grouped_per_call"] = _time(deq, max(3, args.iters // 4))
+        r["speedup_fp4_vs_bf16"] = r["us_bf16_grouped"] / r["us_fp4_grouped"]
+        out.append(r)
+        print(json.dumps(r))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(RESULTS / "quant_linear_h200.json"))
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--m", default="1,128,4096")
+    ap.add_argument("--grouped", default="", help="comma list of routed rows for the grouped expert GEMM")
+    ap.add_argument("--experts", type=int, default=32)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
     dev = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
     rows = []
+    grouped = _grouped(args, dev, g) if args.grouped else []
+    if grouped:
+        write_result(args.out, {"bench": "quant_linear", "iters": args.iters, "rows": [], "grouped": grouped,
+                                "note": "partial: grouped only so far"})
     for name, N, K in FLASH + [EXPERT]:
         w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dev)
         fp4 = name == EXPERT[0]
@@ -85,7 +143,20 @@ def main(argv: list[str] | None = None) -> None:
                  "weight_bytes": {"bf16": N * K * 2, "stored": data.numel() * data.element_size()
                                   + scale.numel() * scale.element_size()}}
             r["us_bf16"] = _time(lambda: F.linear(x, wb), args.iters)
+            dispatch.reset_counters()
+            ops.linear(x, qw)
+            r["impl"] = dispatch.counters()
             r["us_ops_cached"] = _time(lambda: ops.linear(x, qw), args.iters)
+            ref = F.linear(x.float(), wq_dense)
+            r["ops_rel_err"] = ((ops.linear(x, qw).float() - ref).norm() / ref.norm()).item()
+            if fp4:
+                from v4stack.kernels import triton_fp4
+
+                y4 = triton_fp4.fp4_linear(x, qw)
+                r["fp4_triton_rel_err"] = ((y4.float() - ref).norm() / ref.norm()).item()
+                r["fp4_triton_max_abs_err"] = (y4.float() - ref).abs().max().item()
+                r["us_fp4_triton"] = _time(lambda: triton_fp4.fp4_linear(x, qw), args.iters)
+                r["speedup_fp4_triton_vs_bf16"] = r["us_bf16"] / r["us_fp4_triton"]
             deq = (lambda: dequantize_fp4(data, scale)) if fp4 else (lambda: dequantize_fp8(data, scale))
             r["us_dequant_per_call"] = _time(lambda: F.linear(x, deq().to(torch.bfloat16)), args.iters)
             if not fp4:
@@ -106,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
             r["speedup_fp8_vs_bf16"] = r["us_bf16"] / r["us_fp8_scaled_mm"] if "us_fp8_scaled_mm" in r else None
             rows.append(r)
             print(json.dumps(r))
-    write_result(args.out, {"bench": "quant_linear", "iters": args.iters, "rows": rows,
+        write_result(args.out, {"bench": "quant_linear", "iters": args.iters, "rows": rows, "grouped": grouped,
+                                "note": f"partial: through {name}"})
+    write_result(args.out, {"bench": "quant_linear", "iters": args.iters, "rows": rows, "grouped": grouped,
                             "note": "us = median microseconds per call (CUDA events)"})
 
 

@@ -107,6 +107,9 @@ def register_all(register) -> None:
                  fmt=dt, device="cuda", accepts=_with("tilelang", C.tilelang_attention))
     trit = lambda check: _with("triton", check)  # noqa: E731
     register("linear", "triton_fp8_block_gemm", _fp8_linear, fmt="fp8", device="cuda", accepts=trit(C.fp8_linear))
+    register("linear", "triton_fp4_gemm", _lazy("triton_fp4", "fp4_linear"), fmt="fp4", device="cuda",
+             accepts=trit(lambda x, qw: qw.data.is_cuda and x.dim() >= 1 and x.dtype in C.HALF and x.shape[-1] % 32 == 0
+                          and qw.data.dim() == 2 and 2 * qw.data.shape[1] == x.shape[-1]))
     register("linear", "triton_fp32_gemm", _lazy("triton_gemm", "linear", "gemm_half"), mode=inv, fmt="float32", device="cuda",
              accepts=trit(C.linear))
     for dt in ("bfloat16", "float16"):  # where TileLang is absent or refuses the shape

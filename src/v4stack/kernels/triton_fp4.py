@@ -1,0 +1,121 @@
+"""FP4 (e2m1, 1 x 32 block-scaled) expert GEMM (Triton): weights stay packed in memory.
+
+Weights as V4 stores its routed experts (``ops/quantized.py``): two e2m1 codes per byte
+``[E, N, K/2]`` (low nibble = even column) and one scale per 32 columns ``[E, N, K/32]``. Each
+program owns one (expert row tile, N tile) - the tile table of the grouped GEMM, built on the
+device without a host sync - and for every K slice decodes its weight tile in registers (code ->
+value from the bit fields, times its block scale: exact in bf16, since e2m1 has two significant
+bits and the scales are powers of two), then runs the tensor-core MMA into fp32. So the result
+is ``x @ dequant(w).T`` with the same products a dequantise-then-GEMM would use; only the
+weight bytes read are a quarter of bf16's.
+"""
+
+import triton
+import triton.language as tl
+
+from v4stack.kernels.launch import launch
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 code (int32, 0..15) -> float32: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0."""
+    mag = code & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    p2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    val = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * p2)
+    return tl.where(code >= 8, -val, val)
+
+
+@triton.jit
+def fp4_grouped_kernel(X, Wp, Sc, Y, TileE, TileR0, Off, N, K, s_xm, s_we, s_wn, s_se, s_sn, s_ym,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    p = tl.program_id(0)
+    e = tl.load(TileE + p)
+    if e >= 0:
+        r0 = tl.load(TileR0 + p)
+        r1 = tl.load(Off + e + 1)
+        rows = (r0 + tl.arange(0, BM)).to(tl.int64)
+        rmask = rows < r1
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < N
+        W = Wp + e.to(tl.int64) * s_we
+        S = Sc + e.to(tl.int64) * s_se
+        kk = tl.arange(0, BK)
+        kb = tl.arange(0, BK // 2)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            a = tl.load(X + rows[:, None] * s_xm + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+            pk = tl.load(W + cols[:, None] * s_wn + (k0 // 2 + kb)[None, :], mask=cmask[:, None], other=0)
+            pk = pk.to(tl.int32) & 0xFF
+            w = tl.reshape(tl.join(_e2m1(pk & 15), _e2m1(pk >> 4)), (BN, BK))  # even column = low nibble
+            sc = tl.load(S + cols[:, None] * s_sn + ((k0 + kk) // 32)[None, :], mask=cmask[:, None], other=0.0)
+            acc = tl.dot(a, tl.trans((w * sc).to(a.dtype)), acc)
+        tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+def scale_f32(scale):
+    """Block scales as float32 (e8m0 bytes are 2^(byte - 127), exact)."""
+    import torch
+
+    if scale.dtype == torch.float8_e8m0fnu:
+        e = scale.view(torch.uint8).to(torch.int32)
+        return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 127)
+    return scale.float().contiguous()
+
+
+def accepts(x, packed, scale) -> bool:
+    """The kernel's shape contract: half-precision rows, K a multiple of 32, scales per 32 columns."""
+    import torch
+
+    K = x.shape[-1]
+    return (x.dtype in (torch.bfloat16, torch.float16) and packed.dtype in (torch.int8, torch.uint8)
+            and K % 32 == 0 and packed.shape[-1] * 2 == K and scale.shape[-1] * 32 == K
+            and packed.shape[:-1] == scale.shape[:-1])
+
+
+def grouped_fp4_linear(x, packed, scale, offsets):
+    """Rows ``offsets[e]:offsets[e+1]`` of ``x [T, K]`` times ``dequant(packed[e], scale[e]).T``
+    -> ``[T, N]`` in ``x``'s dtype (fp32 accumulation). ``packed [E, N, K/2]`` int8, ``scale
+    [E, N, K/32]`` (e8m0 or fp32)."""
+    import torch
+
+    T, K = x.shape
+    E, N, _ = packed.shape
+    if not accepts(x, packed, scale):
+        raise ValueError(f"grouped_fp4_linear: unsupported shapes x {tuple(x.shape)} {x.dtype}, packed "
+                         f"{tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)}")
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    bm = 16 if T <= 256 else 64
+    bk = 64 if K % 64 == 0 else 32
+    off = offsets.to(device=x.device, dtype=torch.int64)
+    tiles = (off[1:] - off[:-1] + bm - 1) // bm
+    first = torch.cumsum(tiles, 0) - tiles
+    P = triton.cdiv(T, bm) + E  # a bound on the tile count known without a sync
+    pid = torch.arange(P, device=x.device)
+    e = torch.searchsorted(first + tiles, pid, right=True)
+    ec = e.clamp(max=E - 1)
+    r0 = off[ec] + (pid - first[ec]) * bm
+    tile_e = torch.where(e < E, ec, -1).to(torch.int32)
+    xc, wp, sc = x.contiguous(), packed.contiguous(), scale_f32(scale).contiguous()
+    BN = 64
+    launch(fp4_grouped_kernel, (P, triton.cdiv(N, BN)), xc, wp, sc, y, tile_e, r0, off, N, K, xc.stride(0),
+           wp.stride(0), wp.stride(1), sc.stride(0), sc.stride(1), y.stride(0), BM=bm, BN=BN, BK=bk, num_warps=4)
+    return y
+
+
+def fp4_linear(x, qw):
+    """``ops.linear`` for a ``QuantizedWeight`` in fp4: the grouped kernel with one group."""
+    import torch
+
+    K = x.shape[-1]
+    a = x.reshape(-1, K)
+    sc = getattr(qw, "_scale_f32", None)
+    if sc is None:
+        sc = qw._scale_f32 = scale_f32(qw.scale)
+    off = torch.tensor([0, a.shape[0]], device=x.device)
+    y = grouped_fp4_linear(a, qw.data.unsqueeze(0), sc.unsqueeze(0), off)
+    return y.view(*x.shape[:-1], qw.data.shape[0])
