@@ -122,17 +122,19 @@ class _BySource(torch.autograd.Function):
     def forward(ctx, ex: "LocalExperts", grid, xe, we, *weights):
         n = ex.n_local
         grid_t = torch.tensor(grid, dtype=torch.long).view(-1, n)             # [sources, n_local]
-        per_exp = grid_t.sum(0)
-        exp_off = torch.cumsum(per_exp, 0) - per_exp
-        src_off = torch.cumsum(grid_t, 0) - grid_t
+        S = grid_t.shape[0]
+        # each row's source (rows are expert-major, sources in order inside an expert); a stable
+        # sort by source keeps each source's rows expert-major
+        src = torch.repeat_interleave(torch.arange(S).repeat(n), grid_t.t().reshape(-1))
+        by_src = torch.sort(src, stable=True).indices.to(xe.device)
+        bounds = [0] + torch.cumsum(grid_t.sum(1), 0).tolist()
         out = xe.new_empty((xe.shape[0], ex.hidden), dtype=compute_dtype(xe.dtype))
         parts = []
-        for s in range(grid_t.shape[0]):
+        for s in range(S):
             counts = grid_t[s].tolist()
             if not sum(counts):
                 continue
-            sel = torch.cat([torch.arange(int(exp_off[e] + src_off[s, e]), int(exp_off[e] + src_off[s, e]) + c)
-                             for e, c in enumerate(counts)]).to(xe.device)
+            sel = by_src[bounds[s] : bounds[s + 1]]
             with torch.enable_grad():
                 xs = xe.detach()[sel].requires_grad_(ctx.needs_input_grad[2])
                 ws = we.detach()[sel].requires_grad_(ctx.needs_input_grad[3])
