@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.megamoe.common import make_moe, offsets
+from tests.megamoe.common import make_moe, offsets, same_grad
 from tests.megamoe.reference import single_process_routed
 from tests.optim.distributed import run_world
 from v4stack.megamoe.backend import ExpertParallel, make_transport
@@ -54,14 +54,6 @@ EP8 = [  # one expert per rank
     Case((6, 2, 0, 3, 5, 4, 1, 2), "zipf", topk=3, dtype=torch.bfloat16),
     Case((2, 2, 2, 2, 2, 2, 2, 2), "subset", subset=3),
 ]
-
-
-def _same_grad(g, want) -> bool:
-    """Equal gradients, an unused parameter's ``None`` standing for zeros (the grouped layers give
-    an idle expert a zero gradient, the test's per-expert layer none)."""
-    if g is None or want is None:
-        return all(t is None or not t.any() for t in (g, want))
-    return torch.equal(g, want)
 
 
 def _inputs(case: Case, seed: int):
@@ -120,7 +112,7 @@ def _backward(rank, world, ci, case, transports):
         for e in range(8):
             for name in ("w1", "w2", "w3"):
                 g, gr = getattr(model_moe.experts[e], name).weight.grad, getattr(ref_moe.experts[e], name).weight.grad
-                assert _same_grad(g, gr), (case, e, name)
+                assert same_grad(g, gr), (case, e, name)
     for path in PATHS:
         moe = make_moe(topk=case.topk, seed=ci)
         xm, wm = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
@@ -132,7 +124,7 @@ def _backward(rank, world, ci, case, transports):
         for e in local:
             for name in ("w1", "w2", "w3"):
                 g, gr = getattr(moe.experts[e], name).weight.grad, getattr(ref_moe.experts[e], name).weight.grad
-                assert _same_grad(g, gr), (case, path, e, name)
+                assert same_grad(g, gr), (case, path, e, name)
         assert xm.grad.abs().sum() > 0 or case.counts[rank] == 0
     _source_order(rank, world, ci, case, transports, x, idx, w, r)
     if case.dtype == torch.bfloat16 and world == 2:
@@ -175,12 +167,12 @@ def _source_order(rank, world, ci, case, transports, x, idx, w, r):
         for e in range(rank * per, (rank + 1) * per):
             for name in ("w1", "w2", "w3"):
                 g, gr = getattr(moe.experts[e], name).weight.grad, getattr(ref_moe.experts[e], name).weight.grad
-                assert _same_grad(g, gr), (case, path, e, name, "source order")
+                assert same_grad(g, gr), (case, path, e, name, "source order")
     # control: one batch per expert over all sources (the layer order) gives other weight gradients
     moe = make_moe(topk=case.topk, seed=ci)
     xm, wm = x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
     (ExpertParallel(moe, transports["all_to_all"])(moe, xm, wm, idx[mine]) * r[mine]).sum().backward()
-    differ = [not _same_grad(getattr(moe.experts[e], n).weight.grad, getattr(ref_moe.experts[e], n).weight.grad)
+    differ = [not same_grad(getattr(moe.experts[e], n).weight.grad, getattr(ref_moe.experts[e], n).weight.grad)
               for e in range(rank * per, (rank + 1) * per) for n in ("w1", "w2", "w3")]
     if case.kind != "subset" and sum(c > 0 for c in case.counts) >= 2:
         assert any(differ), (case, "the source order is not seen")
