@@ -92,6 +92,8 @@ class Attention(nn.Module):
             kv = self.kv_rounding(kv)
         if isinstance(segments, PagedStep):
             o = self._paged(x, qr, q, kv, segments, layer)
+        elif hasattr(segments, "attention"):  # a context-parallel shard supplies its own candidates
+            o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
             o = self._segments(x, qr, q, kv, positions, segments, layer)
         o = self.rotary.apply(o, positions, inverse=True)

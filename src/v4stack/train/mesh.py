@@ -1,4 +1,5 @@
-"""The training mesh: ``world = pp x dp`` ranks, stage-major (rank = stage * dp + replica).
+"""The training mesh: ``world = pp x dp x cp`` ranks, stage-major, then replica, then context
+shard (rank = (stage * dp + replica) * cp + cp_rank); context parallelism runs with ``pp == 1``.
 
 Every rank creates every group in the same order (``new_group`` is collective over the world), so
 one ``Mesh`` per process is built by all processes together. On one process, or with ``pp == 1``
@@ -20,14 +21,20 @@ class Mesh:
     dp: int
     dp_group: object = None  # this stage's replicas (None: the default group or no group)
     dp_ranks: tuple[int, ...] = ()
+    cp: int = 1  # context-parallel shards of each sequence (train/context.py)
+    cp_group: object = None  # this replica's context shards (None: the default group)
 
     @property
     def stage(self) -> int:
-        return self.rank // self.dp
+        return self.rank // (self.dp * self.cp)
 
     @property
     def replica(self) -> int:
-        return self.rank % self.dp
+        return (self.rank // self.cp) % self.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
 
     @property
     def first(self) -> bool:
@@ -42,13 +49,22 @@ class Mesh:
         return stage * self.dp + self.replica
 
 
-def build_mesh(pp: int) -> Mesh:
+def build_mesh(pp: int, cp: int = 1) -> Mesh:
     """The mesh of the initialised default group (or one process) with ``pp`` pipeline stages."""
     if not dist.is_initialized():
-        if pp != 1:
-            raise ValueError(f"train field 'pp' is {pp}: pipeline stages need torch.distributed (torchrun)")
+        if pp != 1 or cp != 1:
+            raise ValueError(f"train fields 'pp' ({pp}) and 'cp' ({cp}): more than one needs torch.distributed (torchrun)")
         return Mesh(0, 1, 1, 1)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if cp > 1:
+        if pp != 1 or world % cp:
+            raise ValueError(f"train field 'cp' ({cp}) must divide the world size {world} and runs with pp = 1")
+        mesh = Mesh(rank, world, 1, world // cp, dp_ranks=tuple(range(world)), cp=cp)
+        for d in range(mesh.dp):  # every rank creates every replica's group, in replica order
+            group = dist.new_group(list(range(d * cp, (d + 1) * cp))) if mesh.dp > 1 else None
+            if d == mesh.replica:
+                mesh.cp_group = group
+        return mesh
     if pp < 1 or world % pp:
         raise ValueError(f"train field 'pp' must divide the world size {world}, got {pp}")
     dp = world // pp

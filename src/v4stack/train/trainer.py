@@ -39,6 +39,7 @@ from v4stack.train import expert_parallel
 from v4stack.train.corpus import load_text, unigram_entropy
 from v4stack.train.data import ByteBatches
 from v4stack.train.log import LossLog, Progress, plot_curves
+from v4stack.train.context import cp_accumulate
 from v4stack.train.mesh import build_mesh
 from v4stack.train.pipeline import Stage, first_last_groups, run_1f1b, tie_embedding_grads
 from v4stack.train.recompute import apply_recompute
@@ -59,6 +60,8 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step and replica (the pipeline's micro-batches when pp > 1)
     pp: int = 1  # pipeline stages (under torchrun; the world is pp x dp)
     ep: int = 1  # expert-parallel ranks inside the dp ranks (train/expert_parallel.py)
+    cp: int = 1  # context-parallel shards per sequence (under torchrun, pp = 1; world = dp x cp)
+    ops: str = "fast"  # ops mode: fast, or invariant (row results independent of the batch)
     ep_backend: str = "all_to_all"  # all_to_all or megamoe
     recompute: str = "none"  # none, full, matmul (torch's selective policy) or plan:F (train/recompute.py)
     optimizer: str = "muon"  # "adamw": the AdamW-only baseline
@@ -83,7 +86,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(msg)
 
-        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "eval_batches", "corpus_bytes", "pp", "ep"):
+        for name in ("steps", "batch_size", "grad_accum", "ckpt_every", "eval_batches", "corpus_bytes", "pp", "ep", "cp"):
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 1, f"train field '{name}' must be an integer >= 1, got {v!r}")
         need(self.seq_len >= 4, f"train field 'seq_len' must be >= 4, got {self.seq_len}")
@@ -94,6 +97,10 @@ class TrainConfig:
         need(self.mtp_weight >= 0, f"train field 'mtp_weight' must be >= 0 (0 = off), got {self.mtp_weight}")
         need(self.ep_backend in EP_BACKENDS,
              f"train field 'ep_backend' must be one of {EP_BACKENDS}, got {self.ep_backend!r}")
+        need(self.ops in ("fast", "invariant"), f"train field 'ops' must be 'fast' or 'invariant', got {self.ops!r}")
+        need(self.cp == 1 or (self.seq_len % (2 * self.cp) == 0 and self.mtp_weight == 0 and self.recompute == "none"
+                              and self.ep == 1),
+             f"train field 'cp' ({self.cp}) needs seq_len a multiple of 2 x cp, no MTP loss, recompute none, ep 1")
         need(self.device in ("cpu", "cuda"), f"train field 'device' must be 'cpu' or 'cuda', got {self.device!r}")
         need(self.recompute in ("none", "full", "matmul") or self.recompute.startswith("plan:"),
              f"train field 'recompute' must be none, full, matmul or plan:F, got {self.recompute!r}")
@@ -152,7 +159,7 @@ def _barrier(world: int) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) a training run; returns the summary on rank 0 and {} elsewhere."""
-    with ops_mode("fast"):  # training keeps the model on its fast ops
+    with ops_mode(cfg.ops):  # training keeps the model on its fast ops unless told otherwise
         return _train(cfg)
 
 
@@ -161,7 +168,7 @@ def _train(cfg: TrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world, created = _dist_setup(cfg.device)
-    mesh = build_mesh(cfg.pp)
+    mesh = build_mesh(cfg.pp, cfg.cp)
     dp = mesh.dp
     mcfg = get_preset(cfg.preset)
     data, source = load_text(cfg.data, cfg.corpus_bytes, cfg.seed)
@@ -179,7 +186,7 @@ def _train(cfg: TrainConfig) -> dict:
     found = ckpt.latest(root, clean=rank == 0)
     _barrier(world)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp
-    meta = {"config": dataclasses.asdict(cfg), "world": world, "pp": mesh.pp, "dp": dp, "source": source,
+    meta = {"config": dataclasses.asdict(cfg), "world": world, "pp": mesh.pp, "dp": dp, "cp": mesh.cp, "source": source,
             "unigram_nats": unigram, "tokens_per_step": tokens_per_step,
             "params": sum(p.numel() for p in model.parameters())}
     log = LossLog(out / "loss.json", meta)
@@ -208,7 +215,7 @@ def _train(cfg: TrainConfig) -> dict:
         apply_recompute(model, cfg.recompute, (sample,), stage.layers if stage is not None else None)
     opt = _optimizer(cfg, params, mesh, ep)
     if cmeta is not None:
-        same = (cmeta["world"], cmeta.get("pp", 1)) == (world, mesh.pp)
+        same = (cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1)) == (world, mesh.pp, mesh.cp)
         if same:
             optim_state = _to_device(ckpt.load(found, rank)[1], dev)
             opt.load_state_dict(optim_state["optim"])
@@ -235,6 +242,8 @@ def _train(cfg: TrainConfig) -> dict:
         if stage is not None:
             sums = run_1f1b(stage, micro, cfg.mtp_weight, scale)
             tie_embedding_grads(stage, tie_group)
+        elif mesh.cp > 1:
+            sums = cp_accumulate(model, micro, scale, mesh)
         else:
             sums = torch.zeros(2, device=dev)
             for tokens in micro:
@@ -302,7 +311,7 @@ def _optimizer(cfg: TrainConfig, params: dict, mesh, ep=None):
         if cfg.optimizer != "muon":
             raise ValueError("train field 'optimizer': expert parallelism runs the sharded Muon step")
         return expert_parallel.optimizer(params, ep, muon_hp, adamw_hp, stochastic=cfg.stochastic_bf16, seed=cfg.seed)
-    if mesh.dp == 1:
+    if mesh.dp * mesh.cp == 1:
         return MuonAdamW(params, muon_hp, adamw_hp, use_muon=cfg.optimizer == "muon")
     if cfg.optimizer != "muon":
         raise ValueError("train field 'optimizer': the sharded step runs Muon; use one replica for 'adamw'")
@@ -318,7 +327,7 @@ def _save(root: Path, step: int, mesh, stage, model, opt, log: LossLog, elapsed:
         ckpt.write_model_part(root, step, f"stage{mesh.stage}", {"model": stage.state()})
     _barrier(mesh.world)
     if mesh.rank == 0:
-        meta = {"step": step, "world": mesh.world, "pp": mesh.pp, "dp": mesh.dp, "elapsed": elapsed,
+        meta = {"step": step, "world": mesh.world, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "elapsed": elapsed,
                 "records": log.records, **({"ep": ep.ep} if ep is not None else {})}
         state = model.state_dict() if ep is None else ep.dense_state(model)
         ckpt.commit(root, step, {"model": state} if stage is None else None, meta, keep)

@@ -1,0 +1,274 @@
+"""Context parallelism for V4's compressed attention: one sequence split over ``cp`` ranks.
+
+Layout (causal load balance): the sequence of ``T`` tokens is cut into ``2 cp`` chunks of
+``C = T / (2 cp)`` positions; rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, so every rank
+has one early (cheap) and one late (expensive) chunk. Its local rows are ``[B, 2, C]``: each
+sequence of the micro-batch, slot 0 then slot 1. Everything outside attention (linears, mHC,
+MoE, the heads) is row-wise and runs on the local rows unchanged.
+
+Per attention layer (``ContextShard.attention``, reached through ``Attention.forward``):
+
+1. **Halo**: every chunk needs the rows just before it: the window keys (``n_win - 1`` rows) and,
+   per compressor, the rows of the block it closes first that lie before the chunk plus, for
+   CSA's overlapped compressor, the previous block (``pos0 % r + m`` rows). The projected rows
+   (window kv, compressor kv and gate scores, the indexer compressor's too) travel packed in one
+   ``all_to_all`` (``cp_comm.exchange_rows``); halos may span several earlier chunks.
+2. **Entries**: a compressed entry belongs to the chunk holding its block's last token; each chunk
+   pools its blocks (the same ``Compressor.pool`` the one-process path runs) into a fixed
+   capacity ``max_j(#blocks of chunk j)``, padding the rest.
+3. **All-gather and select**: one ``all_gather`` per layer moves entries (and indexer keys,
+   packed alongside), a static index keeps the real ones in sequence order - padding removed -
+   so every rank holds the whole sequence's ``T / r`` entries exactly as one process would.
+4. Candidates per query as in one process: the window, then CSA's top-k by the indexer over all
+   entries with causal closure (a block is visible only once complete) or HCA's visible
+   entries; one padded attention call.
+
+With the ops in invariant mode every row's forward is computed as in one process, so logits and
+per-token losses are bitwise equal to the single-process run. The backward sends halo and entry
+gradients back to their owners in fixed order (``cp_comm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from v4stack.model.attention import Segment, window_candidates
+from v4stack.train.cp_comm import RowPlan, exchange_rows, gather_entries
+
+
+@dataclass(frozen=True)
+class Layout:
+    cp: int
+    rank: int
+    seq_len: int
+
+    def __post_init__(self):
+        if self.cp < 1 or self.seq_len % (2 * self.cp):
+            raise ValueError(f"train field 'seq_len' ({self.seq_len}) must be a multiple of 2 x cp "
+                             f"(= {2 * self.cp}) for context parallelism")
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_len // (2 * self.cp)
+
+    def chunks(self, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        return r, 2 * self.cp - 1 - r
+
+    def owner(self, j: int) -> tuple[int, int]:
+        """(rank, slot) holding chunk ``j``."""
+        return (j, 0) if j < self.cp else (2 * self.cp - 1 - j, 1)
+
+    def positions(self, batch: int, device=None) -> torch.Tensor:
+        """Positions of the local rows, ``[B * 2 * C]`` in ``[B, 2, C]`` order."""
+        C = self.chunk
+        one = torch.cat([torch.arange(j * C, (j + 1) * C, device=device) for j in self.chunks()])
+        return one.repeat(batch)
+
+    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's share ``[B, 2C]`` of ``tokens [B, T]``."""
+        C = self.chunk
+        return torch.cat([tokens[:, j * C:(j + 1) * C] for j in self.chunks()], 1)
+
+    def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's ``[B, 2C, ...]`` (rank order) -> the sequence order ``[B, T, ...]``."""
+        C = self.chunk
+        out = []
+        for j in range(2 * self.cp):
+            r, s = self.owner(j)
+            out.append(parts[r][:, s * C:(s + 1) * C])
+        return torch.cat(out, 1)
+
+    # ---- static plans ---------------------------------------------------------------------
+
+    def row_plan(self, halo: int) -> RowPlan:
+        return _row_plan(self, halo)
+
+    def entry_plan(self, ratio: int) -> tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """(capacity, per local slot its block range, gather order over ``[cp, 2, cap]``)."""
+        return _entry_plan(self, ratio)
+
+
+@lru_cache(maxsize=64)
+def _row_plan(lay: Layout, halo: int) -> RowPlan:
+    """Halo slot ``s * halo + k`` of a rank holds position ``pos0(chunk s) - halo + k``."""
+    C, cp = lay.chunk, lay.cp
+    send: list[list[int]] = [[] for _ in range(cp)]  # this rank -> dest
+    recv: list[list[int]] = [[] for _ in range(cp)]  # src -> this rank
+    for dest in range(cp):
+        for s, j in enumerate(lay.chunks(dest)):
+            for k in range(halo):
+                p = j * C - halo + k
+                if p < 0:
+                    continue
+                src, src_slot = lay.owner(p // C)
+                if src == lay.rank:
+                    send[dest].append(src_slot * C + p % C)
+                if dest == lay.rank:
+                    recv[src].append(s * halo + k)
+    return RowPlan(tuple(i for d in send for i in d), tuple(len(d) for d in send),
+                   tuple(i for d in recv for i in d), tuple(len(d) for d in recv), 2 * halo)
+
+
+@lru_cache(maxsize=64)
+def _entry_plan(lay: Layout, r: int):
+    C = lay.chunk
+    blocks = [(j * C // r, (j + 1) * C // r) for j in range(2 * lay.cp)]
+    cap = max(hi - lo for lo, hi in blocks)
+    order = []
+    for j, (lo, hi) in enumerate(blocks):  # sequence order: chunk by chunk
+        rank, slot = lay.owner(j)
+        order += [(rank * 2 + slot) * cap + e for e in range(hi - lo)]
+    mine = tuple(blocks[j] for j in lay.chunks())
+    return cap, mine, tuple(order)
+
+
+# ---- the shard the model's attention runs on ----------------------------------------------------
+
+
+@dataclass
+class ContextShard:
+    """Stands in for the segment list of ``V4Model._trunk``: the attention layers ask it for
+    their output (``attention``); every other sublayer only sees rows."""
+
+    layout: Layout
+    batch: int
+    group: object = None
+    pieces: list[Segment] = field(init=False)
+
+    def __post_init__(self):
+        C = self.layout.chunk
+        self.pieces = [Segment(start=(b * 2 + s) * C, length=C, pos0=j * C)
+                       for b in range(self.batch) for s, j in enumerate(self.layout.chunks())]
+
+    def attention(self, attn, x, qr, q, kv, positions, layer: int) -> torch.Tensor:
+        lay, B, C = self.layout, self.batch, self.layout.chunk
+        W = attn.window
+        parts = [kv]
+        needs = [W - 1]
+        comps = []
+        if attn.compressor is not None:
+            comps.append(attn.compressor)
+            parts += list(attn.compressor.project(x, positions))
+        iq = iw = None
+        if attn.indexer is not None:
+            iq, iw = attn.indexer.project(qr, x, positions)
+            comps.append(attn.indexer.compressor)
+            parts += list(attn.indexer.compressor.project(x, positions))
+        for comp in comps:
+            needs.append(comp.ratio - 1 + (comp.ratio if comp.overlap else 0))
+        H = max(needs)
+        wire = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+        widths = [p.shape[-1] for p in parts]
+        rows = torch.cat([p.to(wire) for p in parts], -1).view(B, 2 * C, -1).transpose(0, 1)
+        halo = exchange_rows(rows, lay.row_plan(H), self.group)  # [2H, B, w]
+        halo = halo.view(2, H, B, -1).permute(2, 0, 1, 3)  # [B, 2, H, w]
+        halo_parts = [h.to(p.dtype) for h, p in zip(torch.split(halo, widths, -1), parts)]
+        own = [p.view(B, 2, C, -1) for p in parts]
+
+        def span(i: int, b: int, s: int, n: int) -> torch.Tensor:
+            """Part ``i``'s rows of the ``n`` positions before piece (b, s), then the piece's own."""
+            return torch.cat((halo_parts[i][b, s, H - n:], own[i][b, s]))
+
+        ents = ikeys = None
+        if comps:
+            pooled = [self._pool(comp, span, 1 + 2 * k, kv.dtype) for k, comp in enumerate(comps)]
+            gathered = self._gather(torch.cat(pooled, -1), comps[0].ratio)  # [S, B, w]
+            ents = gathered[..., : attn.head_dim]
+            if attn.indexer is not None:
+                ikeys = gathered[..., attn.head_dim:]
+        cands = []
+        for piece, (b, s) in zip(self.pieces, ((b, s) for b in range(B) for s in range(2))):
+            p0 = piece.pos0
+            pos = positions[piece.rows]
+            h = min(W - 1, p0)
+            keys, mask = window_candidates(span(0, b, s, h), p0 - h, pos, W)
+            keys, mask = [keys], [mask]
+            if ents is not None:
+                S, m = ents.shape[0], attn.ratio
+                e_b = ents[:, b]
+                visible = ((torch.arange(S, device=kv.device) + 1) * m - 1).unsqueeze(0) <= pos.unsqueeze(1)
+                if ikeys is not None:
+                    sel, valid = attn.indexer.select(iq[piece.rows], iw[piece.rows], ikeys[:, b], visible)
+                    keys.append(e_b[sel])
+                    mask.append(valid)
+                else:
+                    keys.append(e_b.unsqueeze(0).expand(piece.length, S, e_b.shape[-1]))
+                    mask.append(visible)
+            cands.append((torch.cat(keys, 1), torch.cat(mask, 1)))
+        return attn._attend(q, self.pieces, cands)
+
+    def _pool(self, comp, span, part: int, dtype) -> torch.Tensor:
+        """Entries ``[2, cap, B, w]`` of ``comp`` for the local chunks (zero padding past each
+        chunk's blocks); ``part`` / ``part + 1`` are its kv / score among the exchanged parts."""
+        r, lb = comp.ratio, comp.ratio if comp.overlap else 0
+        cap, mine, _ = self.layout.entry_plan(r)
+        out = []
+        for b in range(self.batch):
+            for s, (lo, hi) in enumerate(mine):
+                p0 = self.layout.chunks()[s] * self.layout.chunk
+                row0 = max(0, lo * r - lb)
+                kv_rows, sc_rows = span(part, b, s, p0 - row0), span(part + 1, b, s, p0 - row0)
+                e = comp.pool(kv_rows, sc_rows, row0, range(lo, hi), dtype)
+                out.append(torch.cat((e, e.new_zeros(cap - e.shape[0], e.shape[1]))))
+        return torch.stack(out).view(self.batch, 2, cap, -1).permute(1, 2, 0, 3)
+
+    def _gather(self, local: torch.Tensor, ratio: int) -> torch.Tensor:
+        _, _, order = self.layout.entry_plan(ratio)
+        idx = torch.tensor(order, dtype=torch.long, device=local.device)
+        return gather_entries(local, idx, self.layout.cp, self.group)
+
+
+# ---- the loss of a micro-batch under context parallelism ----------------------------------------
+
+
+def cp_token_losses(model, tokens: torch.Tensor, layout: Layout, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's next-token losses and the mask of rows that have a target (``[B * 2C]`` each)."""
+    B, T = tokens.shape
+    if T != layout.seq_len:
+        raise ValueError(f"context-parallel layout is for seq_len {layout.seq_len}, got {T}")
+    pos = layout.positions(B, tokens.device)
+    shard = ContextShard(layout, B, group)
+    x = model._trunk(layout.local(tokens).reshape(-1), pos, shard)
+    logits = model._head(x)
+    has_target = pos < T - 1
+    tgt = tokens.gather(1, (pos + 1).clamp(max=T - 1).view(B, -1)).reshape(-1)
+    return F.cross_entropy(logits, tgt, reduction="none"), has_target
+
+
+def cp_loss_value(losses: torch.Tensor, has_target: torch.Tensor, layout: Layout, group=None) -> torch.Tensor:
+    """The micro-batch's mean loss from every rank's per-token losses, reduced as one process's
+    ``F.cross_entropy`` reduces them (the same values in the same order through ``nll_loss``)."""
+    B = losses.numel() // (2 * layout.chunk)
+    mine = losses.detach().masked_fill(~has_target, 0.0).view(B, -1)
+    parts = [torch.empty_like(mine) for _ in range(layout.cp)]
+    dist.all_gather(parts, mine.contiguous(), group=group)
+    seq = layout.assemble(parts)[:, :-1].reshape(-1, 1)
+    return F.nll_loss(-seq, torch.zeros(seq.shape[0], dtype=torch.long, device=seq.device))
+
+
+def cp_backward_scale(tokens: torch.Tensor) -> int:
+    """The number of predicted tokens of a micro-batch (the mean's divisor)."""
+    B, T = tokens.shape
+    return B * (T - 1)
+
+
+def cp_accumulate(model, micro: list[torch.Tensor], scale: float, mesh) -> torch.Tensor:
+    """Forwards and backwards of one step's micro-batches on this context shard. Each token's
+    loss gradient is ``scale / (B (T - 1))``, as under one process's mean; the parameter gradients
+    are this shard's part (the sharded optimizer step sums the shards). Returns ``[sum of main
+    losses, 0]`` on the replica's first shard, zeros on the others."""
+    sums = torch.zeros(2, dtype=torch.float32, device=micro[0].device)
+    for tokens in micro:
+        lay = Layout(mesh.cp, mesh.cp_rank, tokens.shape[1])
+        losses, has = cp_token_losses(model, tokens, lay, mesh.cp_group)
+        (losses[has].sum() / cp_backward_scale(tokens) * scale).backward()
+        value = cp_loss_value(losses, has, lay, mesh.cp_group)
+        if mesh.cp_rank == 0:
+            sums[0] += value.item()
+    return sums
