@@ -125,11 +125,21 @@ class ToolRunner:
         self.slots = slots
         self.stats = ToolStats()
 
-    def _new(self):
-        from v4stack.dsec.client import Sandbox
+    def _new(self, attempts: int = 6):
+        """A fresh sandbox. A 503 (the apiserver placed it on an edge that just died and that the
+        watcher has not marked dead yet) is retried with a growing pause (7.5 s in all)."""
+        from v4stack.dsec.client import Sandbox, SandboxError
 
-        sbx = Sandbox.create(substrate="process", api_url=self.api_url, token=self.token, timeout=3600,
-                             idle_timeout=600, request_timeout=30)
+        for i in range(attempts):
+            try:
+                sbx = Sandbox.create(substrate="process", api_url=self.api_url, token=self.token, timeout=3600,
+                                     idle_timeout=600, request_timeout=30)
+                break
+            except SandboxError as e:
+                if e.status != 503 or i == attempts - 1:
+                    raise
+                self.stats.errors.append(str(e)[:200])
+                time.sleep(0.5 * (i + 1))
         self.stats.sandboxes += 1
         self._next[sbx.id] = 0
         return sbx
