@@ -7,7 +7,11 @@ import os
 import signal
 import sys
 
+import torch
+
 from tests.rl.test_agent import ONE_BYTE_TURNS, build, parse
+
+torch.set_num_threads(1)
 
 url, token, wal_dir = sys.argv[1:4]
 

@@ -26,6 +26,18 @@ def dsec_missing() -> str | None:
     return None
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The rl tests' models are tiny: one intra-op thread (on a shared, loaded machine more threads
+    spin against each other: a tiny linear took 9 ms instead of microseconds)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def dsec(tmp_path_factory):
     why = dsec_missing()

@@ -163,10 +163,12 @@ class Loop:
                                                     progress=cfg.progress)
         self.doc["sft"] = {"run": str(self.sft_run), **{k: v for k, v in self.sft_summary.items()
                                                         if isinstance(v, (int, float, str, bool))}}
+        phases = {"policy_s": time.perf_counter() - t0}
         if cfg.ray:
             from v4stack.rl.fleet import init_ray
 
             self._ray_started = init_ray(cfg.address, cfg.workers)
+        phases["ray_s"] = time.perf_counter() - t0 - sum(phases.values())
         url, token = os.environ.get("DSEC_API_URL"), os.environ.get("DSEC_TOKEN")
         if not url:
             from v4stack.rl.edges import node_address
@@ -176,6 +178,7 @@ class Loop:
             self.dsec = LocalDsec(self.out / "dsec", edges=cfg.edges, pool=2, host=host, ray_edges=cfg.ray,
                                   edge_resource=cfg.edge_resource)
             url, token = self.dsec.url, self.dsec.token
+        phases["dsec_s"] = time.perf_counter() - t0 - sum(phases.values())
         names = [f"w{i}" for i in range(cfg.workers)]
         grpo = {**dataclasses.asdict(cfg.grpo), "temperature": cfg.temperature}
         targs = (cfg.preset, str(self.out / "trainer"), str(self.sft_run), grpo, cfg.threads, cfg.trainer_procs)
@@ -185,6 +188,7 @@ class Loop:
         else:
             self.fleet = LocalFleet(names, root, cfg.preset, url, token, targs, cfg.threads)
         self.startup_s = time.perf_counter() - t0
+        phases["fleet_s"] = self.startup_s - sum(phases.values())
         self.step_no, meta = self.fleet.train("position")
         self._apply_marks(meta)
         self.doc["records"] = [r for r in self.doc["records"] if r["step"] <= self.step_no]
@@ -196,6 +200,7 @@ class Loop:
         for n in self.fleet.names:
             self._add(self.fleet.call(n, "recover"))
         self.doc["runs"].append({"resumed_from": self.step_no, "startup_s": round(self.startup_s, 2),
+                                 **{k: round(v, 2) for k, v in phases.items()},
                                  "table_rows_recovered": len(self.table)})
 
     def _apply_marks(self, meta: dict) -> None:
