@@ -42,7 +42,7 @@ def _is_kernel(e) -> bool:
 
 def _summarise(prof, regions: tuple[str, ...], top: int = 15) -> dict:
     evs = prof.events()
-    dev = [e for e in evs if _is_kernel(e)]
+    dev = [e for e in evs if _is_kernel(e) and e.name not in regions]  # not the regions' device-side marks
     by_name = defaultdict(lambda: [0, 0.0])
     for e in dev:
         by_name[e.name][0] += 1
@@ -51,7 +51,7 @@ def _summarise(prof, regions: tuple[str, ...], top: int = 15) -> dict:
     mem = [e for e in evs if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("Memcpy")]
     host = defaultdict(lambda: [0, 0.0, 0, 0.0])  # calls, host us, kernels, device us
     for e in evs:
-        if e.name in regions:
+        if e.name in regions and e.device_type == torch.autograd.DeviceType.CPU:
             ks = _kernels(e)
             h = host[e.name]
             h[0] += 1
@@ -61,6 +61,7 @@ def _summarise(prof, regions: tuple[str, ...], top: int = 15) -> dict:
     syncs = sum(1 for e in evs if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
     return {
         "kernels": len(dev), "kernel_device_us": sum(e.device_time for e in dev),
+        "kernel_span_us": (max(e.time_range.end for e in dev) - min(e.time_range.start for e in dev)) if dev else 0.0,
         "memcpy": len(mem), "memcpy_device_us": sum(e.device_time for e in mem), "host_syncs": syncs,
         "graph_launches": sum(1 for e in evs if e.name == "cudaGraphLaunch"),
         "kernel_launches": sum(1 for e in evs if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
@@ -211,9 +212,12 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         s, e = r["step"], r["eager"]
                         print(f"{name} {mode:<9} b{b:<3} ctx{ctx}: step {s['wall_us_p50']:8.0f} us "
-                              f"({s['kernels']} kernels, {s['kernel_device_us']:.0f} us device, "
+                              f"({s['kernels']} kernels, {s['kernel_device_us']:.0f} us device in a {s['kernel_span_us']:.0f} us span, "
                               f"{s['host_syncs']} syncs) | eager {e['wall_us']:8.0f} us "
                               f"({e['kernels']} kernels, {e['kernel_device_us']:.0f} us device)", flush=True)
+                    from v4stack.kernels.fused_gpu import refused
+
+                    payload["fused_kernels_refused"] = dict(refused)  # fused ops served by their reference
                     write_result(a.out, payload)
         del model
 

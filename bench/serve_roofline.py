@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
                                 if r["fraction"] else "")
                         print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
                               f"{r['tok_s']:9.1f} tok/s{roof}", flush=True)
+                    from v4stack.kernels.fused_gpu import refused
+
+                    payload["fused_kernels_refused"] = dict(refused)  # fused ops served by their reference
                     write_result(a.out, payload)  # partial results survive a timeout
 
 

@@ -30,11 +30,11 @@ def test_sinkhorn_is_doubly_stochastic():
 
 @torch.no_grad()
 def test_model_mixing_matrices_are_doubly_stochastic(monkeypatch):
-    from v4stack.model import mhc
+    from v4stack.ops import fused
 
     seen = []
-    orig = mhc.sinkhorn
-    monkeypatch.setattr(mhc, "sinkhorn", lambda l, it, eps: seen.append(orig(l, it, eps)) or seen[-1])
+    orig = fused.sinkhorn
+    monkeypatch.setattr(fused, "sinkhorn", lambda l, it, eps: seen.append(orig(l, it, eps)) or seen[-1])
     cfg = preset("tiny")
     V4Model(cfg, seed=2).eval()(tokens(48, seed=1, batch=2))
     assert len(seen) == 2 * cfg.num_hidden_layers

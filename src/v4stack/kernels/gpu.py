@@ -166,3 +166,4 @@ def register_all(register) -> None:
                  mode=mode, device="cuda", accepts=trit(C.indexer_scores_rows))
         register("sparse_attention", "triton_sparse_attention", _lazy("triton_attention", "sparse_attention", "sparse_attention"),
                  mode=mode, device="cuda", accepts=_with("triton", C.sparse_attention))
+    importlib.import_module("v4stack.kernels.fused_gpu").register_all(register)  # hc_split, rope (ops/fused.py)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v4stack import ops
+from v4stack.ops import fused
 from v4stack.config import ModelConfig
 from v4stack.model.compressor import Compressor
 from v4stack.model.indexer import Indexer
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         g = self.groups
         o = o.reshape(N, g, H * c // g)
         wa = self.wo_a.weight.view(g, self.group_rank, -1)
-        o = torch.cat([ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
+        o = fused.group_linear(o, wa)
         return self.wo_b(o)
 
     def _segments(self, x, qr, q, kv, positions, segments: list[Segment], layer: int):
@@ -117,16 +118,15 @@ class Attention(nn.Module):
         b, cache = ps.batch, ps.cache
         pos, W = b.positions, self.window
         win = Rings(cache.state[("swa_kv", layer)], (kv,), b, cache)
-        q_win = pos.unsqueeze(1) + torch.arange(-W + 1, 1, device=pos.device)
-        pools, idx = [win.pools[0]], [win.rows(q_win, b.seq)]
+        win_rows = b.shared(("window", W, win.R), lambda: win.rows(
+            pos.unsqueeze(1) + torch.arange(-W + 1, 1, device=pos.device), b.seq))
+        pools, idx = [win.pools[0]], [win_rows]
         win.capture(cache.snap[("swa_kv", layer)], (0.0,))
         if self.compressor is not None:
             m = self.ratio
             ents = cache.blocks[("compressed_kv", layer)]
             self._close(self.compressor, x, pos, ps, "compressor_tail", ents, layer)
-            rows = entry_rows(b, m, cache.block_tokens)[b.seq]  # [T, E]
-            visible = torch.arange(rows.shape[1], device=pos.device).unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)
-            visible &= rows >= 0
+            rows, visible = b.shared(("entries", m), lambda: self._entries(b, m, cache.block_tokens))
             if self.indexer is not None:
                 ikeys = cache.blocks[("index_keys", layer)]
                 self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer)
@@ -140,6 +140,14 @@ class Attention(nn.Module):
         win.finish()
         return out
 
+    @staticmethod
+    def _entries(b, m: int, block_tokens: int):
+        """Each row's compressed entry rows ``[T, E]`` (-1: none) and which are closed (visible)."""
+        rows = entry_rows(b, m, block_tokens)[b.seq]
+        pos = b.positions
+        visible = torch.arange(rows.shape[1], device=pos.device).unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)
+        return rows, visible & (rows >= 0)
+
     def _close(self, comp: Compressor, x, pos, ps: PagedStep, kind: str, pool: torch.Tensor, layer: int):
         """Feed this step's rows to ``comp``'s tail rings and write the entries that close straight
         into ``pool`` through the step's slot mapping."""
@@ -150,8 +158,8 @@ class Attention(nn.Module):
         if cl is not None and cl.seq.numel():
             m = comp.ratio
             lookback = m if comp.overlap else 0
-            q = cl.entry.unsqueeze(1) * m - lookback + torch.arange(comp.coff * m, device=pos.device)
-            ix = rings.rows(q, cl.seq)
+            ix = b.shared(("closing", rings.R, m, comp.coff, lookback), lambda: rings.rows(
+                cl.entry.unsqueeze(1) * m - lookback + torch.arange(comp.coff * m, device=pos.device), cl.seq))
             new = comp.pool_rows(take(rings.pools[0], ix, 0.0), take(rings.pools[1], ix, float("-inf")),
                                  cl.entry, pool.dtype)
             pool.view(-1, pool.shape[-1]).index_copy_(0, cl.dest, new)

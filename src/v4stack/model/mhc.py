@@ -15,6 +15,7 @@ from torch import nn
 
 from v4stack import ops
 from v4stack.model.linear import compute_dtype
+from v4stack.ops.fused import hc_split, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_split applies)
 
 
 def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -27,20 +28,6 @@ def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, n
     )
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Project ``[..., n, n]`` logits onto (approximately) doubly-stochastic matrices.
-
-    Row-softmax (+eps) and a column normalisation first, then ``iters - 1`` rounds of row then
-    column normalisation.
-    """
-    m = ops.softmax(logits, dim=-1) + eps
-    m = m / (ops.sum(m, -2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (ops.sum(m, -1, keepdim=True) + eps)
-        m = m / (ops.sum(m, -2, keepdim=True) + eps)
-    return m
-
-
 def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     cd = compute_dtype(x.dtype)
     flat = x.reshape(x.shape[0], -1).to(cd)
@@ -49,13 +36,8 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 def hc_coefficients(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     """``x [N, n, d]`` -> pre ``[N, n]``, post ``[N, n]``, comb ``[N, n, n]`` (compute dtype)."""
-    n = x.shape[1]
     mix = _mix(x, fn, norm_eps)
-    base, scale = base.to(mix.dtype), scale.to(mix.dtype)
-    pre = ops.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
-    post = 2 * ops.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
-    return pre, post, sinkhorn(comb, iters, eps)
+    return hc_split(mix, scale, base, x.shape[1], iters, eps)
 
 
 def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,7 @@ class V4Model(nn.Module):
         layer reads the pools by index and writes the rows the step produces. Returns logits of
         ``batch.out_rows`` (all rows if None); with ``hidden`` also the final streams of every
         row ``[T, n_hc, d]`` (the MTP block's input)."""
+        batch.memo.clear()  # shared index tensors are made afresh in every call (and graph capture)
         h = x = self._trunk(batch.ids, batch.positions, PagedStep(batch, cache))
         if batch.out_rows is not None:
             x = x[batch.out_rows]

@@ -5,7 +5,8 @@ fixed table ``tid2eid[token]``; later layers pick the top-k of ``score + bias`` 
 only the choice). The chosen experts' unbiased scores are normalised to sum 1 and multiplied by
 ``routed_scaling_factor``. Experts apply V4's clamps: up-projection to ``[-limit, limit]``, gate to
 at most ``limit``; the routing weight multiplies the activation before ``w2``; routed outputs are
-summed in fp32 and the shared expert is added after.
+summed in fp32 and the shared expert is added after (its GEMMs, like the routed experts', run in
+the weight dtype with fp32 accumulation).
 
 The routed experts run behind an expert-backend seam: ``MoE.backend(moe, x, weights, indices)``
 returns the routed experts' combined output. The default, ``LocalGrouped``, holds every expert on
@@ -52,6 +53,20 @@ def swiglu(x, w1, w2, w3, limit: float, weight: torch.Tensor | None = None) -> t
     if weight is not None:
         act = act * weight.unsqueeze(-1)
     return ops.linear(act, w2.to(cd))
+
+
+def swiglu_in_weight_dtype(x, w1, w2, w3, limit: float) -> torch.Tensor:
+    """The shared expert as ``LocalGrouped`` runs the routed ones: GEMMs in the weight dtype (fp32
+    accumulation; no per-call cast of a weight to fp32), clamps and activation in the compute
+    dtype. The same arithmetic as ``swiglu`` when the weights are in the compute dtype."""
+    cd = compute_dtype(x.dtype)
+    xw = x.to(w1.dtype)
+    gate = ops.linear(xw, w1).to(cd)
+    up = ops.linear(xw, w3).to(cd)
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return ops.linear((ops.silu(gate) * up).to(w2.dtype), w2).to(cd)
 
 
 class Gate(nn.Module):
@@ -138,8 +153,9 @@ class MoE(nn.Module):
     def combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Routed experts through the backend, then the shared expert (in the compute dtype)."""
         out = self.backend(self, x, w, idx)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        se = self.shared_experts
+        if se is not None:
+            out = out + swiglu_in_weight_dtype(x, se.w1.weight, se.w2.weight, se.w3.weight, se.limit)
         return out.to(x.dtype)
 
     # ---- stacked expert weights --------------------------------------------------------

@@ -64,6 +64,15 @@ class StepBatch:
     closing: dict[int, Closing] = field(default_factory=dict)  # by compression ratio
     captures: Captures | None = None
     out_rows: torch.Tensor | None = None  # rows whose logits to return (default: all)
+    memo: dict = field(default_factory=dict)  # index tensors every layer shares, for one model call
+
+    def shared(self, key, make):
+        """``make()`` once per model call (``V4Model.step_paged`` clears the memo first): the
+        window rows, entry rows and ring destinations are the same in every layer."""
+        got = self.memo.get(key)
+        if got is None:
+            got = self.memo[key] = make()
+        return got
 
 
 @dataclass
@@ -101,7 +110,7 @@ class Rings:
         self.rings, self.fresh, self.b, self.cache = rings, fresh, b, cache
         self.R = rings[0].shape[1]
         if b.decode:  # write first, then read in place
-            dest = b.slots * self.R + b.positions % self.R
+            dest = b.shared(("ring_dest", self.R), lambda: b.slots * self.R + b.positions % self.R)
             for ring, new in zip(rings, fresh):
                 ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
                 cache.count(new)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from v4stack import ops
+from v4stack.ops import fused
 from v4stack.config import ModelConfig
 
 
@@ -44,27 +44,12 @@ class Rotary:
         self.freqs = rope_frequencies(cfg, compressed)
         self._on: dict = {}  # device -> freqs there (copied once, not per call)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        f = self._on.get(positions.device)
-        if f is None:
-            f = self._on[positions.device] = self.freqs.to(positions.device)
-        ang = positions.to(torch.float64).unsqueeze(-1) * f
-        calc = torch.float64 if dtype == torch.float64 else torch.float32
-        return ops.cos(ang).to(calc), ops.sin(ang).to(calc)
-
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Rotate the last ``dim`` channels of ``x``.
+        """Rotate the last ``dim`` channels of ``x`` (``ops.fused.rope``: one kernel on CUDA).
 
         ``x`` is ``[N, ..., D]`` and ``positions`` is ``[N]``; pairs are (2i, 2i+1) of the tail.
         """
-        r = self.dim
-        cos, sin = self.cos_sin(positions, x.dtype)
-        shape = [positions.shape[0]] + [1] * (x.dim() - 2) + [r // 2]
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        head, tail = x[..., :-r], x[..., -r:]
-        t = tail.to(cos.dtype).unflatten(-1, (r // 2, 2))
-        a, b = t[..., 0], t[..., 1]
-        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        return torch.cat((head, rot.to(x.dtype)), dim=-1)
+        f = self._on.get(positions.device)
+        if f is None:
+            f = self._on[positions.device] = self.freqs.to(positions.device)
+        return fused.rope(x, positions, f, inverse)

@@ -4,8 +4,10 @@ A decode step (one token per request, no boundary capture) is laid out in static
 ``ModelRunner.build_decode``: rows padded to a bucket (1, 2, 4, ... ``max_rows``), block tables
 padded to a power-of-two width. The first step of a shape is captured into a graph (after a
 warm-up run on a side stream; re-running a decode step writes the same rows again, so the warm-up
-changes nothing); later steps of that shape copy their tensors into the graph's static inputs and
-replay it. Graphs are captured and replayed under the engine's ops mode, so both modes get them.
+changes nothing); later steps of that shape copy their layout into the graph's static inputs
+and replay it. Every input of a static step is a view of one int64 buffer
+(``ModelRunner.decode_host`` / ``decode_batch``), so refreshing them is one transfer from pinned
+memory. Graphs are captured and replayed under the engine's ops mode, so both modes get them.
 If a capture fails (an op that needs the host), the engine keeps running eagerly and records why.
 """
 
@@ -40,15 +42,6 @@ class DecodeGraphs:
         self.replays = 0
         self.steps = 0  # decode steps run in the static layout (replayed or eager)
 
-    def _copy(self, dst: StepBatch, src: StepBatch) -> None:
-        for name in ("ids", "positions", "seq", "row0", "pos0", "end", "slots", "block_table"):
-            getattr(dst, name).copy_(getattr(src, name))
-        for r, c in src.closing.items():
-            d = dst.closing[r]
-            d.seq.copy_(c.seq)
-            d.entry.copy_(c.entry)
-            d.dest.copy_(c.dest)
-
     def _capture(self, batch: StepBatch):
         paged = self.cache.paged
         side = torch.cuda.Stream()
@@ -63,27 +56,35 @@ class DecodeGraphs:
             out = self.model.step_paged(batch, paged)
         paged.bytes_written -= per_step  # the capture counted its writes without running them
         self.pool = g.pool()
-        return g, batch, out, per_step
+        return g, out, per_step
 
     def run(self, runner, chunks) -> torch.Tensor:
         self.steps += 1
         n = len(chunks)
         rows = _next_pow2(n)
         width = _width(max(1, max(len(rc.blocks) for rc, _ in chunks)))
-        batch = runner.build_decode(chunks, rows, width)
+        host = runner.decode_host(chunks, rows, width)
         key = (rows, width)
-        if self.capture and self.error is None and key not in self.graphs:
+        entry = self.graphs.get(key)
+        if entry is None:
+            buf = host.to(runner.device)
+            batch = runner.decode_batch(buf, rows, width)
+            if not (self.capture and self.error is None):
+                return self.model.step_paged(batch, self.cache.paged)[:n]
             try:
-                self.graphs[key] = self._capture(batch)
+                g, out, per_step = self._capture(batch)
             except Exception:  # an op that needs the host: stay eager
                 import traceback
 
                 self.error = traceback.format_exc()[-2500:]
-        entry = self.graphs.get(key)
-        if entry is None:
-            return self.model.step_paged(batch, self.cache.paged)[:n]
-        g, static, out, per_step = entry
-        self._copy(static, batch)
+                return self.model.step_paged(batch, self.cache.paged)[:n]
+            staging = torch.empty_like(host).pin_memory()
+            entry = self.graphs[key] = (g, buf, staging, torch.cuda.Event(), out, per_step)
+        g, buf, staging, copied, out, per_step = entry
+        copied.synchronize()  # the last step's copy out of ``staging`` is done before it is rewritten
+        staging.copy_(host)
+        buf.copy_(staging, non_blocking=True)  # the step's whole layout in one transfer
+        copied.record()
         g.replay()
         self.replays += 1
         self.cache.paged.bytes_written += per_step

@@ -10,6 +10,7 @@ the pools in place; afterwards the cache manager only does book-keeping.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from v4stack.model import V4Model
@@ -27,6 +28,7 @@ class ModelRunner:
         self.device = model.embed.weight.device
         self.ratios = sorted({r for r in model.cfg.layer_ratios if r})
         self.last_bytes = 0
+        self._arange: dict[int, torch.Tensor] = {}
         self.graphs = None  # serve/graphs.py: DecodeGraphs, installed by the engine on CUDA
 
     def build(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]]) -> StepBatch:
@@ -78,28 +80,54 @@ class ModelRunner:
         for every ratio one closing slot per row (rows whose entry does not close write it to the
         scratch block). Entries are listed up to the table width, so the shapes depend on
         ``(rows, width)`` only - what a captured graph needs."""
-        dev, B, n = self.device, self.cache.B, len(chunks)
-        pad = rows - n
-        pos = torch.tensor([rc.pos for rc, _ in chunks] + [0] * pad, dtype=torch.long)
-        real = torch.arange(rows) < n
-        table = torch.full((rows, width), -1, dtype=torch.long)
+        return self.decode_batch(self.decode_host(chunks, rows, width).to(self.device), rows, width)
+
+    def decode_host(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int) -> torch.Tensor:
+        """The varying part of a static decode step as one int64 host tensor (one copy moves it):
+        ids, positions, ends, state slots ``[rows]`` each, the block table ``[rows, width]``, then
+        per ratio the entry number and the destination pool row of each row's closing entry."""
+        n, B, R, W = len(chunks), self.cache.B, rows, width
+        out = np.empty(4 * R + R * W + 2 * R * len(self.ratios), dtype=np.int64)
+        ids, pos, end, slots = (out[i * R : (i + 1) * R] for i in range(4))
+        table = out[4 * R : 4 * R + R * W].reshape(R, W)
+        ids[:n] = [toks[0] for _, toks in chunks]
+        ids[n:] = 0
+        pos[:n] = [rc.pos for rc, _ in chunks]
+        pos[n:] = 0
+        np.add(pos, 1, out=end)
+        slots[:n] = [rc.slot for rc, _ in chunks]
+        slots[n:] = self.cache.slots.scratch
+        table.fill(-1)
         for i, (rc, _) in enumerate(chunks):
-            table[i, : len(rc.blocks)] = torch.tensor(rc.blocks, dtype=torch.long)
-        ar = torch.arange(rows)
-        closing = {}
+            table[i, : len(rc.blocks)] = rc.blocks
+        real = np.arange(R) < n
+        ar, off, scratch = np.arange(R), 4 * R + R * W, self.cache.blocks.scratch
         for r in self.ratios:
             per = B // r
-            entry = pos // r
+            entry = out[off : off + R]
+            np.floor_divide(pos, r, out=entry)
             closes = real & ((pos + 1) % r == 0)
-            dest = table[ar, (entry // per).clamp(max=width - 1)] * per + entry % per
-            dest = torch.where(closes, dest, self.cache.blocks.scratch * per)
-            closing[r] = Closing(ar.to(dev), entry.to(dev), dest.to(dev))
+            dest = table[ar, np.minimum(entry // per, W - 1)] * per + entry % per
+            out[off + R : off + 2 * R] = np.where(closes, dest, scratch * per)
+            off += 2 * R
+        return torch.from_numpy(out)
+
+    def decode_batch(self, buf: torch.Tensor, rows: int, width: int) -> StepBatch:
+        """The ``StepBatch`` whose tensors are views into ``buf`` (``decode_host``'s layout on the
+        device), so refreshing ``buf`` refreshes the whole step."""
+        R, W = rows, width
+        ar = self._arange.get(R)
+        if ar is None:
+            ar = self._arange[R] = torch.arange(R, device=self.device)
+        pos = buf[R : 2 * R]
+        closing, off = {}, 4 * R + R * W
+        for r in self.ratios:
+            closing[r] = Closing(ar, buf[off : off + R], buf[off + R : off + 2 * R])
+            off += 2 * R
         return StepBatch(
-            ids=_long([t for _, toks in chunks for t in toks] + [0] * pad, dev), positions=pos.to(dev),
-            seq=ar.to(dev), row0=ar.to(dev), pos0=pos.to(dev), end=(pos + 1).to(dev),
-            slots=_long([rc.slot for rc, _ in chunks] + [self.cache.slots.scratch] * pad, dev),
-            block_table=table.to(dev), max_end=width * B, decode=True, closing=closing, captures=None,
-            out_rows=None,
+            ids=buf[:R], positions=pos, seq=ar, row0=ar, pos0=pos, end=buf[2 * R : 3 * R],
+            slots=buf[3 * R : 4 * R], block_table=buf[4 * R : 4 * R + R * W].view(R, W), max_end=W * self.cache.B,
+            decode=True, closing=closing, captures=None, out_rows=None,
         )
 
     def run(self, chunks: list[tuple[RequestCache, list[int]]], all_rows: bool = False) -> torch.Tensor:

@@ -20,7 +20,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a live request is itself: membership tests (scheduler) compare identity, not every field
 class Request:
     id: str
     prompt: list[int]

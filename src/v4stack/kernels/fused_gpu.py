@@ -1,0 +1,51 @@
+"""CUDA registrations of the fused decode-path ops (``ops/fused.py``): their contracts and the
+Triton kernels of ``triton_mhc.py``, in both modes (the kernels are row-local)."""
+
+import importlib
+
+import torch
+
+
+def hc_split_ok(mix, scale, base, n, iters, eps) -> bool:
+    return (mix.is_cuda and mix.dtype == torch.float32 and mix.dim() == 2 and mix.stride(1) == 1
+            and mix.shape[1] == n * n + 2 * n and n >= 1 and n & (n - 1) == 0 and 1 <= iters <= 64
+            and scale.dtype == torch.float32 and base.dtype == torch.float32 and scale.is_contiguous()
+            and base.is_contiguous() and scale.device == mix.device and base.device == mix.device)
+
+
+def rope_ok(x, positions, freqs, inverse) -> bool:
+    h = freqs.shape[0] if freqs.dim() == 1 else 0
+    return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() >= 2
+            and x.is_contiguous() and positions.dim() == 1 and positions.shape[0] == x.shape[0]
+            and positions.dtype == torch.int64 and positions.device == x.device and freqs.dtype == torch.float64
+            and freqs.device == x.device and h >= 1 and h & (h - 1) == 0 and 2 * h <= x.shape[-1])
+
+
+refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
+
+
+def _guarded(op: str, kernel, reference):
+    """``kernel``, or ``reference`` for the rest of the process once the kernel has raised (a
+    Triton build this machine refuses); ``refused`` says why."""
+    def call(*args):
+        if op not in refused:
+            try:
+                return kernel(*args)
+            except Exception as e:  # noqa: BLE001  (any build or launch error)
+                refused[op] = f"{type(e).__name__}: {e}"[:500]
+        return reference(*args)
+
+    call.__name__ = getattr(kernel, "__name__", op)
+    return call
+
+
+def register_all(register) -> None:
+    from v4stack.kernels.gpu import _lazy, _with
+
+    def ref(name):
+        return lambda *a: getattr(importlib.import_module("v4stack.ops.fused"), name)(*a)
+
+    register("hc_split", "triton_hc_split", _guarded("hc_split", _lazy("triton_mhc", "hc_split"),
+             ref("hc_split_reference")), device="cuda", accepts=_with("triton", hc_split_ok))
+    register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
+             device="cuda", accepts=_with("triton", rope_ok))

@@ -1,0 +1,100 @@
+"""Fused row kernels of the decode path (Triton): mHC coefficients and rotary embedding.
+
+- ``hc_split``: from the mHC projection ``mix [N, n^2 + 2n]`` (fp32) to ``pre``, ``post`` and the
+  Sinkhorn-projected ``comb [N, n, n]`` in one kernel. The torch composition launches ~130
+  kernels per call site (20 Sinkhorn rounds of row and column sums and divisions); here one
+  program holds ``ROWS`` rows' ``n x n`` matrices in registers for every round.
+- ``rope``: the interleaved rotation of the last ``r`` channels for every row in one kernel
+  (angles in fp64 as ``Rotary.cos_sin`` computes them, rotation in fp32), instead of ~8.
+
+Every value is computed from its own row only, in an order fixed by ``n`` (resp. ``r``), so both
+kernels are batch-invariant; divisions are ``div_rn`` as in the project's other kernels.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from v4stack.kernels.launch import launch
+
+
+@triton.jit
+def _sigmoid(x):
+    return tl.div_rn(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit
+def hc_split_kernel(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps,
+                    NH: tl.constexpr, ITERS: tl.constexpr, ROWS: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = r < N
+    h = tl.arange(0, NH)
+    s0 = tl.load(SCALE)
+    s1 = tl.load(SCALE + 1)
+    s2 = tl.load(SCALE + 2)
+    row = MIX + r[:, None] * s_mix
+    m2 = ok[:, None]
+    pre = tl.load(row + h[None, :], mask=m2, other=0.0) * s0 + tl.load(BASE + h)[None, :]
+    post = tl.load(row + NH + h[None, :], mask=m2, other=0.0) * s1 + tl.load(BASE + NH + h)[None, :]
+    tl.store(PRE + r[:, None] * NH + h[None, :], _sigmoid(pre) + eps, mask=m2)
+    tl.store(POST + r[:, None] * NH + h[None, :], 2.0 * _sigmoid(post), mask=m2)
+    jk = h[:, None] * NH + h[None, :]  # [n, n]: row j, column k
+    m3 = ok[:, None, None]
+    c = tl.load(MIX + r[:, None, None] * s_mix + 2 * NH + jk[None, :, :], mask=m3, other=0.0) * s2 \
+        + tl.load(BASE + 2 * NH + jk)[None, :, :]
+    c = tl.exp(c - tl.max(c, 2)[:, :, None])
+    c = tl.div_rn(c, tl.sum(c, 2)[:, :, None]) + eps
+    c = tl.div_rn(c, tl.sum(c, 1)[:, None, :] + eps)
+    for _ in tl.static_range(ITERS - 1):
+        c = tl.div_rn(c, tl.sum(c, 2)[:, :, None] + eps)
+        c = tl.div_rn(c, tl.sum(c, 1)[:, None, :] + eps)
+    tl.store(COMB + r[:, None, None] * (NH * NH) + jk[None, :, :], c, mask=m3)
+
+
+def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
+    N = mix.shape[0]
+    pre = torch.empty(N, n, dtype=torch.float32, device=mix.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(N, n, n, dtype=torch.float32, device=mix.device)
+    if N:
+        rows = 16
+        launch(hc_split_kernel, (triton.cdiv(N, rows),), mix, scale, base, pre, post, comb, N, mix.stride(0),
+               float(eps), NH=n, ITERS=iters, ROWS=rows, num_warps=1)
+    return pre, post, comb
+
+
+@triton.jit
+def rope_kernel(X, Y, POS, FREQ, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
+                BD: tl.constexpr):
+    """Token ``t`` = program 0, rows ``[BM * program 1, ...)`` of its ``M`` rows of width ``D``."""
+    t = tl.program_id(0).to(tl.int64)
+    mr = tl.program_id(1) * BM + tl.arange(0, BM)
+    base = (t * M + mr[:, None]) * D
+    okm = (mr < M)[:, None]
+    i = tl.arange(0, HALF)
+    ang = tl.load(POS + t).to(tl.float64) * tl.load(FREQ + i)
+    cos = tl.cos(ang).to(tl.float32)[None, :]
+    sin = (tl.sin(ang).to(tl.float32) * SIGN)[None, :]
+    tail = D - 2 * HALF
+    a = tl.load(X + base + tail + 2 * i[None, :], mask=okm, other=0.0).to(tl.float32)
+    b = tl.load(X + base + tail + 2 * i[None, :] + 1, mask=okm, other=0.0).to(tl.float32)
+    ya = a * cos - b * sin
+    yb = a * sin + b * cos
+    tl.store(Y + base + tail + 2 * i[None, :], ya.to(Y.dtype.element_ty), mask=okm)
+    tl.store(Y + base + tail + 2 * i[None, :] + 1, yb.to(Y.dtype.element_ty), mask=okm)
+    for d0 in range(0, tail, BD):  # the channels before the rotated tail are copied
+        d = d0 + tl.arange(0, BD)
+        mk = okm & (d < tail)[None, :]
+        tl.store(Y + base + d[None, :], tl.load(X + base + d[None, :], mask=mk), mask=mk)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """``x [T, ..., D]`` (contiguous), ``positions [T]`` int64, ``freqs [r/2]`` fp64."""
+    T, D = x.shape[0], x.shape[-1]
+    y = torch.empty_like(x)
+    M = x.numel() // max(1, T * D)
+    if x.numel():
+        bm = min(16, triton.next_power_of_2(M))
+        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, M, D,
+               SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, num_warps=4)
+    return y

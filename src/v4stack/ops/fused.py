@@ -1,0 +1,95 @@
+"""Composite steps of the model as ops, so a device can run each as one kernel.
+
+- ``hc_split(mix, scale, base, n, iters, eps)``: mHC's coefficients from its projection ``mix [N,
+  n^2 + 2n]``: ``pre = sigmoid(mix[:n] s0 + b) + eps``, ``post = 2 sigmoid(mix[n:2n] s1 + b)`` and
+  ``comb`` = Sinkhorn of ``mix[2n:] s2 + b`` viewed ``[n, n]``.
+- ``group_linear(x, w)``: V4's grouped output projection ``wo_a`` (one GEMM per group, then
+  concatenated); fast mode on CUDA runs it as one batched GEMM.
+- ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
+  len(freqs)`` channels by ``positions * freqs`` (``model/rope.py``).
+
+The references compose the other ops exactly as the model did before these ops existed (so every
+CPU result keeps its bits, in both modes); on CUDA the fused Triton kernels of
+``v4stack.kernels.triton_mhc`` serve both modes (each row computed alone, so batch-invariant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v4stack import ops
+from v4stack.ops.dispatch import call, register
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Project ``[..., n, n]`` logits onto (approximately) doubly-stochastic matrices.
+
+    Row-softmax (+eps) and a column normalisation first, then ``iters - 1`` rounds of row then
+    column normalisation.
+    """
+    m = ops.softmax(logits, dim=-1) + eps
+    m = m / (ops.sum(m, -2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (ops.sum(m, -1, keepdim=True) + eps)
+        m = m / (ops.sum(m, -2, keepdim=True) + eps)
+    return m
+
+
+def hc_split_reference(mix, scale, base, n: int, iters: int, eps: float):
+    base, scale = base.to(mix.dtype), scale.to(mix.dtype)
+    pre = ops.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * ops.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)
+    return pre, post, sinkhorn(comb, iters, eps)
+
+
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
+    r = 2 * freqs.shape[0]
+    ang = positions.to(torch.float64).unsqueeze(-1) * freqs
+    calc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = ops.cos(ang).to(calc), ops.sin(ang).to(calc)
+    shape = [positions.shape[0]] + [1] * (x.dim() - 2) + [r // 2]
+    cos, sin = cos.view(shape), sin.view(shape)
+    if inverse:
+        sin = -sin
+    head, tail = x[..., :-r], x[..., -r:]
+    t = tail.to(cos.dtype).unflatten(-1, (r // 2, 2))
+    a, b = t[..., 0], t[..., 1]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((head, rot.to(x.dtype)), dim=-1)
+
+
+def group_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.cat([ops.linear(x[:, i], w[i]) for i in range(w.shape[0])], dim=-1)
+
+
+def _group_linear_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(x.shape[0], -1)
+
+
+register("hc_split", "torch_composite", hc_split_reference)
+register("group_linear", "torch_per_group", group_linear_reference)
+register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
+         accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
+register("rope", "torch_composite", rope_reference)
+
+
+def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
+    """-> pre ``[N, n]``, post ``[N, n]``, comb ``[N, n, n]`` in ``mix``'s dtype."""
+    return call("hc_split", ops.get_mode(), str(mix.dtype)[6:], mix.device.type, mix, scale, base, n, iters, eps)
+
+
+def group_linear(x: torch.Tensor, w: torch.Tensor, fp=None) -> torch.Tensor:
+    """Grouped projection: ``x [N, g, k]``, ``w [g, r, k]`` -> ``[N, g * r]`` (group i's output
+    ``x[:, i] @ w[i].T`` in columns ``i*r:(i+1)*r``); fast mode on CUDA runs one batched GEMM."""
+    fp = ops._admit("group_linear", fp)
+    m = ops.get_mode()
+    if m == "fast" and x.is_cuda and not ops._ieee_flags():
+        with ops._cuda_flags(fp):
+            return call("group_linear", m, str(w.dtype)[6:], x.device.type, x, w)
+    return call("group_linear", m, str(w.dtype)[6:], x.device.type, x, w)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``x [T, ..., D]`` rotated on its last ``2 * len(freqs)`` channels; ``freqs`` fp64 on x's device."""
+    return call("rope", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, inverse)

@@ -1,0 +1,86 @@
+"""The fused decode-path ops (``ops/fused.py``): the Triton kernels under the interpreter against
+float64 references, row-locality (a row alone == the row in a batch), and the dispatch keys."""
+
+import pytest
+import torch
+
+from v4stack import ops
+from v4stack.ops import fused
+
+tm = pytest.importorskip("v4stack.kernels.triton_mhc")
+g = torch.Generator().manual_seed(0)
+
+
+def _mix(N, n=4):
+    return torch.randn(N, n * n + 2 * n, generator=g) * 2, torch.rand(3, generator=g) + 0.5, torch.randn(n * n + 2 * n, generator=g)
+
+
+def test_hc_split_kernel_matches_float64_and_is_row_local():
+    mix, scale, base = _mix(37)
+    pre, post, comb = tm.hc_split(mix, scale, base, 4, 20, 1e-6)
+    want = fused.hc_split_reference(mix.double(), scale.double(), base.double(), 4, 20, 1e-6)
+    for got, ref in zip((pre, post, comb), want):
+        torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=2e-6)
+    alone = tm.hc_split(mix[20:21].clone(), scale, base, 4, 20, 1e-6)
+    for a, b in zip(alone, (pre, post, comb)):
+        assert torch.equal(a[0], b[20])
+    # inverse control: fewer Sinkhorn rounds give a different projection
+    assert not torch.allclose(tm.hc_split(mix, scale, base, 4, 2, 1e-6)[2], comb, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 48), (6, 40)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_kernel_matches_float64(shape, inverse):
+    x = torch.randn(*shape, generator=g)
+    pos = torch.randint(0, 70000, (shape[0],), generator=g)
+    freqs = 1.0 / (1e4 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    got = tm.rope(x, pos, freqs, inverse)
+    want = fused.rope_reference(x.double(), pos, freqs, inverse)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[..., : shape[-1] - 16], x[..., : shape[-1] - 16])
+    back = fused.rope_reference(got.double(), pos, freqs, not inverse)
+    torch.testing.assert_close(back, x.double(), atol=1e-5, rtol=1e-5)  # the inverse undoes it
+
+
+def test_cpu_calls_run_the_composite_reference_in_both_modes():
+    mix, scale, base = _mix(3)
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            ops.reset_counters()
+            fused.hc_split(mix, scale, base, 4, 3, 1e-6)
+            assert ops.counters()["hc_split"] == {"torch_composite": 1}
+    from v4stack.kernels.fused_gpu import hc_split_ok, rope_ok
+
+    assert not hc_split_ok(mix, scale, base, 4, 3, 1e-6)  # CPU tensors: the kernel's contract refuses
+    assert not rope_ok(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.float64), False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
+    from v4stack.kernels.fused_gpu import hc_split_ok
+
+    mix, scale, base = (t.cuda() for t in _mix(300))
+    assert hc_split_ok(mix, scale, base, 4, 20, 1e-6)
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            ops.reset_counters()
+            got = fused.hc_split(mix, scale, base, 4, 20, 1e-6)
+            assert ops.counters()["hc_split"] == {"triton_hc_split": 1}
+            alone = fused.hc_split(mix[123:124].clone(), scale, base, 4, 20, 1e-6)
+            assert all(torch.equal(a[0], b[123]) for a, b in zip(alone, got))
+    want = fused.hc_split_reference(mix.double(), scale.double(), base.double(), 4, 20, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-6, rtol=2e-6)
+    x = torch.randn(50, 8, 512, device="cuda").bfloat16()
+    pos = torch.randint(0, 100000, (50,), device="cuda")
+    freqs = (1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))).cuda()
+    ops.reset_counters()
+    y = fused.rope(x, pos, freqs)
+    assert ops.counters()["rope"] == {"triton_rope": 1}
+    torch.testing.assert_close(y.double(), fused.rope_reference(x.double(), pos, freqs, False), atol=2e-2, rtol=1e-2)
+    assert torch.equal(fused.rope(x[7:8].clone(), pos[7:8], freqs)[0], y[7])
+    o, w = torch.randn(5, 8, 64, device="cuda").bfloat16(), torch.randn(8, 32, 64, device="cuda").bfloat16()
+    with ops.mode("fast"):
+        torch.testing.assert_close(fused.group_linear(o, w).float(), fused.group_linear_reference(o, w).float(),
+                                   atol=1e-2, rtol=1e-2)
