@@ -114,8 +114,8 @@ def _step_regions(engine):
              (r, "build", "runner.build"), (eng_mod, "sample", "engine.sample"),
              (engine.cache, "plan_captures", "cache.plan_captures"), (engine.cache, "advance", "cache.advance")]
     if r.graphs is not None:
-        pairs += [(r.graphs, "_copy", "graphs.copy_inputs"), (r.graphs, "run", "graphs.run")]
-    return pairs
+        pairs += [(r.graphs, "run", "graphs.run"), (r, "decode_host", "runner.decode_host")]
+    return [(o, a, label) for o, a, label in pairs if hasattr(o, a)]
 
 
 def _sync(dev: str) -> None:
