@@ -28,6 +28,19 @@ def test_hc_split_kernel_matches_float64_and_is_row_local():
     assert not torch.allclose(tm.hc_split(mix, scale, base, 4, 2, 1e-6)[2], comb, atol=1e-4)
 
 
+def test_hc_pre_kernel_matches_float64_and_is_row_local(monkeypatch):
+    monkeypatch.setattr(tm, "PRE_SPLIT", 128)  # several K slices at a small width
+    x = torch.randn(9, 4, 80, generator=g).bfloat16()
+    fn = torch.randn(24, 320, generator=g) * 0.05
+    _, scale, base = _mix(1)
+    got = tm.hc_pre(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+    want = fused.hc_pre_reference(x.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+    alone = tm.hc_pre(x[6:7].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
+    assert all(torch.equal(a[0], b[6]) for a, b in zip(alone, got))
+
+
 @pytest.mark.parametrize("shape", [(5, 3, 48), (6, 40)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_kernel_matches_float64(shape, inverse):
@@ -72,6 +85,18 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
     want = fused.hc_split_reference(mix.double(), scale.double(), base.double(), 4, 20, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=2e-6, rtol=2e-6)
+    xs = torch.randn(70, 4, 4096, device="cuda").bfloat16()
+    fn = torch.randn(24, 4 * 4096, device="cuda") * 0.01
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            ops.reset_counters()
+            got = fused.hc_pre(xs, fn, scale, base, 4, 20, 1e-6, 1e-6)
+            assert ops.counters()["hc_pre"] == {"triton_hc_pre": 1}
+            alone = fused.hc_pre(xs[33:34].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
+            assert all(torch.equal(a[0], b[33]) for a, b in zip(alone, got))
+    want = fused.hc_pre_reference(xs.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
     x = torch.randn(50, 8, 512, device="cuda").bfloat16()
     pos = torch.randint(0, 100000, (50,), device="cuda")
     freqs = (1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))).cuda()

@@ -1,5 +1,6 @@
 """CUDA registrations of the fused decode-path ops (``ops/fused.py``): their contracts and the
-Triton kernels of ``triton_mhc.py``, in both modes (the kernels are row-local)."""
+Triton kernels of ``triton_mhc.py``, in both modes (the kernels are row-local); and the existing
+row-local mHC read / write kernels for fast mode as well."""
 
 import importlib
 
@@ -11,6 +12,15 @@ def hc_split_ok(mix, scale, base, n, iters, eps) -> bool:
             and mix.shape[1] == n * n + 2 * n and n >= 1 and n & (n - 1) == 0 and 1 <= iters <= 64
             and scale.dtype == torch.float32 and base.dtype == torch.float32 and scale.is_contiguous()
             and base.is_contiguous() and scale.device == mix.device and base.device == mix.device)
+
+
+def hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
+    return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() == 3
+            and x.is_contiguous() and x.shape[1] == n and fn.dtype == torch.float32 and fn.is_contiguous()
+            and tuple(fn.shape) == (n * n + 2 * n, x.shape[1] * x.shape[2]) and n >= 1 and n & (n - 1) == 0
+            and 1 <= iters <= 64 and scale.dtype == torch.float32 and base.dtype == torch.float32
+            and scale.is_contiguous() and base.is_contiguous()
+            and fn.device == x.device and scale.device == x.device and base.device == x.device)
 
 
 def rope_ok(x, positions, freqs, inverse) -> bool:
@@ -47,5 +57,16 @@ def register_all(register) -> None:
 
     register("hc_split", "triton_hc_split", _guarded("hc_split", _lazy("triton_mhc", "hc_split"),
              ref("hc_split_reference")), device="cuda", accepts=_with("triton", hc_split_ok))
+    register("hc_pre", "triton_hc_pre", _guarded("hc_pre", _lazy("triton_mhc", "hc_pre"), ref("hc_pre_reference")),
+             device="cuda", accepts=_with("triton", hc_pre_ok))
+    # fast mode too: the row-local mHC read / write kernels measured faster than the torch
+    # composition at every size (bench/results/ops_h200.json: invariant/fast 0.05-0.52), in one
+    # launch each instead of 4-6
+    from v4stack.kernels import contracts as C
+
+    register("hc_read", "triton_hc_read", _lazy("triton_rows", "hc_read", "row_mix"), mode="fast", device="cuda",
+             accepts=_with("triton", C.hc_read))
+    register("hc_write", "triton_hc_write", _lazy("triton_rows", "hc_write", "row_mix"), mode="fast", device="cuda",
+             accepts=_with("triton", C.hc_write))
     register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
              device="cuda", accepts=_with("triton", rope_ok))

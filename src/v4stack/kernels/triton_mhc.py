@@ -4,11 +4,14 @@
   Sinkhorn-projected ``comb [N, n, n]`` in one kernel. The torch composition launches ~130
   kernels per call site (20 Sinkhorn rounds of row and column sums and divisions); here one
   program holds ``ROWS`` rows' ``n x n`` matrices in registers for every round.
+- ``hc_pre``: the projection ``hc_mix`` and ``hc_split`` together, from the streams themselves
+  (no fp32 copy of them): fixed-K-slice partials, then one kernel sums them in order and splits.
 - ``rope``: the interleaved rotation of the last ``r`` channels for every row in one kernel
   (angles in fp64 as ``Rotary.cos_sin`` computes them, rotation in fp32), instead of ~8.
 
 Every value is computed from its own row only, in an order fixed by ``n`` (resp. ``r``), so both
-kernels are batch-invariant; divisions are ``div_rn`` as in the project's other kernels.
+kernels are batch-invariant; divisions are ``div_rn`` as in the project's other kernels (a
+Sinkhorn normalisation takes one reciprocal per sum and multiplies by it).
 """
 
 import torch
@@ -24,42 +27,124 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH: tl.constexpr, ITERS: tl.constexpr):
+    """pre/post ``[ROWS, NH]`` and comb ``[ROWS, NH, NH]`` pre-activations -> stored coefficients.
+    Each Sinkhorn normalisation divides once per row / column sum (``div_rn``) and multiplies."""
+    h = tl.arange(0, NH)
+    m2 = ok[:, None]
+    tl.store(PRE + r[:, None] * NH + h[None, :], _sigmoid(pre) + eps, mask=m2)
+    tl.store(POST + r[:, None] * NH + h[None, :], 2.0 * _sigmoid(post), mask=m2)
+    c = tl.exp(c - tl.max(c, 2)[:, :, None])
+    c = c * tl.div_rn(1.0, tl.sum(c, 2))[:, :, None] + eps
+    c = c * tl.div_rn(1.0, tl.sum(c, 1) + eps)[:, None, :]
+    for _ in tl.static_range(ITERS - 1):
+        c = c * tl.div_rn(1.0, tl.sum(c, 2) + eps)[:, :, None]
+        c = c * tl.div_rn(1.0, tl.sum(c, 1) + eps)[:, None, :]
+    jk = h[:, None] * NH + h[None, :]
+    tl.store(COMB + r[:, None, None] * (NH * NH) + jk[None, :, :], c, mask=ok[:, None, None])
+
+
+@triton.jit
 def hc_split_kernel(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps,
                     NH: tl.constexpr, ITERS: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = r < N
     h = tl.arange(0, NH)
-    s0 = tl.load(SCALE)
-    s1 = tl.load(SCALE + 1)
-    s2 = tl.load(SCALE + 2)
-    row = MIX + r[:, None] * s_mix
-    m2 = ok[:, None]
-    pre = tl.load(row + h[None, :], mask=m2, other=0.0) * s0 + tl.load(BASE + h)[None, :]
-    post = tl.load(row + NH + h[None, :], mask=m2, other=0.0) * s1 + tl.load(BASE + NH + h)[None, :]
-    tl.store(PRE + r[:, None] * NH + h[None, :], _sigmoid(pre) + eps, mask=m2)
-    tl.store(POST + r[:, None] * NH + h[None, :], 2.0 * _sigmoid(post), mask=m2)
     jk = h[:, None] * NH + h[None, :]  # [n, n]: row j, column k
-    m3 = ok[:, None, None]
-    c = tl.load(MIX + r[:, None, None] * s_mix + 2 * NH + jk[None, :, :], mask=m3, other=0.0) * s2 \
-        + tl.load(BASE + 2 * NH + jk)[None, :, :]
-    c = tl.exp(c - tl.max(c, 2)[:, :, None])
-    c = tl.div_rn(c, tl.sum(c, 2)[:, :, None]) + eps
-    c = tl.div_rn(c, tl.sum(c, 1)[:, None, :] + eps)
-    for _ in tl.static_range(ITERS - 1):
-        c = tl.div_rn(c, tl.sum(c, 2)[:, :, None] + eps)
-        c = tl.div_rn(c, tl.sum(c, 1)[:, None, :] + eps)
-    tl.store(COMB + r[:, None, None] * (NH * NH) + jk[None, :, :], c, mask=m3)
+    row = MIX + r[:, None] * s_mix
+    pre = tl.load(row + h[None, :], mask=ok[:, None], other=0.0) * tl.load(SCALE) + tl.load(BASE + h)[None, :]
+    post = tl.load(row + NH + h[None, :], mask=ok[:, None], other=0.0) * tl.load(SCALE + 1) \
+        + tl.load(BASE + NH + h)[None, :]
+    c = tl.load(MIX + r[:, None, None] * s_mix + 2 * NH + jk[None, :, :], mask=ok[:, None, None], other=0.0) \
+        * tl.load(SCALE + 2) + tl.load(BASE + 2 * NH + jk)[None, :, :]
+    _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH, ITERS)
+
+
+def _outputs(N, n, device):
+    pre = torch.empty(N, n, dtype=torch.float32, device=device)
+    return pre, torch.empty_like(pre), torch.empty(N, n, n, dtype=torch.float32, device=device)
 
 
 def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
     N = mix.shape[0]
-    pre = torch.empty(N, n, dtype=torch.float32, device=mix.device)
-    post = torch.empty_like(pre)
-    comb = torch.empty(N, n, n, dtype=torch.float32, device=mix.device)
+    pre, post, comb = _outputs(N, n, mix.device)
     if N:
         rows = 16
         launch(hc_split_kernel, (triton.cdiv(N, rows),), mix, scale, base, pre, post, comb, N, mix.stride(0),
                float(eps), NH=n, ITERS=iters, ROWS=rows, num_warps=1)
+    return pre, post, comb
+
+
+PRE_SPLIT = 512  # K per partial of hc_pre's projection: a constant, so a row's sum order depends on K alone
+_BM, _BK = 4, 64  # rows and K per tile of the partial kernel (fixed: the order must not follow the batch)
+
+
+@triton.jit
+def hc_pre_partial_kernel(X, W, P, SS, M, K, s_x, NW, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                          SPLIT: tl.constexpr):
+    """Rows ``[BM * program 0, ...)``, K slice ``program 1``: partial ``x . w_n`` for every output
+    ``n`` and partial ``sum x^2`` (fp32 FMA on the CUDA cores)."""
+    m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    s = tl.program_id(1)
+    mm = m < M
+    n = tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for k0 in range(s * SPLIT, s * SPLIT + SPLIT, BK):
+        km = (k0 + kk) < K
+        x = tl.load(X + m[:, None] * s_x + (k0 + kk)[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        w = tl.load(W + n[:, None] * K + (k0 + kk)[None, :], mask=(n < NW)[:, None] & km[None, :], other=0.0)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
+        ss += tl.sum(x * x, 1)
+    tl.store(P + (s * M + m)[:, None] * BN + n[None, :], acc, mask=mm[:, None])
+    tl.store(SS + s * M + m, ss, mask=mm)
+
+
+@triton.jit
+def hc_pre_finish_kernel(P, SS, SCALE, BASE, PRE, POST, COMB, M, S, Kf, norm_eps, eps, BN: tl.constexpr,
+                         NH: tl.constexpr, ITERS: tl.constexpr, ROWS: tl.constexpr):
+    """Partials summed in slice order, times ``1 / sqrt(mean x^2 + eps)``, then the coefficients."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = r < M
+    h = tl.arange(0, NH)
+    jk = h[:, None] * NH + h[None, :]
+    pre = tl.zeros([ROWS, NH], tl.float32)
+    post = tl.zeros([ROWS, NH], tl.float32)
+    c = tl.zeros([ROWS, NH, NH], tl.float32)
+    ss = tl.zeros([ROWS], tl.float32)
+    for s in range(0, S):
+        row = P + (s * M + r) * BN
+        pre += tl.load(row[:, None] + h[None, :], mask=ok[:, None], other=0.0)
+        post += tl.load(row[:, None] + NH + h[None, :], mask=ok[:, None], other=0.0)
+        c += tl.load(row[:, None, None] + 2 * NH + jk[None, :, :], mask=ok[:, None, None], other=0.0)
+        ss += tl.load(SS + s * M + r, mask=ok, other=0.0)
+    rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, Kf) + norm_eps))
+    pre = pre * rs[:, None] * tl.load(SCALE) + tl.load(BASE + h)[None, :]
+    post = post * rs[:, None] * tl.load(SCALE + 1) + tl.load(BASE + NH + h)[None, :]
+    c = c * rs[:, None, None] * tl.load(SCALE + 2) + tl.load(BASE + 2 * NH + jk)[None, :, :]
+    _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH, ITERS)
+
+
+def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
+    """mHC coefficients straight from the streams ``x [M, n, d]`` (any float dtype): the projection
+    ``fn [n^2 + 2n, n d]`` in fixed K slices (partials summed in order), the RMS factor, and the
+    Sinkhorn split - two kernels instead of a cast, the projection's two and the split's one."""
+    M = x.shape[0]
+    K, NW = fn.shape[1], fn.shape[0]
+    pre, post, comb = _outputs(M, n, x.device)
+    if M == 0:
+        return pre, post, comb
+    S = triton.cdiv(K, PRE_SPLIT)
+    bn = triton.next_power_of_2(NW)
+    p = torch.empty(S, M, bn, dtype=torch.float32, device=x.device)
+    ss = torch.empty(S, M, dtype=torch.float32, device=x.device)
+    xf = x.reshape(M, K)
+    launch(hc_pre_partial_kernel, (triton.cdiv(M, _BM), S), xf, fn, p, ss, M, K, xf.stride(0), NW, BN=bn, BM=_BM,
+           BK=_BK, SPLIT=PRE_SPLIT, num_warps=4)
+    rows = 16
+    launch(hc_pre_finish_kernel, (triton.cdiv(M, rows),), p, ss, scale, base, pre, post, comb, M, S, float(K),
+           float(norm_eps), float(eps), BN=bn, NH=n, ITERS=iters, ROWS=rows, num_warps=1)
     return pre, post, comb
 
 

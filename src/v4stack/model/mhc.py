@@ -15,7 +15,7 @@ from torch import nn
 
 from v4stack import ops
 from v4stack.model.linear import compute_dtype
-from v4stack.ops.fused import hc_split, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_split applies)
+from v4stack.ops.fused import hc_pre, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
 
 
 def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -36,8 +36,7 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 def hc_coefficients(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
     """``x [N, n, d]`` -> pre ``[N, n]``, post ``[N, n]``, comb ``[N, n, n]`` (compute dtype)."""
-    mix = _mix(x, fn, norm_eps)
-    return hc_split(mix, scale, base, x.shape[1], iters, eps)
+    return hc_pre(x, fn, scale, base, x.shape[1], iters, eps, norm_eps)
 
 
 def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@
   ``comb`` = Sinkhorn of ``mix[2n:] s2 + b`` viewed ``[n, n]``.
 - ``group_linear(x, w)``: V4's grouped output projection ``wo_a`` (one GEMM per group, then
   concatenated); fast mode on CUDA runs it as one batched GEMM.
+- ``hc_pre(x, fn, scale, base, n, iters, eps, norm_eps)``: the projection and ``hc_split`` from
+  the streams ``x [N, n, d]`` (one pair of kernels on CUDA).
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
   len(freqs)`` channels by ``positions * freqs`` (``model/rope.py``).
 
@@ -43,6 +45,12 @@ def hc_split_reference(mix, scale, base, n: int, iters: int, eps: float):
     return pre, post, sinkhorn(comb, iters, eps)
 
 
+def hc_pre_reference(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    mix = ops.hc_mix(x.reshape(x.shape[0], -1).to(cd), fn.to(cd), norm_eps)
+    return hc_split(mix, scale, base, n, iters, eps)
+
+
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
     r = 2 * freqs.shape[0]
     ang = positions.to(torch.float64).unsqueeze(-1) * freqs
@@ -68,6 +76,7 @@ def _group_linear_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 register("hc_split", "torch_composite", hc_split_reference)
+register("hc_pre", "torch_composite", hc_pre_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
@@ -77,6 +86,14 @@ register("rope", "torch_composite", rope_reference)
 def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
     """-> pre ``[N, n]``, post ``[N, n]``, comb ``[N, n, n]`` in ``mix``'s dtype."""
     return call("hc_split", ops.get_mode(), str(mix.dtype)[6:], mix.device.type, mix, scale, base, n, iters, eps)
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
+           eps: float, norm_eps: float):
+    """mHC coefficients from the streams ``x [N, n, d]``: ``hc_split`` of ``hc_mix`` of the
+    flattened streams (in the compute dtype) -> pre, post, comb."""
+    return call("hc_pre", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, n, iters, eps,
+                norm_eps)
 
 
 def group_linear(x: torch.Tensor, w: torch.Tensor, fp=None) -> torch.Tensor:
