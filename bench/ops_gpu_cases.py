@@ -95,6 +95,14 @@ def build(name: str, M: int, w=FLASH, dev: str = "cuda") -> Case:
         k = r(w["S"], w["ic"])
         return Case((r(M, w["ih"], w["ic"]), r(M, w["ih"], dt=f32)), lambda q, wt: ops.indexer_scores(q, wt, k),
                     lambda q, wt: core.indexer_scores(q, wt, k))
+    if name == "indexer_scores_rows":  # the paged step: each query's own entries, by index into the key pool
+        E = w["S"]
+        pool = r(64 * E, w["ic"])
+        rows = torch.randint(0, pool.shape[0], (M, E), generator=g, device=dev)
+        rows[:, -37:] = -1
+        ir = importlib.import_module("v4stack.ops.indexer_rows")
+        return Case((r(M, w["ih"], w["ic"]), r(M, w["ih"], dt=f32), rows),
+                    lambda q, wt, j: ops.indexer_scores(q, wt, pool, rows=j), lambda q, wt, j: ir.fast(q, wt, pool, j))
     if name == "weighted_pool":
         return Case((r(M, w["pool"], w["c"], dt=f32), r(M, w["pool"], w["c"], dt=f32)),
                     lambda kv, s: ops.weighted_pool(kv, s, 1), lambda kv, s: core.weighted_pool(kv, s, 1))
@@ -138,5 +146,5 @@ def build(name: str, M: int, w=FLASH, dev: str = "cuda") -> Case:
 
 
 CASES = ("linear_bf16", "linear_fp32", "linear_fp8", "grouped_linear", "softmax", "log_softmax_vocab", "rms_norm",
-         "hc_mix", "indexer_scores", "weighted_pool", "moe_combine", "topk_stable", "sparse_attention",
+         "hc_mix", "indexer_scores", "indexer_scores_rows", "weighted_pool", "moe_combine", "topk_stable", "sparse_attention",
          "attention_with_sink", "hc_read", "hc_write")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import time
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--skip", default="", help="comma list of phases to skip: launch,inv,model,time")
+    p.add_argument("--model-preset", default="tiny")
+    p.add_argument("--model-set", action="append", default=[], help="model config override key=json-value")
+    p.add_argument("--model-prompts", type=int, default=16)
+    p.add_argument("--model-out", default="model_invariance_tiny_h200.json")
     a = p.parse_args(argv)
     skip, names = set(a.skip.split(",")), a.cases.split(",")
     t0 = time.time()
@@ -203,16 +208,20 @@ def main(argv: list[str] | None = None) -> None:
                      {**meta, "bench": "ops_gpu_invariance", "ms": list(INV_MS), "probe_rows": "0-3 and M-1",
                       "results": inv})
         print("invariance done", round(time.time() - t0), flush=True)
-    if "model" not in skip:  # the whole model (tiny preset, serving path) through the table on the GPU
+    if "model" not in skip:  # the whole model (serving path) through the table on the GPU
         from v4stack import check
 
         rep = {}
+        over = {k: json.loads(v) for k, v in (x.split("=", 1) for x in a.model_set)}
         for m in ("invariant", "fast"):
             ops.reset_counters()
+            t1 = time.time()
             try:
-                r = check.check_invariance(preset="tiny", prompts=16, mode=m, batch_sizes=(4, 16), dtype="bfloat16",
-                                           device="cuda")
+                r = check.check_invariance(preset=a.model_preset, prompts=a.model_prompts, mode=m,
+                                           batch_sizes=(4, a.model_prompts), dtype="bfloat16", device="cuda",
+                                           overrides=over)
                 rep[m] = {k: v for k, v in r.items() if isinstance(v, (int, float, bool, str))}
+                rep[m]["seconds"] = round(time.time() - t1, 1)
             except Exception as e:
                 rep[m] = {"error": repr(e)[:500]}
                 traceback.print_exc()
@@ -222,15 +231,16 @@ def main(argv: list[str] | None = None) -> None:
             rep["without"] = {}
             for op in BISECT:
                 with _without_cuda_kernels(op):
-                    r = check.check_invariance(preset="tiny", prompts=8, mode="invariant", batch_sizes=(4, 8),
-                                               dtype="bfloat16", device="cuda")
+                    r = check.check_invariance(preset=a.model_preset, prompts=8, mode="invariant", batch_sizes=(4, 8),
+                                               dtype="bfloat16", device="cuda", overrides=over)
                 rep["without"][op] = {k: r[k] for k in ("steps_compared", "steps_differ", "invariant",
                                                         "chunking_invariant")}
                 print("model invariant without", op, rep["without"][op], flush=True)
                 if time.time() - t0 > 150:
                     break
-        write_result(os.path.join(a.out_dir, "model_invariance_tiny_h200.json"),
-                     {**meta, "bench": "model_invariance", "preset": "tiny", "dtype": "bfloat16", "results": rep})
+        write_result(os.path.join(a.out_dir, a.model_out),
+                     {**meta, "bench": "model_invariance", "preset": a.model_preset, "overrides": over,
+                      "dtype": "bfloat16", "results": rep})
         print("model done", round(time.time() - t0), flush=True)
     if "time" not in skip:
         rows = []

@@ -173,8 +173,9 @@ def compare(ref: dict[int, list], got: dict[int, list]) -> dict:
 
 def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invariant", seed: int = 0,
                      batch_sizes: tuple[int, ...] = (3, 8, 32), dtype: str = "float32",
-                     max_prompt: int = 24, decode: int = 4, device: str = "cpu") -> dict:
-    """Run ``prompts`` requests alone and batched under ops mode ``mode``; compare bitwise."""
+                     max_prompt: int = 24, decode: int = 4, device: str = "cpu", overrides: dict | None = None) -> dict:
+    """Run ``prompts`` requests alone and batched under ops mode ``mode``; compare bitwise.
+    ``overrides``: config fields replacing the preset's (e.g. fewer layers at Flash widths)."""
     import torch
 
     from v4stack import ops
@@ -190,6 +191,10 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch_sizes must be non-empty and >= 1, got {list(batch_sizes)}")
     cfg = get_preset(preset)
+    if overrides:
+        from v4stack.config import ModelConfig
+
+        cfg = ModelConfig.from_dict({**cfg.to_dict(), **overrides})
     model = V4Model(cfg, seed=seed).cast(getattr(torch, dtype)).eval().to(device)
     reqs = make_requests(prompts, seed, cfg.vocab_size, max_prompt, decode)
     for r in reqs:

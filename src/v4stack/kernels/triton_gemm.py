@@ -105,6 +105,22 @@ def f32_slice_kernel(X, W, P, M, N, K, s_xm, s_wn, SPLIT: tl.constexpr, BM: tl.c
 
 
 @triton.jit
+def f32_fused_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    """The K slices of ``f32_slice_kernel`` in one program, each from a zero start, added in slice
+    order as ``slice_sum_kernel`` adds them (``((P0 + P1) + P2) + ...``): the same bits, no partials."""
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    n0 = tl.program_id(1) * BN
+    total, cols = _mm_tile(X, W, rows, rmask, n0, s_xm, s_wn, N, tl.minimum(SPLIT, K), BN, BK, True, BM)
+    for k0 in range(SPLIT, K, SPLIT):
+        acc, cols = _mm_tile(X + k0, W + k0, rows, rmask, n0, s_xm, s_wn, N, tl.minimum(k0 + SPLIT, K) - k0, BN, BK,
+                             True, BM)
+        total = total + acc
+    tl.store(Y + rows[:, None] * s_ym + cols[None, :], total, mask=rmask[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def slice_sum_kernel(P, Y, MN, S, BLOCK: tl.constexpr):
     o = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     acc = tl.load(P + o, mask=o < MN, other=0.0)
@@ -113,8 +129,9 @@ def slice_sum_kernel(P, Y, MN, S, BLOCK: tl.constexpr):
     tl.store(Y + o, acc, mask=o < MN)
 
 
-def linear(x, weight):
-    """``x @ weight.T``: bf16 / fp16 on tensor cores, fp32 as IEEE FMA in fixed K slices."""
+def linear(x, weight, tile=None):
+    """``x @ weight.T``: bf16 / fp16 on tensor cores, fp32 as IEEE FMA in fixed K slices (``tile``
+    overrides the bucket's tile: the tile sweep, ``bench/gemm_tiles.py``)."""
     import torch
 
     N, K = weight.shape
@@ -127,16 +144,28 @@ def linear(x, weight):
     if M == 0:
         return y.view(*x.shape[:-1], N)
     if x.dtype != torch.float32:
-        t = pick(HALF_TILES, M)
+        t = tile or pick(HALF_TILES, M)
+        if t.get("tma", False) and K % 8 == 0 and N % 8 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
+            from v4stack.kernels.triton_tma import linear_tma
+
+            linear_tma(a, w, y, BM=t["BM"], BN=t["BN"], BK=t["BK"], GROUP_M=t.get("GROUP_M", 8),
+                       num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False))
+            return y.view(*x.shape[:-1], N)
         launch(linear_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
                w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"], BK=t["BK"], IEEE=False, num_warps=t["num_warps"],
                num_stages=t["num_stages"])
         return y.view(*x.shape[:-1], N)
-    t = pick(F32_TILES, M)
+    t = tile or pick(F32_TILES, M)
     S = triton.cdiv(K, F32_SPLIT)
+    if t.get("fused", False):
+        launch(f32_fused_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
+               w.stride(0), y.stride(0), SPLIT=F32_SPLIT, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
+               num_stages=t.get("num_stages", 3))
+        return y.view(*x.shape[:-1], N)
     p = y if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x.device)
     launch(f32_slice_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]), S), a, w, p, M, N, K, a.stride(0),
-           w.stride(0), SPLIT=F32_SPLIT, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"])
+           w.stride(0), SPLIT=F32_SPLIT, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
+           num_stages=t.get("num_stages", 3))
     if S > 1:
         launch(slice_sum_kernel, (triton.cdiv(M * N, 1024),), p, y, M * N, S, BLOCK=1024)
     return y.view(*x.shape[:-1], N)
@@ -168,6 +197,33 @@ def hc_mix_kernel(X, W, Pacc, Pss, M, N, K, s_xm, s_wn, BM: tl.constexpr, BN: tl
 
 
 @triton.jit
+def hc_fused_kernel(X, W, Y, M, N, K, Kf, eps, s_xm, s_wn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """``hc_mix_kernel`` then ``hc_finish_kernel`` in one program: each SPLIT slice from a zero start,
+    the slices added in order from zero as the finish kernel adds them - the same bits."""
+    rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    cols = tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    tot = tl.zeros([BM, BN], tl.float32)
+    tss = tl.zeros([BM], tl.float32)
+    for s0 in range(0, K, SPLIT):
+        acc = tl.zeros([BM, BN], tl.float32)
+        ss = tl.zeros([BM], tl.float32)
+        for k0 in range(s0, tl.minimum(s0 + SPLIT, K), BK):
+            kmask = (k0 + kk) < K
+            a = tl.load(X + rows[:, None] * s_xm + (k0 + kk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(W + cols[None, :] * s_wn + (k0 + kk)[:, None], mask=(cols < N)[None, :] & kmask[:, None],
+                        other=0.0)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+            ss += tl.sum(a * a, 1)
+        tot += acc
+        tss += ss
+    r = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tss, Kf) + eps))
+    tl.store(Y + rows[:, None] * N + cols[None, :], tot * r[:, None], mask=rmask[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def hc_finish_kernel(Pacc, Pss, Y, M, N, Kf, S, eps, BM: tl.constexpr, BN: tl.constexpr):
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rmask = rows < M
@@ -182,7 +238,7 @@ def hc_finish_kernel(Pacc, Pss, Y, M, N, Kf, S, eps, BM: tl.constexpr, BN: tl.co
     tl.store(Y + rows[:, None] * N + cols[None, :], acc * r[:, None], mask=rmask[:, None] & (cols < N)[None, :])
 
 
-def hc_mix(flat, fn, eps):
+def hc_mix(flat, fn, eps, tile=None):
     """mHC projection in fp32 on the CUDA cores: K cut into fixed ``HC_SPLIT`` slices (so one row
     fills the GPU), slices summed in order by a second kernel, ``1 / sqrt`` correctly rounded."""
     import torch
@@ -195,12 +251,17 @@ def hc_mix(flat, fn, eps):
         return y.view(*flat.shape[:-1], N)
     S = triton.cdiv(K, HC_SPLIT)
     bn = max(16, triton.next_power_of_2(N))
+    w = fn.contiguous()
+    t = tile or dict(BM=16 if M <= 256 else 64, BK=32, num_warps=4)  # the K order never changes
+    bm = t["BM"]
+    if t.get("fused", False):
+        launch(hc_fused_kernel, (triton.cdiv(M, bm),), x, w, y, M, N, K, float(K), float(eps), x.stride(0), w.stride(0),
+               BM=bm, BN=bn, BK=t["BK"], SPLIT=HC_SPLIT, num_warps=t["num_warps"])
+        return y.view(*flat.shape[:-1], N)
     pacc = torch.empty(S, M, bn, dtype=torch.float32, device=flat.device)
     pss = torch.empty(S, M, dtype=torch.float32, device=flat.device)
-    bm = 16 if M <= 256 else 64  # the K order (BK = 32 lanes, then the slices) never changes
-    w = fn.contiguous()
     launch(hc_mix_kernel, (triton.cdiv(M, bm), S), x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn,
-           BK=32, SPLIT=HC_SPLIT)
+           BK=t["BK"], SPLIT=HC_SPLIT, num_warps=t["num_warps"])
     launch(hc_finish_kernel, (triton.cdiv(M, bm),), pacc, pss, y, M, N, float(K), S, float(eps), BM=bm, BN=bn)
     return y.view(*flat.shape[:-1], N)
 
