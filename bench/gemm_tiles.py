@@ -23,24 +23,36 @@ import torch.nn.functional as F
 
 from bench.runner import write_result
 
-BF16_TILES = [dict(BM=64, BN=32, BK=128, num_warps=4, num_stages=4), dict(BM=64, BN=16, BK=128, num_warps=4, num_stages=6),
-              dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4), dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-              dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4), dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-              dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, tma=True),
-              dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, tma=True),
-              dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, tma=True),
-              dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, tma=True, WS=True),
-              dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, tma=True)]
-F32_TILES = [dict(BM=16, BN=32, BK=32, num_warps=4), dict(BM=64, BN=64, BK=32, num_warps=4),
-             dict(BM=16, BN=32, BK=32, num_warps=4, fused=True), dict(BM=32, BN=32, BK=32, num_warps=4, fused=True),
-             dict(BM=64, BN=64, BK=32, num_warps=4, fused=True), dict(BM=64, BN=64, BK=16, num_warps=4, fused=True),
-             dict(BM=128, BN=64, BK=16, num_warps=8, fused=True), dict(BM=128, BN=128, BK=16, num_warps=8, fused=True),
-             dict(BM=32, BN=64, BK=32, num_warps=4)]
-HC_TILES = [dict(BM=16, BK=32, num_warps=4), dict(BM=64, BK=32, num_warps=4), dict(BM=32, BK=32, num_warps=4),
-            dict(BM=128, BK=16, num_warps=8), dict(BM=16, BK=32, num_warps=4, fused=True),
-            dict(BM=32, BK=32, num_warps=4, fused=True), dict(BM=64, BK=32, num_warps=4, fused=True)]
-GROUPED_TILES = [dict(BM=64, BN=32, BK=128, num_warps=4, num_stages=4), dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=3),
-                 dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4), dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3)]
+from v4stack.kernels import tiles as TL  # noqa: E402
+
+BF16_TILES, F32_TILES = list(TL.HALF_CANDIDATES), list(TL.F32_CANDIDATES)
+HC_TILES, GROUPED_TILES = list(TL.HC_CANDIDATES), list(TL.GROUPED_CANDIDATES)
+CUDA = torch.cuda.is_available()
+# (table, sweep section, M measured -> largest M of the bucket it picks for); the last bucket takes every M
+BUCKETS = {"HALF_TILES": ("linear_bf16", ((64, 64), (256, 256), (4096, 1 << 62))),
+           "F32_TILES": ("linear_fp32", ((1, 16), (64, 128), (4096, 1 << 62))),
+           "HC_TILES": ("hc_mix", ((64, 256), (4096, 1 << 62))),
+           "GROUPED_TILES": ("grouped", ((1, 1024), (4096, 1 << 62)))}
+
+
+def choose(rec: dict, margin: float = 0.03) -> dict:
+    """Per bucket: the fastest bit-identical candidate at the bucket's measured M, if it beats the
+    shipped default by more than ``margin``; else the default."""
+    tables = {}
+    for table, (section, buckets) in BUCKETS.items():
+        rows = {r["M"]: r for r in rec.get(section, [])}
+        if not all(m in rows for m, _ in buckets):
+            continue
+        out = []
+        for m, top in buckets:
+            default = TL.pick(getattr(TL, table), m)
+            ok = [v for v in rows[m]["variants"] if v.get("bits_equal_alone") and "s" in v]
+            base = next((v["s"] for v in ok if v["tile"] == default), None)
+            best = min(ok, key=lambda v: v["s"]) if ok else None
+            keep = best is None or base is None or best["s"] > base * (1 - margin)
+            out.append([top, default if keep else best["tile"]])
+        tables[table] = out
+    return tables
 
 
 def _time(fn, target_s=0.02) -> float:
@@ -124,7 +136,8 @@ def _variants(name, run, tiles, ms, make, framework, rec):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/gemm_tiles_h200.json")
-    p.add_argument("--only", default="indexer_rows,linear_bf16,linear_fp32,hc_mix,grouped,host")
+    p.add_argument("--only", default="linear_bf16,grouped,linear_fp32,hc_mix,indexer_rows,host")
+    p.add_argument("--choose", default="", help="write the pick of every tile bucket to this tiles_chosen.json")
     p.add_argument("--small", action="store_true", help="tiny widths (a CPU dry run under TRITON_INTERPRET)")
     a = p.parse_args(argv)
     from v4stack.kernels import triton_gemm as tg
@@ -152,7 +165,7 @@ def main(argv=None) -> None:
             E = 256 if a.small else 4096  # 16k context / ratio 4
             H, D = (16, 32) if a.small else (64, 128)
             out = []
-            for T in ((1, 4) if a.small else (1, 16, 64, 256)):
+            for T in ((1, 4) if a.small else (16, 256)):
                 pool = r(max(T, 4) * E, D)
                 rows = torch.randint(0, pool.shape[0], (T, E), device=dev)
                 rows[:, E - 37:] = -1
@@ -174,21 +187,20 @@ def main(argv=None) -> None:
         sections.append(indexer_rows)
     if "linear_bf16" in only:
         sections.append(lambda: _variants("linear_bf16", lambda t, x: tg.linear(x, wb, t), BF16_TILES,
-                                          (64, 256, 4096) if not a.small else (8, 64), lambda m: (r(m, d),),
+                                          (64, 256, 4096) if not a.small else (64, 256, 4096), lambda m: (r(m, d),),
                                           lambda x: F.linear(x, wb), rec))
         wb = r(d, d, scale=d ** -0.5)
     if "linear_fp32" in only:
         wf = r(256 if not a.small else 32, d, dt=torch.float32, scale=d ** -0.5)
         sections.append(lambda: _variants("linear_fp32", lambda t, x: tg.linear(x, wf, t), F32_TILES,
-                                          (1, 8, 64, 256, 4096) if not a.small else (1, 8), lambda m: (r(m, d, dt=torch.float32),),
+                                          (1, 64, 4096), lambda m: (r(m, d, dt=torch.float32),),
                                           lambda x: F.linear(x, wf), rec))
     if "hc_mix" in only:
         fn = r(24, 4 * d, dt=torch.float32, scale=(4 * d) ** -0.5)
         from v4stack.ops import core
 
         sections.append(lambda: _variants("hc_mix", lambda t, x: tg.hc_mix(x, fn, 1e-6, t), HC_TILES,
-                                          (1, 8, 64, 256, 4096) if not a.small else (1, 8),
-                                          lambda m: (r(m, 4 * d, dt=torch.float32),), lambda x: core.hc_mix(x, fn, 1e-6),
+                                          (64, 4096), lambda m: (r(m, 4 * d, dt=torch.float32),), lambda x: core.hc_mix(x, fn, 1e-6),
                                           rec))
     if "grouped" in only:
         E, inter, k = (8, 64, 2) if a.small else (256, 2048, 6)
@@ -197,34 +209,38 @@ def main(argv=None) -> None:
         def routed(m):
             ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(min(m, 64))]).repeat(-(-m // 64), 1)[:m]
             flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
             off = torch.zeros(E + 1, dtype=torch.long, device=dev)
             off[1:] = torch.cumsum(torch.bincount(flat, minlength=E), 0)
-            return r(flat.shape[0], d), off
+            return r(flat.shape[0], d), off, flat[order]
 
         def grouped_section():
+            from v4stack.ops import grouped
+
             out = []
-            for m in ((1, 8) if a.small else (1, 8, 64, 256, 4096)):
-                x, off = routed(m)
-                ref = tg.grouped_linear(x, wg, off)
-                row = {"M": m, "rows": x.shape[0], "old_host_table_s": _time(lambda: tg.grouped_linear(x, wg, off))}
-                if hasattr(torch, "_grouped_mm"):
-                    try:
-                        row["grouped_mm_s"] = _time(lambda: torch._grouped_mm(x, wg.transpose(1, 2),
-                                                                               offs=off[1:].to(torch.int32)))
-                    except Exception as e:
-                        row["grouped_mm_error"] = repr(e)[:200]
+            for m in ((1, 8) if a.small else (1, 4096)):
+                x, off, eid = routed(m)
+                # rows 0..3 alone under their expert: the default tile's bits
+                alone = []
+                for i in range(min(4, x.shape[0])):
+                    o1 = torch.zeros_like(off)
+                    o1[int(eid[i]) + 1:] = 1
+                    alone.append(tgr.grouped_linear(x[i:i + 1], wg, o1))
+                row = {"M": m, "rows": x.shape[0], "framework_s": _time(lambda: grouped.fast(x, wg, off))}
+                if hasattr(torch, "_grouped_mm") and not a.small:
+                    row["grouped_mm_s"] = _time(lambda: torch._grouped_mm(x, wg.transpose(1, 2), offs=off[1:].to(torch.int32)))
                 row["variants"] = []
                 for tile in GROUPED_TILES:
                     v = {"tile": tile}
                     try:
                         y = tgr.grouped_linear(x, wg, off, tile)
-                        v["bits_equal_host_table"] = bool(torch.equal(y, ref))
+                        v["bits_equal_alone"] = all(torch.equal(y[i:i + 1], alone[i]) for i in range(len(alone)))
                         v["s"] = _time(lambda: tgr.grouped_linear(x, wg, off, tile))
                     except Exception as e:
                         v["error"] = repr(e)[:300]
                     row["variants"].append(v)
                 print("grouped", m, {k2: v2 for k2, v2 in row.items() if k2 != "variants"},
-                      [(v["tile"]["BN"], v.get("bits_equal_host_table"), round(v.get("s", 0) * 1e6, 1))
+                      [(v["tile"]["BN"], v.get("bits_equal_alone"), round(v.get("s", 0) * 1e6, 1))
                        for v in row["variants"]], flush=True)
                 out.append(row)
             rec["grouped"] = out
@@ -237,7 +253,7 @@ def main(argv=None) -> None:
             from v4stack.ops import dispatch
 
             out = {}
-            for M in (1, 64, 256):
+            for M in (1,):
                 x = r(M, d, dt=torch.float32)
                 y = torch.empty_like(x)
                 ys, idx = r(M, 6, d, dt=torch.float32), torch.randint(0, 256, (M, 6), device=dev)
@@ -269,8 +285,17 @@ def main(argv=None) -> None:
         except Exception:
             rec.setdefault("errors", []).append(traceback.format_exc()[-1500:])
             traceback.print_exc()
+        if a.choose:
+            rec["chosen"] = choose(rec)
+            import json
+
+            from v4stack.atomic import atomic_write
+
+            atomic_write(a.choose, (json.dumps({"source": os.path.basename(a.out), "tables": rec["chosen"]}, indent=1)
+                                    + "\n").encode())
         save()
-        torch.cuda.empty_cache()
+        if CUDA:
+            torch.cuda.empty_cache()
         print("section done", round(time.time() - t0, 1), flush=True)
 
 

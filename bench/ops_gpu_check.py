@@ -208,6 +208,19 @@ def main(argv: list[str] | None = None) -> None:
                      {**meta, "bench": "ops_gpu_invariance", "ms": list(INV_MS), "probe_rows": "0-3 and M-1",
                       "results": inv})
         print("invariance done", round(time.time() - t0), flush=True)
+    if "time" not in skip:
+        rows = []
+        for n in names:
+            try:
+                rows += timings(n)
+            except Exception as e:
+                rows.append({"op": n, "error": repr(e)[:500]})
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+        write_result(os.path.join(a.out_dir, "ops_h200.json"),
+                     {**meta, "bench": "ops", "ms": list(TIME_MS), "timing": "CUDA events, calls back to back, "
+                      "median of 3 batches", "results": rows})
+        print("timing done", round(time.time() - t0), flush=True)
     if "model" not in skip:  # the whole model (serving path) through the table on the GPU
         from v4stack import check
 
@@ -242,19 +255,6 @@ def main(argv: list[str] | None = None) -> None:
                      {**meta, "bench": "model_invariance", "preset": a.model_preset, "overrides": over,
                       "dtype": "bfloat16", "results": rep})
         print("model done", round(time.time() - t0), flush=True)
-    if "time" not in skip:
-        rows = []
-        for n in names:
-            try:
-                rows += timings(n)
-            except Exception as e:
-                rows.append({"op": n, "error": repr(e)[:500]})
-                traceback.print_exc()
-            torch.cuda.empty_cache()
-        write_result(os.path.join(a.out_dir, "ops_h200.json"),
-                     {**meta, "bench": "ops", "ms": list(TIME_MS), "timing": "CUDA events, calls back to back, "
-                      "median of 3 batches", "results": rows})
-        print("timing done", round(time.time() - t0), flush=True)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,20 @@ def test_offsets_are_checked():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_triton_grouped_kernel_matches_float64(dtype, tol):
-    tg = pytest.importorskip("v4stack.kernels.triton_gemm")
+    tg = pytest.importorskip("v4stack.kernels.triton_grouped")
     x, w, off = _case([70, 0, 5, 1], dtype=dtype)  # an expert spanning two row tiles, an empty one
     y = tg.grouped_linear(x, w, off)
     assert y.dtype == dtype
     torch.testing.assert_close(y.double(), _per_expert_f64(x, w, off), atol=tol * 8, rtol=tol)
+
+
+def test_triton_grouped_gemm_rows_alone_equal_rows_in_the_batch():
+    # the kernel finds each program's tile from the offsets: a row alone under its expert (a
+    # one-row table) gets the bits it has in the full batch
+    tgr = pytest.importorskip("v4stack.kernels.triton_grouped")
+    x, w, off = _case([70, 0, 5, 1], dtype=torch.float32)
+    y = tgr.grouped_linear(x, w, off)
+    for r, e in ((0, 0), (69, 0), (72, 2), (75, 3)):
+        alone = torch.zeros_like(off)
+        alone[e + 1:] = 1
+        assert torch.equal(tgr.grouped_linear(x[r:r + 1], w, alone), y[r:r + 1])

@@ -13,6 +13,7 @@ def kernels() -> dict:
     """name -> (jit function, signature, constexprs[, options]) at V4-Flash widths."""
     from v4stack.kernels import triton_attention as ta
     from v4stack.kernels import triton_gemm as tg
+    from v4stack.kernels import triton_grouped as tgr
     from v4stack.kernels import triton_rows as tr
 
     attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 N0 P1 I1 s_i1 K1 N1 Sink"
@@ -25,9 +26,9 @@ def kernels() -> dict:
                                                          attn_types + [P, P, P, I, F, I]), cx),
         "sparse_attention_merge": (ta.merge_kernel, _sig("Pm Pl Pa Sink O s_ot s_oh H NCH",
                                                          [P, P, P, P, BF, I, I, I, I]), dict(D=512, BH=16)),
-        "grouped_gemm_bf16": (tg.grouped_kernel, _sig("X W Y TileE TileR0 Off N K s_xm s_we s_wn s_ym",
-                                                      [BF, BF, BF, "*i32", "*i64", "*i64", I, I, I, I, I, I]),
-                              dict(BM=64, BN=128, BK=64, IEEE=False)),
+        "grouped_gemm_bf16": (tgr.grouped_table_kernel, _sig("X W Y Off E N K s_xm s_we s_wn s_ym",
+                                                             [BF, BF, BF, "*i64", I, I, I, I, I, I, I]),
+                              dict(EB=256, BM=64, BN=128, BK=64, IEEE=False)),
         "gemm_fp32_ieee": (tg.f32_slice_kernel, _sig("X W P M N K s_xm s_wn", [P, P, P, I, I, I, I, I]),
                            dict(SPLIT=1024, BM=64, BN=64, BK=32)),
         **{f"gemm_bf16_{size}": (tg.linear_kernel, _sig("X W Y M N K s_xm s_wn s_ym", [BF, BF, BF] + [I] * 6),

@@ -93,7 +93,7 @@ def _fp8_linear(x, qw):
 
 
 _lazy_fp8 = _lazy("triton_gemm", "fp8_linear", "fp8_gemm")
-_lazy_grouped = _lazy("triton_gemm", "grouped_linear", "gemm_grouped")
+_lazy_grouped = _lazy("triton_grouped", "grouped_linear", "gemm_grouped")
 
 
 def register_all(register) -> None:
@@ -115,7 +115,7 @@ def register_all(register) -> None:
     for dt in ("bfloat16", "float16"):  # where TileLang is absent or refuses the shape
         register("linear", "triton_gemm", _lazy("triton_gemm", "linear", "gemm_half"), mode=inv, fmt=dt, device="cuda",
                  accepts=trit(C.linear))
-    register("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm"), mode=inv, device="cuda",
+    register("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm", "rms_norm"), mode=inv, device="cuda",
              accepts=trit(C.rms_norm))
     register("attention_with_sink", "triton_sparse_attention", _lazy("triton_attention", "attention_with_sink",
              "sparse_attention"), mode=inv, device="cuda", accepts=trit(C.attention_with_sink))
@@ -127,9 +127,9 @@ def register_all(register) -> None:
              accepts=trit(C.hc_mix))
     register("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores", "indexer"), mode=inv,
              device="cuda", accepts=trit(C.indexer_scores))
-    register("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax_rows"), mode=inv, device="cuda",
+    register("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax"), mode=inv, device="cuda",
              accepts=trit(C.softmax))
-    register("log_softmax", "triton_log_softmax", _lazy("triton_rows", "log_softmax", "softmax_rows"), mode=inv, device="cuda",
+    register("log_softmax", "triton_log_softmax", _lazy("triton_rows", "log_softmax", "softmax"), mode=inv, device="cuda",
              accepts=trit(C.softmax))
     register("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool", "row_mix"), mode=inv,
              device="cuda", accepts=trit(C.weighted_pool))
@@ -141,13 +141,13 @@ def register_all(register) -> None:
         return t.numel() // max(1, t.shape[-1]) if t.dim() else 1
 
     fast_picks = (
-        ("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm"), C.rms_norm, None),
+        ("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm", "rms_norm"), C.rms_norm, None),
         ("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores", "indexer"), C.indexer_scores, None),
         ("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool", "row_mix"), C.weighted_pool,
          lambda kv, s, dim: kv.numel() // (kv.shape[-1] * kv.shape[-2]) >= 1024),
         ("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine", "row_mix"), C.moe_combine,
          lambda y, idx: y.shape[0] >= 1024),
-        ("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax_rows"), C.softmax,
+        ("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax"), C.softmax,
          lambda x, dim=-1: rows(x) >= 1024 and x.shape[-1] <= 4096),
         ("hc_mix", "triton_hc_mix", _lazy("triton_gemm", "hc_mix", "hc_mix"), C.hc_mix,
          lambda flat, fn, eps: rows(flat) <= 64),

@@ -57,6 +57,9 @@ class Spec:
     data: Callable = lambda ns: {}  # ns -> {name: (lo, hi_exclusive)}: values loaded and used as indices
     divides: tuple[tuple[str, Callable], ...] = field(default_factory=tuple)  # (claim, ns -> z3 Bool)
     zero_ok: tuple[str, ...] = ()  # dims that may be 0
+    relate: Callable = lambda a, b: []  # (copy, copy) -> [z3 Bool]: what data values of two programs share
+    program_data: tuple[str, ...] = ()  # data that names the work item (part of "a different program")
+    requires_data: Callable = lambda ns: []  # ns -> [z3 Bool]: facts about one program's data values
 
 
 class _NS:
@@ -101,6 +104,7 @@ def prove(spec: Spec) -> list[dict]:
             cons += [lanes[a] >= 0, lanes[a] < ext]
         for a, (lo, hi) in spec.data(ns).items():
             cons += [data[a] >= lo, data[a] < hi]
+        cons += list(spec.requires_data(ns))
         return ns, cons, {**axes, **lanes, **data}
 
     failures = []
@@ -128,11 +132,12 @@ def prove(spec: Spec) -> list[dict]:
         if acc.kind != "store":
             continue
         lanes = acc.lanes if acc.lanes is not None else tuple(spec.lanes(base))
-        point = list(spec.grid(base)) + list(lanes)
+        point = list(spec.grid(base)) + list(lanes) + list(spec.program_data)
         differ = z3.Or(*[names[p] != names2[p] for p in point])
         m = ([acc.mask(ns), acc.mask(ns2)] if acc.mask else [])
         same = [a == b for a, b in zip(acc.coords(ns), acc.coords(ns2))]
-        check("disjoint", f"store {acc.tensor}", cons + cons2 + m + [differ, *same], {**names, **names2})
+        rel = list(spec.relate(ns, ns2))
+        check("disjoint", f"store {acc.tensor}", cons + cons2 + rel + m + [differ, *same], {**names, **names2})
     return failures
 
 

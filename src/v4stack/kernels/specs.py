@@ -13,7 +13,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from v4stack.kernels import tiles
+from v4stack.kernels import specs_more, tiles
 from v4stack.kernels.prove import Access, ContractError, Spec, cdiv, require
 
 
@@ -141,8 +141,9 @@ def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention")
     )
 
 
-def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024) -> Spec:
-    """hc_mix's first kernel: K cut into SPLIT slices; partials [S, M, BN] and [S, M]."""
+def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024, fused=False, name="hc_mix") -> Spec:
+    """hc_mix's first kernel: K cut into SPLIT slices; partials [S, M, BN] and [S, M]. ``fused``:
+    program pm walks the slices itself (lane s) and stores Y [M, N] once."""
     import z3
 
     def row(n):
@@ -151,14 +152,23 @@ def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024) -> Spec:
     def k(n):
         return n.s * SPLIT + n.kb * BK + n.kk
 
+    loads = (Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
+                    lambda n: z3.And(row(n) < n.M, k(n) < n.K)),
+             Access("Fn", "load", lambda n: (n.j, k(n)), lambda n: (n.N, n.K), lambda n: z3.And(n.j < n.N, k(n) < n.K)))
+    if fused:
+        return Spec(
+            name=name, dims=("M", "N", "K"), requires=lambda n: [n.N <= BN],
+            grid=lambda n: {"pm": cdiv(n.M, BM)},
+            lanes=lambda n: {"i": BM, "j": BN, "s": cdiv(n.K, SPLIT), "kb": SPLIT // BK, "kk": BK},
+            accesses=loads + (Access("Y", "store", lambda n: (row(n), n.j), lambda n: (n.M, n.N),
+                                     lambda n: z3.And(row(n) < n.M, n.j < n.N), lanes=("i", "j")),),
+            divides=((f"{BK} | {SPLIT}", lambda n: SPLIT % BK == 0),),
+        )
     return Spec(
-        name="hc_mix", dims=("M", "N", "K"), requires=lambda n: [n.N <= BN],
+        name=name, dims=("M", "N", "K"), requires=lambda n: [n.N <= BN],
         grid=lambda n: {"pm": cdiv(n.M, BM), "s": cdiv(n.K, SPLIT)},
         lanes=lambda n: {"i": BM, "j": BN, "kb": SPLIT // BK, "kk": BK},
-        accesses=(
-            Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
-                   lambda n: z3.And(row(n) < n.M, k(n) < n.K)),
-            Access("Fn", "load", lambda n: (n.j, k(n)), lambda n: (n.N, n.K), lambda n: z3.And(n.j < n.N, k(n) < n.K)),
+        accesses=loads + (
             Access("Pacc", "store", lambda n: (n.s, row(n), n.j), lambda n: (cdiv(n.K, SPLIT), n.M, BN),
                    lambda n: row(n) < n.M, lanes=("i", "j")),
         ),
@@ -166,9 +176,10 @@ def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024) -> Spec:
     )
 
 
-def f32_slices(BM=64, BN=64, BK=32, SPLIT=tiles.F32_SPLIT, name="f32_slices") -> Spec:
+def f32_slices(BM=64, BN=64, BK=32, SPLIT=tiles.F32_SPLIT, name="f32_slices", fused=False) -> Spec:
     """fp32 GEMM: program (pm, pn, s) reduces K slice s (``SPLIT`` wide, the last one cut at K) into
-    partial [s, M, N]; the slice-sum kernel then reads the S partials of each element in order."""
+    partial [s, M, N]; the slice-sum kernel then reads the S partials of each element in order.
+    ``fused``: program (pm, pn) walks the slices itself (lane s) and stores Y [M, N] once."""
     import z3
 
     def row(n):
@@ -184,6 +195,21 @@ def f32_slices(BM=64, BN=64, BK=32, SPLIT=tiles.F32_SPLIT, name="f32_slices") ->
         return n.s * SPLIT + n.kb * BK + n.kk
 
     S = lambda n: cdiv(n.K, SPLIT)  # noqa: E731
+    if fused:
+        return Spec(
+            name=name, dims=("M", "N", "K"),
+            grid=lambda n: {"pm": cdiv(n.M, BM), "pn": cdiv(n.N, BN)},
+            lanes=lambda n: {"i": BM, "j": BN, "s": S(n), "kb": cdiv(SPLIT, BK), "kk": BK},
+            accesses=(
+                Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
+                       lambda n: z3.And(row(n) < n.M, k(n) < kend(n))),
+                Access("W", "load", lambda n: (col(n), k(n)), lambda n: (n.N, n.K),
+                       lambda n: z3.And(col(n) < n.N, k(n) < kend(n))),
+                Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.M, n.N),
+                       lambda n: z3.And(row(n) < n.M, col(n) < n.N), lanes=("i", "j")),
+            ),
+            divides=((f"{BK} | {SPLIT}", lambda n: z3.IntVal(SPLIT) % BK == 0),),
+        )
     return Spec(
         name=name, dims=("M", "N", "K"),
         grid=lambda n: {"pm": cdiv(n.M, BM), "pn": cdiv(n.N, BN), "s": S(n)},
@@ -253,19 +279,49 @@ def row_mix(name: str, BJ=8, BD=1024) -> Spec:
     )
 
 
-ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "hc_mix": hc_mix, "indexer": indexer,
-       "row_mix": lambda: row_mix("row_mix")}
-for _i, (_, _t) in enumerate(tiles.F32_TILES):
-    ALL[f"f32_slices_{_i}"] = (lambda t, i: lambda: f32_slices(t["BM"], t["BN"], t["BK"], name=f"f32_slices_{i}"))(_t, _i)
-for _i, (_, _t) in enumerate(tiles.HALF_TILES):
-    ALL[f"gemm_half_{_i}"] = (lambda t, i: lambda: gemm(f"gemm_half_{i}", t["BM"], t["BN"], t["BK"]))(_t, _i)
-for _i, (_, _t) in enumerate(tiles.GROUPED_TILES):
-    ALL[f"gemm_grouped_{_i}"] = (lambda t, i: lambda: gemm(f"gemm_grouped_{i}", t["BM"], t["BN"], t["BK"]))(_t, _i)
+ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer": indexer,
+       "row_mix": lambda: row_mix("row_mix"), "rms_norm": specs_more.rms_norm, "softmax_row": specs_more.softmax_row,
+       "sparse_attention_split": specs_more.sparse_attention_split}
+
+
+def tile_spec(table: str, t: dict) -> str:
+    """The spec name of tile ``t`` of ``table`` (one per distinct index arithmetic)."""
+    if table == "HALF_TILES":
+        return f"gemm_half_{t['BM']}x{t['BN']}x{t['BK']}"
+    if table == "F32_TILES":
+        return f"f32_{'fused' if t.get('fused') else 'slices'}_{t['BM']}x{t['BN']}x{t['BK']}"
+    if table == "HC_TILES":
+        return f"hc_{'fused' if t.get('fused') else 'mix'}_{t['BM']}x{t['BK']}"
+    if table == "GROUPED_TILES":
+        return f"grouped_table_{t['BM']}x{t['BN']}x{t['BK']}"
+    raise ValueError(table)
+
+
+def _tile_builder(table: str, t: dict, name: str):
+    if table == "HALF_TILES":
+        return lambda: gemm(name, t["BM"], t["BN"], t["BK"])
+    if table == "F32_TILES":
+        return lambda: f32_slices(t["BM"], t["BN"], t["BK"], name=name, fused=t.get("fused", False))
+    if table == "HC_TILES":
+        return lambda: hc_mix(t["BM"], 32, t["BK"], fused=t.get("fused", False), name=name)
+    return lambda: specs_more.grouped_table(t["BM"], t["BN"], t["BK"], name=name)
+
+
+for _table, _cands in tiles.CANDIDATES.items():  # every candidate tile: any of them may be chosen
+    for _t in _cands:
+        _n = tile_spec(_table, _t)
+        ALL.setdefault(_n, _tile_builder(_table, _t, _n))
 for _i, (_, _t) in enumerate(tiles.FP8_TILES):
     ALL[f"fp8_gemm_{_i}"] = (lambda t, i: lambda: fp8_gemm(t["BM"], t["BN"], tiles.FP8_BLOCK, f"fp8_gemm_{i}"))(_t, _i)
-GROUPS = {"gemm_half": [n for n in ALL if n.startswith("gemm_half") or n.startswith("f32_slices")],
-          "gemm_grouped": [n for n in ALL if n.startswith("gemm_grouped")],
-          "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")]}
+
+
+def _active(*tables: str) -> list[str]:
+    return [tile_spec(tb, t) for tb in tables for _, t in getattr(tiles, tb)]
+
+
+GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES"), "gemm_grouped": _active("GROUPED_TILES"),
+          "hc_mix": _active("HC_TILES"), "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
+          "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": ["sparse_attention", "sparse_attention_split"]}
 
 
 PROOFS = Path(__file__).with_name("proofs.json")
@@ -274,7 +330,7 @@ PROOFS = Path(__file__).with_name("proofs.json")
 def source_hash() -> str:
     """Hash of the specs and the prover: a recorded proof holds for exactly these sources."""
     h = hashlib.sha256()
-    for f in ("specs.py", "prove.py", "tiles.py"):
+    for f in ("specs.py", "specs_more.py", "prove.py", "tiles.py"):
         h.update(Path(__file__).with_name(f).read_bytes())
     return h.hexdigest()
 

@@ -1,18 +1,72 @@
 """Tile shapes of the Triton GEMMs, by size bucket (no Triton import: the contract proofs read
-them too). A bucket changes an output tile's M x N shape only, never an element's K chain."""
+them too). A bucket changes an output tile's M x N shape (and which program runs it) only, never
+an element's K chain.
 
-# (largest M, tile); bf16 / fp16 stay on wgmma (BM >= 64, 4+ warps) in every bucket
-HALF_TILES = ((64, dict(BM=64, BN=32, BK=128, num_warps=4, num_stages=4)),
-              (256, dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)),
-              (1 << 62, dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)))
-F32_TILES = ((64, dict(BM=16, BN=32, BK=32, num_warps=4)),
-             (1 << 62, dict(BM=64, BN=64, BK=32, num_warps=4)))
+The defaults below can be replaced by ``tiles_chosen.json`` beside this file: the pick of
+``bench/gemm_tiles.py`` on the GPU, each bucket's tile the fastest of the ``*_CANDIDATES`` whose
+rows were bit-identical to the rows computed alone. Only candidates listed here can be chosen,
+so every tile that can run has its contract proved (``specs.py`` proves every candidate).
+"""
+
+import json
+from pathlib import Path
+
+
+def _t(BM, BN, BK, w=4, s=4, **kw):
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=w, num_stages=s, **kw)
+
+
+# bf16 / fp16 stay on wgmma (BM >= 64, 4+ warps) in every bucket; ``tma``: the persistent TMA kernel
+HALF_CANDIDATES = (_t(64, 32, 128), _t(64, 16, 128, s=6), _t(64, 64, 64), _t(64, 128, 64), _t(128, 128, 64, w=8),
+                   _t(128, 256, 64, w=8, s=3), _t(128, 256, 64, w=8, s=3, tma=True), _t(128, 256, 64, w=8, tma=True),
+                   _t(128, 128, 64, w=8, tma=True), _t(128, 256, 64, w=8, s=3, tma=True, WS=True),
+                   _t(64, 128, 64, tma=True))
+HALF_TILES = ((64, HALF_CANDIDATES[0]), (256, HALF_CANDIDATES[2]), (1 << 62, HALF_CANDIDATES[5]))
+# fp32: IEEE FMA in fixed 256-wide K slices; ``fused``: the slices summed in the program
+F32_CANDIDATES = (_t(16, 32, 32, s=3), _t(64, 64, 32, s=3), _t(16, 32, 32, s=3, fused=True),
+                  _t(32, 32, 32, s=3, fused=True), _t(64, 64, 32, s=3, fused=True), _t(64, 64, 16, s=3, fused=True),
+                  _t(128, 64, 16, w=8, s=3, fused=True), _t(128, 128, 16, w=8, s=3, fused=True), _t(32, 64, 32, s=3))
+F32_TILES = ((64, F32_CANDIDATES[0]), (1 << 62, F32_CANDIDATES[1]))
 F32_SPLIT = 256  # K per fp32 slice: a constant, so the slice sums depend on K alone
+# hc_mix (fp32, N <= 32): rows per program and K step; ``fused``: slices summed in the program
+HC_CANDIDATES = (dict(BM=16, BK=32, num_warps=4), dict(BM=64, BK=32, num_warps=4), dict(BM=32, BK=32, num_warps=4),
+                 dict(BM=128, BK=16, num_warps=8), dict(BM=16, BK=32, num_warps=4, fused=True),
+                 dict(BM=32, BK=32, num_warps=4, fused=True), dict(BM=64, BK=32, num_warps=4, fused=True))
+HC_TILES = ((256, HC_CANDIDATES[0]), (1 << 62, HC_CANDIDATES[1]))
 # grouped expert GEMM, by total rows T (decode-sized calls spread over more N tiles)
-GROUPED_TILES = ((1024, dict(BM=64, BN=32, BK=128, num_warps=4, num_stages=4)),
-                 (1 << 62, dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=3)))
+GROUPED_CANDIDATES = (_t(64, 32, 128), _t(64, 128, 64, s=3), _t(64, 64, 64), _t(64, 256, 64, w=8, s=3))
+GROUPED_TILES = ((1024, GROUPED_CANDIDATES[0]), (1 << 62, GROUPED_CANDIDATES[1]))
 FP8_BLOCK = 128  # weight scale block (rows x columns), V4's checkpoint format
 FP8_TILES = ((64, dict(BM=64, BN=32)), (1 << 62, dict(BM=64, BN=128)))
+
+CANDIDATES = {"HALF_TILES": HALF_CANDIDATES, "F32_TILES": F32_CANDIDATES, "HC_TILES": HC_CANDIDATES,
+              "GROUPED_TILES": GROUPED_CANDIDATES}
+CHOSEN = Path(__file__).with_name("tiles_chosen.json")
+
+
+def load_chosen(path: Path = CHOSEN) -> dict:
+    """``{table: ((largest M, tile), ...)}`` from a sweep's pick; a tile not among the table's
+    candidates (so without a proved contract) is refused."""
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    out = {}
+    for name, rows in raw.get("tables", {}).items():
+        cands = CANDIDATES.get(name)
+        if cands is None:
+            raise ValueError(f"{path.name}: unknown tile table {name!r}")
+        table = []
+        for top, tile in rows:
+            if tile not in cands:
+                raise ValueError(f"{path.name}: {name} tile {tile} is not a candidate (no proved contract)")
+            table.append((int(top), dict(tile)))
+        if not table or table[-1][0] < (1 << 62):
+            raise ValueError(f"{path.name}: {name} must end with a bucket for every M")
+        out[name] = tuple(table)
+    return out
+
+
+globals().update(load_chosen())
 
 
 def pick(table, m: int) -> dict:

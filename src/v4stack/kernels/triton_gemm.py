@@ -1,4 +1,5 @@
-"""Fixed-tile GEMMs (Triton): grouped expert GEMM, fp32 GEMM, block-scaled FP8 GEMM.
+"""Fixed-tile GEMMs (Triton): bf16 / fp32 GEMM, hc_mix, indexer scores, block-scaled FP8 GEMM (the
+grouped expert GEMM: ``triton_grouped``).
 
 Invariant by construction: each output element is written by exactly one program, and its
 K-sum is one fixed chain - bf16 / fp16: the 16-wide tensor-core MMA steps (Hopper ``wgmma``)
@@ -15,7 +16,7 @@ import triton.language as tl
 
 from v4stack.kernels.launch import launch
 
-from v4stack.kernels.tiles import F32_SPLIT, F32_TILES, FP8_BLOCK, FP8_TILES, GROUPED_TILES, HALF_TILES, pick
+from v4stack.kernels.tiles import F32_SPLIT, F32_TILES, FP8_BLOCK, FP8_TILES, HALF_TILES, HC_TILES, pick
 
 
 @triton.jit
@@ -34,51 +35,6 @@ def _mm_tile(X, W, rows, rmask, n0, s_xm, s_wn, N, K, BN: tl.constexpr, BK: tl.c
         else:
             acc = tl.dot(a, b, acc)
     return acc, cols
-
-
-@triton.jit
-def grouped_kernel(X, W, Y, TileE, TileR0, Off, N, K, s_xm, s_we, s_wn, s_ym,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    p = tl.program_id(0)
-    e = tl.load(TileE + p)
-    if e >= 0:
-        r0 = tl.load(TileR0 + p)
-        r1 = tl.load(Off + e + 1)
-        rows = r0 + tl.arange(0, BM)
-        rmask = rows < r1
-        acc, cols = _mm_tile(X, W + e.to(tl.int64) * s_we, rows.to(tl.int64), rmask, tl.program_id(1) * BN, s_xm,
-                             s_wn, N, K, BN, BK, IEEE, BM)
-        tl.store(Y + rows.to(tl.int64)[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=rmask[:, None] & (cols < N)[None, :])
-
-
-def grouped_linear(x, w, offsets):
-    """``ops.grouped_linear`` on CUDA: one program per (expert row tile, N tile), no host sync."""
-    import torch
-
-    T, K = x.shape
-    E, N, _ = w.shape
-    t = pick(GROUPED_TILES, T)
-    bm = t["BM"]
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if T == 0:
-        return y
-    off = offsets.to(device=x.device, dtype=torch.int64)
-    tiles = (off[1:] - off[:-1] + bm - 1) // bm  # row tiles per expert
-    first = torch.cumsum(tiles, 0) - tiles  # first tile id of each expert
-    P = triton.cdiv(T, bm) + E  # an upper bound on the tile count, known without a sync
-    pid = torch.arange(P, device=x.device)
-    e = torch.searchsorted(first + tiles, pid, right=True)  # expert of tile pid (E: past the end)
-    ec = e.clamp(max=E - 1)
-    valid = e < E
-    r0 = off[ec] + (pid - first[ec]) * bm
-    tile_e = torch.where(valid, ec, -1).to(torch.int32)
-    xc, wc = x.contiguous(), w.contiguous()
-    grid = (P, triton.cdiv(N, t["BN"]))
-    launch(grouped_kernel, grid, xc, wc, y, tile_e, r0, off, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
-                         BM=bm, BN=t["BN"], BK=t["BK"], IEEE=x.dtype == torch.float32, num_warps=t["num_warps"],
-           num_stages=t["num_stages"])
-    return y
 
 
 @triton.jit
@@ -252,7 +208,7 @@ def hc_mix(flat, fn, eps, tile=None):
     S = triton.cdiv(K, HC_SPLIT)
     bn = max(16, triton.next_power_of_2(N))
     w = fn.contiguous()
-    t = tile or dict(BM=16 if M <= 256 else 64, BK=32, num_warps=4)  # the K order never changes
+    t = tile or pick(HC_TILES, M)  # the K order (BK lanes, then the slices) never changes
     bm = t["BM"]
     if t.get("fused", False):
         launch(hc_fused_kernel, (triton.cdiv(M, bm),), x, w, y, M, N, K, float(K), float(eps), x.stride(0), w.stride(0),

@@ -1,0 +1,127 @@
+"""More kernel contracts as ``prove.Spec``s: RMSNorm, the one-row softmax, the split / merge
+launches of the sparse attention, and the grouped GEMM's in-kernel tile table."""
+
+from __future__ import annotations
+
+from v4stack.kernels.prove import Access, Spec, cdiv
+
+
+def rms_norm(BLOCK=4096) -> Spec:
+    """RMSNorm: program r walks its row in BLOCK slices (two passes) reading X and W, storing Y."""
+    def col(n):
+        return n.c * BLOCK + n.o
+
+    return Spec(
+        name="rms_norm", dims=("R", "N"),
+        grid=lambda n: {"r": n.R},
+        lanes=lambda n: {"c": cdiv(n.N, BLOCK), "o": BLOCK},
+        accesses=(
+            Access("X", "load", lambda n: (n.r, col(n)), lambda n: (n.R, n.N), lambda n: col(n) < n.N),
+            Access("W", "load", lambda n: (col(n),), lambda n: (n.N,), lambda n: col(n) < n.N),
+            Access("Y", "store", lambda n: (n.r, col(n)), lambda n: (n.R, n.N), lambda n: col(n) < n.N,
+                   lanes=("c", "o")),
+        ),
+    )
+
+
+def softmax_row(BLOCK=4096, row_bound=None, name="softmax_row") -> Spec:
+    """The one-row softmax: program r reads its whole row in one BLOCK-wide vector (the wrapper
+    launches it only for N <= BLOCK: the contract) and stores it. ``row_bound`` replaces the
+    column mask (to show a broken one is caught)."""
+    def mask(n):
+        return row_bound(n) if row_bound else n.o < n.N
+
+    return Spec(
+        name=name, dims=("R", "N"), requires=lambda n: [n.N <= BLOCK],
+        grid=lambda n: {"r": n.R},
+        lanes=lambda n: {"o": BLOCK},
+        accesses=(
+            Access("X", "load", lambda n: (n.r, n.o), lambda n: (n.R, n.N), mask),
+            Access("Y", "store", lambda n: (n.r, n.o), lambda n: (n.R, n.N), mask, lanes=("o",)),
+        ),
+    )
+
+
+def sparse_attention_split(D=512, BH=16, CH=64) -> Spec:
+    """The split launch: program (t, hg, c) scores chunk c of row t and stores its statistics at
+    [t, c, h] (and [t, c, h, d]); the merge program (t, hg) reads the NCH chunks of its rows in
+    order and stores the output. Index reads as in the fused kernel (any value; a pool row is
+    read only for 0 <= idx < N)."""
+    import z3
+
+    def j(n):
+        return n.c * CH + n.jj
+
+    def h(n):
+        return n.hg * BH + n.hh
+
+    NCH = lambda n: cdiv(n.K0 + n.K1, CH)  # noqa: E731
+    return Spec(
+        name="sparse_attention_split", dims=("T", "H", "K0", "K1", "N0", "N1"), zero_ok=("K0", "K1", "N0", "N1"),
+        requires=lambda n: [n.K0 + n.K1 >= 1],
+        grid=lambda n: {"t": n.T, "hg": cdiv(n.H, BH), "c": NCH(n)},
+        lanes=lambda n: {"jj": CH, "hh": BH, "d": D, "c2": NCH(n)},
+        data=lambda n: {"r0": (-(1 << 63), 1 << 63), "r1": (-(1 << 63), 1 << 63)},
+        accesses=(
+            Access("I0", "load", lambda n: (n.t, j(n)), lambda n: (n.T, n.K0), lambda n: j(n) < n.K0),
+            Access("I1", "load", lambda n: (n.t, j(n) - n.K0), lambda n: (n.T, n.K1),
+                   lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1)),
+            Access("P0", "load", lambda n: (n.r0, n.d), lambda n: (n.N0, D),
+                   lambda n: z3.And(j(n) < n.K0, n.r0 >= 0, n.r0 < n.N0)),
+            Access("P1", "load", lambda n: (n.r1, n.d), lambda n: (n.N1, D),
+                   lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1, n.r1 >= 0, n.r1 < n.N1)),
+            Access("Pm", "store", lambda n: (n.t, n.c, h(n)), lambda n: (n.T, NCH(n), n.H), lambda n: h(n) < n.H,
+                   lanes=("hh",)),
+            Access("Pa", "store", lambda n: (n.t, n.c, h(n), n.d), lambda n: (n.T, NCH(n), n.H, D),
+                   lambda n: h(n) < n.H, lanes=("hh", "d")),
+            Access("Pa", "load", lambda n: (n.t, n.c2, h(n), n.d), lambda n: (n.T, NCH(n), n.H, D),
+                   lambda n: h(n) < n.H),
+        ),
+    )
+
+
+def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table") -> Spec:
+    """The grouped GEMM with its tile table in the kernel. Program (p, pn) finds expert ``e`` and
+    its tile ``j`` within the expert: data that follow from the tile prefix sum (``0 <= j <
+    ceil(n_e / BM)``), with the expert's row range ``[lo, hi)`` from the offsets (the contract:
+    offsets rise from 0 to T, so different experts' ranges do not overlap - ``relate``). Also
+    claimed and proved: ``min(E, T) + T // BM`` programs are enough (per expert ``ceil(n / BM) <=
+    n // BM + 1`` for n > 0, and floors add up to at most the floor of the sum)."""
+    import z3
+
+    def row(n):
+        return n.lo + n.j * BM + n.i
+
+    def col(n):
+        return n.pn * BN + n.jc
+
+    def kidx(n):
+        return n.kb * BK + n.kk
+
+    def relate(a, b):
+        same = a.e == b.e
+        return [z3.If(same, z3.And(a.lo == b.lo, a.hi == b.hi, a.p - a.j == b.p - b.j),
+                      z3.If(a.e < b.e, a.hi <= b.lo, b.hi <= a.lo))]
+
+    return Spec(
+        name=name, dims=("T", "E", "N", "K", "n1", "n2"), zero_ok=("n1", "n2"),
+        requires=lambda n: [n.E <= EB, n.n1 + n.n2 <= n.T],
+        grid=lambda n: {"p": z3.If(n.E < n.T, n.E, n.T) + n.T / BM, "pn": cdiv(n.N, BN)},
+        lanes=lambda n: {"i": BM, "jc": BN, "kb": cdiv(n.K, BK), "kk": BK, "le": EB},
+        data=lambda n: {"e": (0, n.E), "lo": (0, n.T + 1), "hi": (0, n.T + 1), "j": (0, n.T + 1)},
+        relate=relate, program_data=("e", "j"),
+        requires_data=lambda n: [n.lo <= n.hi, n.j < cdiv(n.hi - n.lo, BM)],
+        accesses=(
+            Access("Off", "load", lambda n: (n.le,), lambda n: (n.E + 1,), lambda n: n.le < n.E),
+            Access("Off", "load", lambda n: (n.le + 1,), lambda n: (n.E + 1,), lambda n: n.le < n.E),
+            Access("X", "load", lambda n: (row(n), kidx(n)), lambda n: (n.T, n.K),
+                   lambda n: z3.And(row(n) < n.hi, kidx(n) < n.K)),
+            Access("W", "load", lambda n: (n.e, col(n), kidx(n)), lambda n: (n.E, n.N, n.K),
+                   lambda n: z3.And(col(n) < n.N, kidx(n) < n.K)),
+            Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.T, n.N),
+                   lambda n: z3.And(row(n) < n.hi, col(n) < n.N), lanes=("i", "jc")),
+        ),
+        divides=(("ceil(n/BM) <= n//BM + 1 (n > 0)",
+                  lambda n: z3.Implies(n.n1 > 0, cdiv(n.n1, BM) <= n.n1 / BM + 1)),
+                 ("n1//BM + n2//BM <= (n1+n2)//BM", lambda n: n.n1 / BM + n.n2 / BM <= (n.n1 + n.n2) / BM)),
+    )
