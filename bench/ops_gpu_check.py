@@ -5,7 +5,8 @@
   alone; the sparse attention also with 300 extra trailing ``-1`` columns;
 - ``ops_h200.json``: time per call (CUDA events, calls back to back) in fast and invariant mode
   at M in {1, 8, 64, 256, 4096}, the framework's own implementation beside them, and which
-  implementation the dispatch table ran;
+  implementation the dispatch table ran; also each mode's device time per call with the host
+  taken out (20 calls captured in a CUDA graph, replayed: ``graph_ratio``);
 - ``launch_h200.json``: host time of a contract check, of the dispatch lookup, of a light
   launch, of Triton's own launch and of ``torch.add``, each p50 over batches of 100 calls.
 
@@ -81,6 +82,18 @@ def _time(fn, target_s=0.03) -> float:
     return statistics.median(ts)
 
 
+def _graph_time(fn, reps=20) -> float:
+    """Device time per call without the host: ``fn`` captured ``reps`` times in one CUDA graph,
+    the graph replayed back to back (how the serving engine runs a decode step)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return _time(g.replay) / reps
+
+
 def timings(name: str) -> list[dict]:
     rows = []
     case = build(name, max(TIME_MS))
@@ -106,6 +119,22 @@ def timings(name: str) -> list[dict]:
             print(f"{name:<20}{M:>6} fast {row['fast_s'] * 1e6:9.1f}us inv {row['invariant_s'] * 1e6:9.1f}us "
                   f"fw {row.get('framework_s', 0) * 1e6:9.1f}us ratio {row['ratio']:.2f}", flush=True)
     return rows
+
+
+def graph_timings(name: str, rows: list[dict]) -> None:
+    """Add each mode's device time per call under CUDA graph replay to ``rows`` of op ``name``."""
+    case = build(name, max(TIME_MS))
+    with torch.no_grad():
+        for row in rows:
+            M = row["M"]
+            args = _rows(case.rows, 0, M)
+            call = case.timing(M)[0] if case.timing is not None else (lambda: case.call(*args))
+            for mode in ("fast", "invariant"):
+                with ops.mode(mode):
+                    row[f"{mode}_graph_s"] = _graph_time(call)
+            row["graph_ratio"] = row["invariant_graph_s"] / row["fast_graph_s"]
+            print(f"{name:<20}{M:>6} graph fast {row['fast_graph_s'] * 1e6:9.1f}us inv "
+                  f"{row['invariant_graph_s'] * 1e6:9.1f}us ratio {row['graph_ratio']:.2f}", flush=True)
 
 
 def _p50_per_call(fn, batches=200, per=100) -> float:
@@ -217,15 +246,29 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"op": n, "error": repr(e)[:500]})
                 traceback.print_exc()
             torch.cuda.empty_cache()
-        write_result(os.path.join(a.out_dir, "ops_h200.json"),
-                     {**meta, "bench": "ops", "ms": list(TIME_MS), "timing": "CUDA events, calls back to back, "
-                      "median of 3 batches", "results": rows})
+        payload = {**meta, "bench": "ops", "ms": list(TIME_MS), "timing": "CUDA events, calls back to back, "
+                   "median of 3 batches; *_graph_s: 20 calls captured in one CUDA graph, replayed", "results": rows}
+        write_result(os.path.join(a.out_dir, "ops_h200.json"), payload)
         print("timing done", round(time.time() - t0), flush=True)
+        for n in names:  # after the eager numbers are safe on disk: a failed capture can spoil the context
+            try:
+                graph_timings(n, [r for r in rows if r["op"] == n and "error" not in r])
+            except Exception as e:
+                payload.setdefault("graph_errors", {})[n] = repr(e)[:300]
+                traceback.print_exc()
+                break
+        write_result(os.path.join(a.out_dir, "ops_h200.json"), payload)
+        print("graph timing done", round(time.time() - t0), flush=True)
     if "model" not in skip:  # the whole model (serving path) through the table on the GPU
         from v4stack import check
 
         rep = {}
         over = {k: json.loads(v) for k, v in (x.split("=", 1) for x in a.model_set)}
+        dump = float(os.environ.get("V4STACK_DUMP_AFTER_S", "0"))
+        if dump:  # where the model check is, should the call's time run out
+            import faulthandler
+
+            faulthandler.dump_traceback_later(dump, exit=False)
         for m in ("invariant", "fast"):
             ops.reset_counters()
             t1 = time.time()

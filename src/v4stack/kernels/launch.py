@@ -31,6 +31,16 @@ class _Entry:
         self.function, self.meta = k.function, k.packed_metadata
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the wrappers' grids (``triton.cdiv`` costs microseconds a call on the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1), as ``triton.next_power_of_2`` but cheap."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 _cache: dict = {}
 _stream = _device = None
 

@@ -21,7 +21,7 @@ Which one runs depends on the batch, the arithmetic does not (checked on the GPU
 import triton
 import triton.language as tl
 
-from v4stack.kernels.launch import launch
+from v4stack.kernels.launch import cdiv, launch
 
 CHUNK = 64
 BLOCK_H = 16
@@ -137,8 +137,8 @@ def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None)
     p0, p1 = p0.contiguous(), p1.contiguous()
     i0, i1 = i0.contiguous(), i1.contiguous()
     K0, K1 = i0.shape[1], i1.shape[1]
-    nch = triton.cdiv(K0 + K1, CHUNK)
-    hg = triton.cdiv(H, BLOCK_H)
+    nch = cdiv(K0 + K1, CHUNK)
+    hg = cdiv(H, BLOCK_H)
     out = torch.empty_like(q)
     if T == 0:
         return out

@@ -14,7 +14,7 @@ chain. That a row's bits are the same in every tile shape is checked on the GPU
 import triton
 import triton.language as tl
 
-from v4stack.kernels.launch import launch
+from v4stack.kernels.launch import cdiv, launch, next_pow2
 
 from v4stack.kernels.tiles import F32_SPLIT, F32_TILES, FP8_BLOCK, FP8_TILES, HALF_TILES, HC_TILES, pick
 
@@ -91,12 +91,13 @@ def linear(x, weight, tile=None):
     import torch
 
     N, K = weight.shape
-    a = x.reshape(-1, K)
+    flat = x.dim() == 2
+    a = x if flat else x.reshape(-1, K)
     if a.stride(-1) != 1:
         a = a.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     M = a.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
     if x.dtype != torch.float32:
@@ -106,25 +107,25 @@ def linear(x, weight, tile=None):
 
             linear_tma(a, w, y, BM=t["BM"], BN=t["BN"], BK=t["BK"], GROUP_M=t.get("GROUP_M", 8),
                        num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False))
-            return y.view(*x.shape[:-1], N)
-        launch(linear_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
+            return y if flat else y.view(*x.shape[:-1], N)
+        launch(linear_kernel, (cdiv(M, t["BM"]), cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
                w.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"], BK=t["BK"], IEEE=False, num_warps=t["num_warps"],
                num_stages=t["num_stages"])
-        return y.view(*x.shape[:-1], N)
+        return y if flat else y.view(*x.shape[:-1], N)
     t = tile or pick(F32_TILES, M)
-    S = triton.cdiv(K, F32_SPLIT)
+    S = cdiv(K, F32_SPLIT)
     if t.get("fused", False):
-        launch(f32_fused_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
+        launch(f32_fused_kernel, (cdiv(M, t["BM"]), cdiv(N, t["BN"])), a, w, y, M, N, K, a.stride(0),
                w.stride(0), y.stride(0), SPLIT=F32_SPLIT, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
                num_stages=t.get("num_stages", 3))
         return y.view(*x.shape[:-1], N)
     p = y if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x.device)
-    launch(f32_slice_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]), S), a, w, p, M, N, K, a.stride(0),
+    launch(f32_slice_kernel, (cdiv(M, t["BM"]), cdiv(N, t["BN"]), S), a, w, p, M, N, K, a.stride(0),
            w.stride(0), SPLIT=F32_SPLIT, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
            num_stages=t.get("num_stages", 3))
     if S > 1:
-        launch(slice_sum_kernel, (triton.cdiv(M * N, 1024),), p, y, M * N, S, BLOCK=1024)
-    return y.view(*x.shape[:-1], N)
+        launch(slice_sum_kernel, (cdiv(M * N, 1024),), p, y, M * N, S, BLOCK=1024)
+    return y if flat else y.view(*x.shape[:-1], N)
 
 
 HC_SPLIT = 1024  # K per split of hc_mix: a constant, so a row's sum order depends on K alone
@@ -205,20 +206,20 @@ def hc_mix(flat, fn, eps, tile=None):
     y = torch.empty(M, N, dtype=torch.float32, device=flat.device)
     if M == 0:
         return y.view(*flat.shape[:-1], N)
-    S = triton.cdiv(K, HC_SPLIT)
-    bn = max(16, triton.next_power_of_2(N))
+    S = cdiv(K, HC_SPLIT)
+    bn = max(16, next_pow2(N))
     w = fn.contiguous()
     t = tile or pick(HC_TILES, M)  # the K order (BK lanes, then the slices) never changes
     bm = t["BM"]
     if t.get("fused", False):
-        launch(hc_fused_kernel, (triton.cdiv(M, bm),), x, w, y, M, N, K, float(K), float(eps), x.stride(0), w.stride(0),
+        launch(hc_fused_kernel, (cdiv(M, bm),), x, w, y, M, N, K, float(K), float(eps), x.stride(0), w.stride(0),
                BM=bm, BN=bn, BK=t["BK"], SPLIT=HC_SPLIT, num_warps=t["num_warps"])
         return y.view(*flat.shape[:-1], N)
     pacc = torch.empty(S, M, bn, dtype=torch.float32, device=flat.device)
     pss = torch.empty(S, M, dtype=torch.float32, device=flat.device)
-    launch(hc_mix_kernel, (triton.cdiv(M, bm), S), x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn,
+    launch(hc_mix_kernel, (cdiv(M, bm), S), x, w, pacc, pss, M, N, K, x.stride(0), w.stride(0), BM=bm, BN=bn,
            BK=t["BK"], SPLIT=HC_SPLIT, num_warps=t["num_warps"])
-    launch(hc_finish_kernel, (triton.cdiv(M, bm),), pacc, pss, y, M, N, float(K), S, float(eps), BM=bm, BN=bn)
+    launch(hc_finish_kernel, (cdiv(M, bm),), pacc, pss, y, M, N, float(K), S, float(eps), BM=bm, BN=bn)
     return y.view(*flat.shape[:-1], N)
 
 
@@ -269,9 +270,9 @@ def indexer_scores(q, w, k, rows=None):
         else:
             rc = rows.contiguous()
             s_rt, s_kt = rc.stride(0), 0
-        launch(indexer_kernel, (T, triton.cdiv(S, INDEXER_BS)), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
+        launch(indexer_kernel, (T, cdiv(S, INDEXER_BS)), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
                qc.stride(1), wc.stride(0), s_kt, kc.stride(-2), s_rt, out.stride(0), D=D,
-               BH=max(16, triton.next_power_of_2(H)), BS=INDEXER_BS, IEEE=q.dtype == torch.float32,
+               BH=max(16, next_pow2(H)), BS=INDEXER_BS, IEEE=q.dtype == torch.float32,
                INDEXED=rows is not None)
     return out
 
@@ -314,6 +315,6 @@ def fp8_linear(x, weight, scale):
     if M:
         sc = scale.float().contiguous()
         t = pick(FP8_TILES, M)
-        launch(fp8_kernel, (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"])), a, weight, sc, y, M, N, K, a.stride(0),
+        launch(fp8_kernel, (cdiv(M, t["BM"]), cdiv(N, t["BN"])), a, weight, sc, y, M, N, K, a.stride(0),
                weight.stride(0), sc.stride(0), y.stride(0), BM=t["BM"], BN=t["BN"], BK=FP8_BLOCK, SB=FP8_BLOCK)
     return y.view(*x.shape[:-1], N)

@@ -15,7 +15,7 @@ from a zero start), so bits do not depend on the tile shape bucket or on which p
 import triton
 import triton.language as tl
 
-from v4stack.kernels.launch import launch
+from v4stack.kernels.launch import cdiv, launch, next_pow2
 from v4stack.kernels.tiles import GROUPED_TILES, pick
 from v4stack.kernels.triton_gemm import _mm_tile
 
@@ -57,8 +57,8 @@ def grouped_linear(x, w, offsets, tile=None):
     off = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
     xc = x if x.is_contiguous() else x.contiguous()
     wc = w if w.is_contiguous() else w.contiguous()
-    grid = (min(E, T) + T // bm, triton.cdiv(N, t["BN"]))
+    grid = (min(E, T) + T // bm, cdiv(N, t["BN"]))
     launch(grouped_table_kernel, grid, xc, wc, y, off, E, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
-           EB=max(16, triton.next_power_of_2(E)), BM=bm, BN=t["BN"], BK=t["BK"], IEEE=x.dtype == torch.float32,
+           EB=max(16, next_pow2(E)), BM=bm, BN=t["BN"], BK=t["BK"], IEEE=x.dtype == torch.float32,
            num_warps=t["num_warps"], num_stages=t["num_stages"])
     return y

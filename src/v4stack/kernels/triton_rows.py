@@ -9,7 +9,7 @@ the call has.
 import triton
 import triton.language as tl
 
-from v4stack.kernels.launch import launch
+from v4stack.kernels.launch import cdiv, launch, next_pow2
 
 ROW_BLOCK = 4096  # widest row one program handles; wider rows run in chunks of this size
 
@@ -69,24 +69,24 @@ def softmax(x, dim=-1, log=False):
     import torch
 
     N = x.shape[-1]
-    x2 = x.reshape(-1, N)
+    x2 = x if x.dim() == 2 else x.reshape(-1, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     R = x2.shape[0]
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x2, memory_format=torch.contiguous_format)
     if R == 0 or N == 0:
         return y.view(x.shape)
     if N <= ROW_BLOCK:
-        block = triton.next_power_of_2(N)
-        launch(softmax_kernel, (R,), x2, y, N, x2.stride(0), y.stride(0), LOG=log, BLOCK=block,
+        block = next_pow2(N)
+        launch(softmax_kernel, (R,), x2, y, N, x2.stride(0), N, LOG=log, BLOCK=block,
                num_warps=8 if block >= 2048 else 4)
-        return y.view(x.shape)
-    S = triton.cdiv(N, ROW_BLOCK)
+        return y if x.dim() == 2 else y.view(x.shape)
+    S = cdiv(N, ROW_BLOCK)
     pm = torch.empty(R, S, dtype=torch.float32, device=x.device)
     ps = torch.empty_like(pm)
     launch(chunk_stats_kernel, (R, S), x2, pm, ps, N, x2.stride(0), S, BLOCK=ROW_BLOCK, num_warps=8)
     launch(chunk_write_kernel, (R, S), x2, y, pm, ps, N, x2.stride(0), y.stride(0), S, LOG=log, BLOCK=ROW_BLOCK,
-           SB=triton.next_power_of_2(S), num_warps=8)
+           SB=next_pow2(S), num_warps=8)
     return y.view(x.shape)
 
 
@@ -118,9 +118,9 @@ def weighted_pool(kv, score, dim):
     out_dtype = torch.promote_types(kv.dtype, score.dtype)
     y = torch.empty(kv3.shape[0], C, dtype=out_dtype, device=kv.device)
     if kv3.shape[0] and C:
-        bc = min(256, triton.next_power_of_2(C))
-        launch(pool_kernel, (kv3.shape[0], triton.cdiv(C, bc)), kv3, s3, y, P, C, kv3.stride(0), kv3.stride(1), s3.stride(0),
-                                                         s3.stride(1), y.stride(0), BP=triton.next_power_of_2(P),
+        bc = min(256, next_pow2(C))
+        launch(pool_kernel, (kv3.shape[0], cdiv(C, bc)), kv3, s3, y, P, C, kv3.stride(0), kv3.stride(1), s3.stride(0),
+                                                         s3.stride(1), y.stride(0), BP=next_pow2(P),
                                                          BC=bc)
     return y.view(*kv.shape[:-2], C)
 
@@ -149,9 +149,9 @@ def moe_combine(y, idx):
     yc, ic = y.contiguous(), idx.contiguous()
     out = torch.empty(N, D, dtype=torch.float32, device=y.device)
     if N and D:
-        bd = min(1024, triton.next_power_of_2(D))
-        launch(combine_kernel, (N, triton.cdiv(D, bd)), yc, ic, out, k, D, yc.stride(0), yc.stride(1), ic.stride(0),
-                                                out.stride(0), BK=max(2, triton.next_power_of_2(k)), BD=bd)
+        bd = min(1024, next_pow2(D))
+        launch(combine_kernel, (N, cdiv(D, bd)), yc, ic, out, k, D, yc.stride(0), yc.stride(1), ic.stride(0),
+                                                out.stride(0), BK=max(2, next_pow2(k)), BD=bd)
     return out
 
 
@@ -184,7 +184,7 @@ def rms_norm(x, weight, eps):
     if x2.shape[0] and N:
         w = weight.contiguous() if weight is not None else x2
         launch(rms_norm_kernel, (x2.shape[0],), x2, w, y, N, float(N), x2.stride(0), y.stride(0), float(eps),
-               HAS_W=weight is not None, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(N)))
+               HAS_W=weight is not None, BLOCK=min(ROW_BLOCK, next_pow2(N)))
     return y.view(x.shape)
 
 
@@ -208,9 +208,9 @@ def hc_read(x, pre):
     xc, pc = x.contiguous(), pre.contiguous()
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     if N and D:
-        bd = min(1024, triton.next_power_of_2(D))
-        launch(hc_read_kernel, (N, triton.cdiv(D, bd)), xc, pc, y, n, D, xc.stride(0), xc.stride(1), pc.stride(0),
-               y.stride(0), NB=max(2, triton.next_power_of_2(n)), BD=bd)
+        bd = min(1024, next_pow2(D))
+        launch(hc_read_kernel, (N, cdiv(D, bd)), xc, pc, y, n, D, xc.stride(0), xc.stride(1), pc.stride(0),
+               y.stride(0), NB=max(2, next_pow2(n)), BD=bd)
     return y
 
 
@@ -238,8 +238,8 @@ def hc_write(x, out, post, comb):
     xc, oc, pc, cc = x.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous()
     y = torch.empty(N, n, D, dtype=x.dtype, device=x.device)
     if N and D:
-        bd = min(1024, triton.next_power_of_2(D))
-        launch(hc_write_kernel, (N, triton.cdiv(D, bd)), xc, oc, pc, cc, y, n, D, xc.stride(0), xc.stride(1),
+        bd = min(1024, next_pow2(D))
+        launch(hc_write_kernel, (N, cdiv(D, bd)), xc, oc, pc, cc, y, n, D, xc.stride(0), xc.stride(1),
                oc.stride(0), pc.stride(0), cc.stride(0), cc.stride(1), y.stride(0), y.stride(1),
-               NB=max(2, triton.next_power_of_2(n)), BD=bd)
+               NB=max(2, next_pow2(n)), BD=bd)
     return y

@@ -11,6 +11,8 @@ a row's bits are those of the small-M tiles (checked on the GPU, ``bench/gemm_ti
 import triton
 import triton.language as tl
 
+from v4stack.kernels.launch import cdiv
+
 
 @triton.jit
 def _tile_of(t, num_m, num_n, GROUP_M: tl.constexpr):
@@ -61,7 +63,7 @@ def linear_tma(a, w, y, BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stage
     bd = TensorDescriptor.from_tensor(w, [BN, BK])
     cd = TensorDescriptor.from_tensor(y, [BM, BN])
     nsm = num_sms()
-    grid = (min(nsm, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
+    grid = (min(nsm, cdiv(M, BM) * cdiv(N, BN)),)
     linear_tma_kernel[grid](ad, bd, cd, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, NUM_SMS=nsm, WS=WS,
                             num_warps=num_warps, num_stages=num_stages)
     return y
