@@ -1,6 +1,7 @@
 """The trainer with expert parallelism (two gloo ranks, ``ep = 2``, both backends): each rank holds
 only its half of every layer's routed experts, and two steps give the same losses and the same
-weights, bit for bit, as one process accumulating the same two micro-batches. Control: with the
+weights, bit for bit, as one process accumulating the same two micro-batches (the megamoe run also
+under selective activation recompute). Control: with the
 backend's layer order (each expert's rows from both ranks in one batch) the weights differ.
 Slow: four ranks at ``ep = 4`` (bitwise, the experts' gradients added over three and more sources)
 and at ``ep = 2`` x two replicas (the block's gradients summed across replicas: equal up to fp32
@@ -41,7 +42,7 @@ def _ranks(rank, world, port, root, runs):
             expert_parallel.SOURCE_ORDER = order
             train(TrainConfig(**{**RUN, **over}, out=f"{root}/{name}", ep=ep, ep_backend=backend))
             if rank < ep:
-                step = (over or RUN)["steps"]
+                step = {**RUN, **over}["steps"]
                 held = torch.load(f"{root}/{name}/ckpt/step_{step:06d}/model.experts{rank}.pt")["model"]
                 blocks = {int(re.search(r"\.experts\.(\d+)\.", n).group(1)) // (8 // ep) for n in held}
                 assert held and blocks == {rank}  # this rank wrote (and held) only its block of experts
@@ -52,7 +53,7 @@ def _ranks(rank, world, port, root, runs):
 def test_ep2_step_equals_one_process_accumulating(tmp_path):
     one = tmp_path / "one"
     train(TrainConfig(**RUN, out=str(one), grad_accum=2))
-    runs = [("a2a", 2, "all_to_all", True, {}), ("mega", 2, "megamoe", True, {}),
+    runs = [("a2a", 2, "all_to_all", True, {}), ("mega", 2, "megamoe", True, {"recompute": "matmul"}),
             ("control", 2, "all_to_all", False, {})]
     mp.spawn(_ranks, args=(2, free_port(), str(tmp_path), runs), nprocs=2)
     want = _weights(one)

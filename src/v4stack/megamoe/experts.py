@@ -111,16 +111,7 @@ class LocalExperts:
         added in rank order: the order in which one process accumulates the micro-batches of a
         data-parallel step (and in which the sharded optimizer sums the dense gradients). Expert
         gradients then do not depend on the expert-parallel layout."""
-        return _BySource.apply(self, grid, xe, we, *self.w1, *self.w2, *self.w3)
-
-
-class _BySource(torch.autograd.Function):
-    """One autograd node over the per-source expert batches; its backward adds the sources' weight
-    gradients in rank order (autograd itself would add them in the order it meets them)."""
-
-    @staticmethod
-    def forward(ctx, ex: "LocalExperts", grid, xe, we, *weights):
-        n = ex.n_local
+        n = self.n_local
         grid_t = torch.tensor(grid, dtype=torch.long).view(-1, n)             # [sources, n_local]
         S = grid_t.shape[0]
         # each row's source (rows are expert-major, sources in order inside an expert); a stable
@@ -128,44 +119,35 @@ class _BySource(torch.autograd.Function):
         src = torch.repeat_interleave(torch.arange(S).repeat(n), grid_t.t().reshape(-1))
         by_src = torch.sort(src, stable=True).indices.to(xe.device)
         bounds = [0] + torch.cumsum(grid_t.sum(1), 0).tolist()
-        out = xe.new_empty((xe.shape[0], ex.hidden), dtype=compute_dtype(xe.dtype))
-        parts = []
+        weights = self.w1 + self.w2 + self.w3
+        copies = _Fan.apply(S, *weights) if torch.is_grad_enabled() else weights * S
+        outs = []
         for s in range(S):
-            counts = grid_t[s].tolist()
-            if not sum(counts):
-                continue
             sel = by_src[bounds[s] : bounds[s + 1]]
-            with torch.enable_grad():
-                xs = xe.detach()[sel].requires_grad_(ctx.needs_input_grad[2])
-                ws = we.detach()[sel].requires_grad_(ctx.needs_input_grad[3])
-                leaves = [w.detach().requires_grad_(True) for w in weights]
-                ys = ex.ffn(xs, ws, counts, (leaves[:n], leaves[n : 2 * n], leaves[2 * n :]))
-            out[sel] = ys.detach()
-            parts.append((sel, xs, ws, leaves, ys))
-        ctx.parts, ctx.shapes = parts, (xe.shape, xe.dtype, we.shape, we.dtype)
-        ctx.weight_meta = [(w.shape, w.dtype, w.device) for w in weights]
-        return out
+            ws = copies[s * 3 * n : (s + 1) * 3 * n]
+            outs.append(self.ffn(xe[sel], we[sel], grid_t[s].tolist(), (ws[:n], ws[n : 2 * n], ws[2 * n :])))
+        return torch.cat(outs)[torch.argsort(by_src)]
+
+
+class _Fan(torch.autograd.Function):
+    """``n`` aliases of each weight, one set per source; the backward adds each weight's ``n``
+    gradients in source order (autograd would add the uses of one tensor in the order it meets
+    them). No nested backward, so it composes with activation checkpointing."""
 
     @staticmethod
-    def backward(ctx, gy):
-        (xshape, xdtype, wshape, wdtype), dev = ctx.shapes, gy.device
-        gx = torch.zeros(xshape, dtype=xdtype, device=dev) if ctx.needs_input_grad[2] else None
-        gw = torch.zeros(wshape, dtype=wdtype, device=dev) if ctx.needs_input_grad[3] else None
-        acc: list[torch.Tensor | None] = [None] * len(ctx.weight_meta)
-        for sel, xs, ws, leaves, ys in ctx.parts:  # sources in rank order
-            inputs = [t for t in (xs, ws) if t.requires_grad] + leaves
-            grads = list(torch.autograd.grad(ys, inputs, gy[sel], allow_unused=True))
-            if xs.requires_grad:
-                gx[sel] = grads.pop(0)
-            if ws.requires_grad:
-                gw[sel] = grads.pop(0)
-            for i, g in enumerate(grads):
-                if g is not None:
-                    acc[i] = g if acc[i] is None else acc[i] + g
-        ctx.parts = None
-        gws = [a if a is not None else torch.zeros(s, dtype=d, device=v)
-               for a, (s, d, v) in zip(acc, ctx.weight_meta)]
-        return (None, None, gx, gw, *gws)
+    def forward(ctx, n: int, *weights):
+        ctx.n, ctx.k = n, len(weights)
+        return tuple(w.view_as(w) for _ in range(n) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = []
+        for i in range(ctx.k):
+            acc = grads[i]
+            for s in range(1, ctx.n):
+                acc = acc + grads[s * ctx.k + i]
+            out.append(acc)
+        return (None, *out)
 
 
 class _Block:
