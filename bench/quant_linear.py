@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", default="1,128,4096")
     ap.add_argument("--grouped", default="", help="comma list of routed rows for the grouped expert GEMM")
     ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--only", default="", help="run only the shapes whose name contains this")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if grouped:
         write_result(args.out, {"bench": "quant_linear", "iters": args.iters, "rows": [], "grouped": grouped,
                                 "note": "partial: grouped only so far"})
-    for name, N, K in FLASH + [EXPERT]:
+    for name, N, K in [sh for sh in FLASH + [EXPERT] if args.only in sh[0]]:
         w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dev)
         fp4 = name == EXPERT[0]
         data, scale = quantize_fp4(w) if fp4 else quantize_fp8(w)

@@ -94,7 +94,7 @@ def run(model, prompts, n_tokens, cfg: EngineConfig, step_cls=None, **kw) -> dic
     return out
 
 
-def train_mtp(model: V4Model, text: bytes, steps: int, batch: int = 16, seq: int = 64, lr: float = 3e-3) -> dict:
+def train_mtp(model: V4Model, text: bytes, steps: int, batch: int = 8, seq: int = 64, lr: float = 3e-3) -> dict:
     """Train only the MTP block (next-next-token loss); everything else frozen."""
     for p in model.parameters():
         p.requires_grad_(False)
@@ -106,7 +106,7 @@ def train_mtp(model: V4Model, text: bytes, steps: int, batch: int = 16, seq: int
     g = torch.Generator().manual_seed(1)
     losses = []
     model.train()
-    for _ in range(steps):
+    for _ in range(steps):  # (ops run in the process default mode, fast)
         starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
         tokens = torch.stack([data[s : s + seq] for s in starts.tolist()])
         segs, positions = model._fresh_segments(batch, seq, tokens.device)
@@ -159,11 +159,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--mtp-steps", type=int, default=0)
+    ap.add_argument("--save-model", default=None, help="write the (MTP-trained) model here (save_model)")
+    ap.add_argument("--model", default=None, help="a saved model directory (with --ckpt: its MTP block)")
+    ap.add_argument("--train-only", action="store_true")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--oracle", default="", help="comma list of draft acceptance rates to impose")
-    ap.add_argument("--mode", default=None, help="ops mode (default: invariant on CPU, fast on CUDA)")
+    ap.add_argument("--mode", default=None, help="ops modes, comma list (default: invariant on CPU, fast on CUDA)")
+    ap.add_argument("--runs", default="plain,plain_eager,mtp", help="which of plain, plain_eager, mtp to run "
+                    "(plain always runs: it is the reference)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--single", action="store_true", help="also run each prompt alone")
@@ -171,16 +176,30 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    mode = args.mode or ("fast" if dev.type == "cuda" else "invariant")
-    res: dict = {"bench": "spec_engine", "device": str(dev), "ops_mode": mode, "tokens": args.tokens,
+    modes = (args.mode or ("fast" if dev.type == "cuda" else "invariant")).split(",")
+    res: dict = {"bench": "spec_engine", "device": str(dev), "ops_modes": modes, "tokens": args.tokens,
                  "batch": args.batch, "context": args.context}
     rng = random.Random(0)
     if args.ckpt:
         model, res["model"], text = _load_ckpt(Path(args.ckpt))
+        if args.model:  # the same policy with an MTP block trained earlier by this bench
+            from v4stack.model.weights import load_model
+
+            trained = load_model(args.model)
+            model.mtp.load_state_dict(trained.mtp.state_dict())
+            res["mtp_training"] = json.loads((Path(args.model) / "mtp_training.json").read_text())
         if args.mtp_steps:
             t0 = time.perf_counter()
             res["mtp_training"] = {**train_mtp(model, text, args.mtp_steps), "s": time.perf_counter() - t0}
             print(json.dumps(res["mtp_training"]))
+        if args.save_model:
+            from v4stack.atomic import atomic_write
+            from v4stack.model.weights import save_model
+
+            save_model(model, args.save_model)
+            atomic_write(Path(args.save_model) / "mtp_training.json", json.dumps(res.get("mtp_training")).encode())
+        if args.train_only:
+            return
         offs = [rng.randrange(len(text) - args.context) for _ in range(args.batch)]
         prompts = [list(text[o : o + args.context]) for o in offs]
     else:
@@ -191,17 +210,20 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [torch.randint(0, model.cfg.vocab_size, (args.context,), generator=g).tolist()
                    for _ in range(args.batch)]
     blocks = args.batch * (-(-(args.context + args.tokens + 2) // model.cfg.block_tokens) + 1) + 8
-    base = dict(n_blocks=blocks, n_slots=args.batch + 1, max_running=args.batch, ops_mode=mode,
-                token_budget=max(256, args.batch * 2 + args.context))
     groups = [("batch", prompts)] + ([(f"single{i}", [p]) for i, p in enumerate(prompts)] if args.single else [])
     res["runs"] = {}
-    for name, ps in groups:
+    which = set(args.runs.split(","))
+    for mode, (name, ps) in [(m, g) for m in modes for g in groups]:
+        base = dict(n_blocks=blocks, n_slots=args.batch + 1, max_running=args.batch, ops_mode=mode,
+                    token_budget=max(256, args.batch * 2 + args.context))
+        name = f"{mode}/{name}"
         run(model, ps, 4, EngineConfig(**base))  # warm-up (graph capture, kernel builds)
         run(model, ps, 4, EngineConfig(**base, speculative="mtp"))
         rows = {"plain": run(model, ps, args.tokens, EngineConfig(**base))}
-        if dev.type == "cuda":
+        if dev.type == "cuda" and "plain_eager" in which:
             rows["plain_eager"] = run(model, ps, args.tokens, EngineConfig(**base, cuda_graphs=False))
-        rows["mtp"] = run(model, ps, args.tokens, EngineConfig(**base, speculative="mtp"))
+        if "mtp" in which:
+            rows["mtp"] = run(model, ps, args.tokens, EngineConfig(**base, speculative="mtp"))
         expected = {tuple(p): o for p, o in zip(ps, rows["plain"]["outputs"])}
         for a in [float(x) for x in args.oracle.split(",") if x]:
             rows[f"oracle_{a}"] = run(model, ps, args.tokens, EngineConfig(**base, speculative="mtp"), OracleStep,

@@ -224,3 +224,23 @@ def test_settings_are_checked(model):
     cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0, compress_ratios=cfg.compress_ratios[:-1])
     with pytest.raises(ValueError, match="MTP block"):
         Engine(V4Model(cfg, seed=0), EngineConfig(speculative="mtp"))
+
+
+def test_engine_drafts_equal_the_reference_mtp(model, prompts):
+    """The engine's paged MTP step drafts what the MTP block drafts over an explicit state fed the
+    same rows (prefill, then decode steps with rejections)."""
+    from v4stack.serve.speculative import mtp_forward, mtp_state
+
+    p = prompts[0]
+    eng = Engine(model, EngineConfig(**CFG, speculative="mtp"))
+    req = eng.add_request(p, SamplingParams(max_tokens=8))
+    seen = 0
+    for _ in range(4):
+        eng.step()
+        toks = req.prompt + req.output
+        with torch.no_grad(), mode("invariant"):
+            _, h = model.step([(torch.tensor(toks[:-1]), model.new_state())], hidden=True)
+            ref = mtp_forward(model, [(mtp_state(model), h[0], toks[1:], 0)])[0]
+        assert req.mtp_draft == (len(toks), int(torch.argmax(ref)))
+        seen += 1
+    assert seen == 4 and eng.stats.drafted >= 3

@@ -3,11 +3,12 @@
 Weights as V4 stores its routed experts (``ops/quantized.py``): two e2m1 codes per byte
 ``[E, N, K/2]`` (low nibble = even column) and one scale per 32 columns ``[E, N, K/32]``. Each
 program owns one (expert row tile, N tile) - the tile table of the grouped GEMM, built on the
-device without a host sync - and for every K slice decodes its weight tile in registers (code ->
-value from the bit fields, times its block scale: exact in bf16, since e2m1 has two significant
-bits and the scales are powers of two), then runs the tensor-core MMA into fp32. So the result
-is ``x @ dequant(w).T`` with the same products a dequantise-then-GEMM would use; only the
-weight bytes read are a quarter of bf16's.
+device without a host sync - and walks K one 32-column scale block at a time: it decodes the
+block's 16 bytes per weight row in registers (code -> value from the bit fields; exact in bf16,
+e2m1 has two significant bits), runs two tensor-core MMAs (even columns against the low
+nibbles, odd against the high: no interleaving shuffle), and adds the block's partial times its
+power-of-two scale into fp32. So the result is ``x @ dequant(w).T`` up to fp32 summation order;
+the weight bytes read are a quarter of bf16's.
 """
 
 import triton
@@ -29,7 +30,7 @@ def _e2m1(code):
 
 @triton.jit
 def fp4_grouped_kernel(X, Wp, Sc, Y, TileE, TileR0, Off, N, K, s_xm, s_we, s_wn, s_se, s_sn, s_ym,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     e = tl.load(TileE + p)
     if e >= 0:
@@ -41,16 +42,17 @@ def fp4_grouped_kernel(X, Wp, Sc, Y, TileE, TileR0, Off, N, K, s_xm, s_we, s_wn,
         cmask = cols < N
         W = Wp + e.to(tl.int64) * s_we
         S = Sc + e.to(tl.int64) * s_se
-        kk = tl.arange(0, BK)
-        kb = tl.arange(0, BK // 2)
+        j = tl.arange(0, 16)  # byte j of a 32-column block holds columns 2j (low) and 2j + 1 (high)
         acc = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, K, BK):
-            a = tl.load(X + rows[:, None] * s_xm + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
-            pk = tl.load(W + cols[:, None] * s_wn + (k0 // 2 + kb)[None, :], mask=cmask[:, None], other=0)
+        for k0 in range(0, K, 32):
+            pk = tl.load(W + cols[:, None] * s_wn + (k0 // 2 + j)[None, :], mask=cmask[:, None], other=0)
             pk = pk.to(tl.int32) & 0xFF
-            w = tl.reshape(tl.join(_e2m1(pk & 15), _e2m1(pk >> 4)), (BN, BK))  # even column = low nibble
-            sc = tl.load(S + cols[:, None] * s_sn + ((k0 + kk) // 32)[None, :], mask=cmask[:, None], other=0.0)
-            acc = tl.dot(a, tl.trans((w * sc).to(a.dtype)), acc)
+            xe = tl.load(X + rows[:, None] * s_xm + (k0 + 2 * j)[None, :], mask=rmask[:, None], other=0.0)
+            xo = tl.load(X + rows[:, None] * s_xm + (k0 + 2 * j + 1)[None, :], mask=rmask[:, None], other=0.0)
+            part = tl.dot(xe, tl.trans(_e2m1(pk & 15).to(xe.dtype)))
+            part = tl.dot(xo, tl.trans(_e2m1(pk >> 4).to(xo.dtype)), part)
+            sc = tl.load(S + cols * s_sn + k0 // 32, mask=cmask, other=0.0)
+            acc += part * sc[None, :]  # the block's scale (a power of two) on its partial
         tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
@@ -90,7 +92,6 @@ def grouped_fp4_linear(x, packed, scale, offsets):
     if T == 0:
         return y
     bm = 16 if T <= 256 else 64
-    bk = 64 if K % 64 == 0 else 32
     off = offsets.to(device=x.device, dtype=torch.int64)
     tiles = (off[1:] - off[:-1] + bm - 1) // bm
     first = torch.cumsum(tiles, 0) - tiles
@@ -101,9 +102,9 @@ def grouped_fp4_linear(x, packed, scale, offsets):
     r0 = off[ec] + (pid - first[ec]) * bm
     tile_e = torch.where(e < E, ec, -1).to(torch.int32)
     xc, wp, sc = x.contiguous(), packed.contiguous(), scale_f32(scale).contiguous()
-    BN = 64
+    BN = 32 if T <= 64 else 64  # small batches: more programs over N
     launch(fp4_grouped_kernel, (P, triton.cdiv(N, BN)), xc, wp, sc, y, tile_e, r0, off, N, K, xc.stride(0),
-           wp.stride(0), wp.stride(1), sc.stride(0), sc.stride(1), y.stride(0), BM=bm, BN=BN, BK=bk, num_warps=4)
+           wp.stride(0), wp.stride(1), sc.stride(0), sc.stride(1), y.stride(0), BM=bm, BN=BN, num_warps=4)
     return y
 
 

@@ -21,9 +21,10 @@ A rejected draft is taken out of the cache: the request advances by its accepted
 block, hash or boundary snapshot sees the draft; a snapshot the step took at the draft's block end
 goes back to the pool) and the ring rows and closed entries it wrote are restored
 (``serve/cache/rollback.py``). The MTP block then reads every fed position that was kept - its
-main-stack streams and the token after it - with its own window per request (not paged: one
-window of ``n_win`` rows), and drafts the next token greedily. After a prefix hit or a preemption
-the MTP window starts empty at the request's position: drafts may be worse, tokens are not.
+main-stack streams and the token after it - in one flat paged step of its own: its window is a
+ring per state slot (the request's slot in the main cache), read and written in place like the
+main layers' windows; and it drafts the next token greedily. After a prefix hit or a preemption
+the MTP window starts empty (zeros) at the request's position: drafts may be worse, tokens are not.
 
 Reported tokens (``on_event``) are accepted tokens only, so a token WAL never sees a draft.
 """
@@ -35,11 +36,11 @@ import time
 
 import torch
 
+from v4stack.model.paged import PagedCache, PagedStep, StepBatch
 from v4stack.ops.mode import mode as ops_mode
 from v4stack.serve.cache import rollback
 from v4stack.serve.request import Request, Status
 from v4stack.serve.sampling import Row, sample
-from v4stack.serve.speculative import mtp_forward, mtp_state
 
 
 class MTPStep:
@@ -48,6 +49,14 @@ class MTPStep:
             raise ValueError("engine setting 'speculative'='mtp' needs a model with an MTP block "
                              "(num_nextn_predict_layers >= 1)")
         self.e = engine
+        m, cfg = engine.model, engine.model.cfg
+        if cfg.mtp_ratios[0] != 0:
+            raise ValueError("speculative decoding expects an SWA-only MTP block (compress ratio 0)")
+        self.layer = m.mtp[0].layer_id
+        ring = torch.zeros(engine.cache.slots.n_slots + 1, cfg.sliding_window, cfg.head_dim, dtype=m.dtype,
+                           device=m.embed.weight.device)
+        key = ("swa_kv", self.layer)
+        self.paged = PagedCache(state={key: (ring,)}, snap={key: (ring,)}, blocks={}, block_tokens=engine.cache.B)
 
     @staticmethod
     def draft_tokens(req: Request) -> int:
@@ -177,19 +186,37 @@ class MTPStep:
         """Feed the MTP block every kept position of every live request; draft for the ready ones."""
         e = self.e
         feed = []
+        ring = self.paged.state[("swa_kv", self.layer)][0]
         for i, (req, _) in enumerate(plan):
             if req.status is Status.FINISHED or req.cache is None:
                 continue
             s, m = starts[i], kept[i]
-            st = getattr(req, "mtp_state", None)
-            if st is None or st[1] != s:  # first step, prefix hit, preemption, restore
-                st = req.mtp_state = [mtp_state(e.model), s]
-            feed.append((i, req, st, hidden[cu[i] : cu[i] + m], e._tokens(req, s + 1, s + m + 1), s))
+            if getattr(req, "mtp_pos", None) != s:  # first step, prefix hit, preemption, restore
+                ring[req.cache.slot].zero_()
+            req.mtp_pos = s + m
+            feed.append((i, req, s, m))
         if not feed:
             return
+        dev = hidden.device
+        rows = torch.cat([torch.arange(cu[i], cu[i] + m) for i, _, _, m in feed]).to(dev)
+        nxt = [t for _, req, s, m in feed for t in e._tokens(req, s + 1, s + m + 1)]
+        lens = torch.tensor([m for *_, m in feed])
+        seq = torch.repeat_interleave(torch.arange(len(feed)), lens)
+        row0 = torch.cumsum(lens, 0) - lens
+        pos0 = torch.tensor([s for _, _, s, _ in feed])
+        positions = torch.arange(int(lens.sum())) - row0[seq] + pos0[seq]
+        ids = torch.tensor(nxt, dtype=torch.long)
+        b = StepBatch(ids=ids.to(dev), positions=positions.to(dev), seq=seq.to(dev), row0=row0.to(dev),
+                      pos0=pos0.to(dev), end=(pos0 + lens).to(dev),
+                      slots=torch.tensor([req.cache.slot for _, req, _, _ in feed], device=dev),
+                      block_table=torch.full((len(feed), 1), -1, dtype=torch.long, device=dev),
+                      max_end=int((pos0 + lens).max()), decode=bool((lens == 1).all()))
+        m = e.model
         with ops_mode(e.config.ops_mode):
-            logits = mtp_forward(e.model, [(st[0], h, t, s) for _, _, st, h, t, s in feed])
-        for (i, req, st, h, t, s), lg in zip(feed, logits):
-            st[1] = s + len(t)
+            ids = b.ids
+            y = m.mtp[0].predict(hidden[rows], m.embed(ids), b.positions, PagedStep(b, self.paged), ids)
+            logits = m.head(y[(row0 + lens - 1).to(dev)])
+        best = torch.argmax(logits, -1).tolist()
+        for (i, req, _, _), tok in zip(feed, best):
             if ready[i]:
-                req.mtp_draft = (len(req.prompt) + len(req.output), int(torch.argmax(lg)))
+                req.mtp_draft = (len(req.prompt) + len(req.output), tok)
