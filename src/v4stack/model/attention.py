@@ -26,6 +26,7 @@ from v4stack.model.indexer import Indexer
 from v4stack.model.linear import Linear
 from v4stack.model.norm import RMSNorm
 from v4stack.model.paged import PagedStep, Rings, entry_rows, take
+from v4stack.model.quant import grouped_weight
 from v4stack.model.rope import Rotary
 from v4stack.model.state import LayerState
 
@@ -100,8 +101,9 @@ class Attention(nn.Module):
         o = self.rotary.apply(o, positions, inverse=True)
         g = self.groups
         o = o.reshape(N, g, H * c // g)
-        wa = self.wo_a.weight.view(g, self.group_rank, -1)
-        o = fused.group_linear(o, wa)
+        wa = grouped_weight(self.wo_a, g, self.group_rank)  # row slices once its dense copy is dropped
+        o = fused.group_linear(o, wa) if isinstance(wa, torch.Tensor) else torch.cat(
+            [ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
         return self.wo_b(o)
 
     def _segments(self, x, qr, q, kv, positions, segments: list[Segment], layer: int):

@@ -15,6 +15,10 @@ Activation rounding (``set_act_rounding(model, True)``; on by default for quanti
 
 A block narrower than the nominal width (a tiny config's last block) is rounded as one block.
 The indexer's top-k breaks ties towards the earlier entry (deterministic), rounding on or off.
+
+Weights in memory (``keep_quantized``): a loaded quantised layer holds its ``QuantizedWeight`` and
+a dense dequantised copy. Where ``ops.linear`` has an implementation for the stored format on the
+weight's device that reads it directly (a GPU kernel), the dense copy is dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from v4stack.ops.quantized import (
     FP4_MAX,
     FP8_MAX,
+    FormatError,
     QuantizedWeight,
     pow2_ceil,
     quantize_fp4,
@@ -150,3 +155,71 @@ def set_act_rounding(model: torch.nn.Module, on: bool = True) -> torch.nn.Module
             mod.indexer.compressor.rounding = idx
     model.act_rounding = on
     return model
+
+
+def grouped_weight(linear, groups: int, rank: int):
+    """``wo_a``'s per-group weights: the dense weight viewed ``[g, rank, K]``, or - once its dense
+    copy was dropped (``keep_quantized``) - row slices of the stored weight, made once."""
+    if linear.qweight is None or linear.weight.numel():
+        return linear.weight.view(groups, rank, -1)
+    got = getattr(linear, "_qgroups", None)
+    if got is None:
+        got = linear._qgroups = [linear.qweight.rows(i * rank, (i + 1) * rank) for i in range(groups)]
+    return got
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct storage the model holds: parameters, buffers, stored quantised
+    weights and their scales, and dense copies cached on them."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device.type)
+        if t.numel() and key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        add(t)
+    for mod in model.modules():
+        qw = getattr(mod, "qweight", None)
+        if qw is not None:
+            for t in (qw.data, qw.scale, *qw._dense.values()):
+                add(t)
+    return total
+
+
+def keep_quantized(model: torch.nn.Module) -> dict:
+    """Drop the dense copy of every quantised layer whose matmul an implementation serves from the
+    stored format (``ops.linear`` resolved for the model's activation dtype on the weight's device
+    is not the dequantise-and-cache fallback). Only layers read through ``ops.linear`` qualify -
+    the attention projections, ``wo_a`` (its groups become row slices) and the MTP projections;
+    shared and routed experts keep their dense copies (their SwiGLU and the grouped expert backend
+    read dense weights). Returns the layers dropped and the resident bytes before and after."""
+    from torch import nn
+
+    from v4stack.ops import dispatch
+    from v4stack.ops.mode import get_mode
+
+    before = resident_bytes(model)
+    act = model.embed.weight.dtype if hasattr(model, "embed") else torch.bfloat16
+    dropped = []
+    for name, mod in model.named_modules():
+        qw = getattr(mod, "qweight", None)
+        if qw is None or "experts" in name or not mod.weight.numel():
+            continue
+        x = torch.empty(1, qw.shape[1], dtype=act, device=qw.device)
+        if dispatch.resolve("linear", get_mode(), qw.fmt, qw.device.type, x, qw).name == "dequantize_cached":
+            continue
+        if name.endswith("attn.wo_a"):  # its groups must be whole scale blocks of rows
+            attn = model.get_submodule(name[: -len(".wo_a")])
+            try:
+                mod._qgroups = [qw.rows(i * attn.group_rank, (i + 1) * attn.group_rank) for i in range(attn.groups)]
+            except FormatError:
+                continue
+        mod.weight = nn.Parameter(mod.weight.data.new_empty(0), requires_grad=False)
+        qw._dense.clear()
+        dropped.append(name)
+    return {"dropped": dropped, "bytes_before": before, "bytes_after": resident_bytes(model)}

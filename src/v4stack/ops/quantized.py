@@ -188,6 +188,13 @@ class QuantizedWeight:
             self._dense[key] = self.dequantize().to(device=device, dtype=dtype)
         return self._dense[key]
 
+    def rows(self, lo: int, hi: int) -> "QuantizedWeight":
+        """Output rows ``[lo, hi)`` as a weight of the same format (bounds on scale-block edges)."""
+        br = FP8_BLOCK if self.fmt == "fp8" else 1
+        if lo % br or (hi % br and hi != self.shape[0]):
+            raise FormatError(f"rows [{lo}, {hi}) of a {self.fmt} weight must start and end on {br}-row scale blocks")
+        return QuantizedWeight(self.fmt, self.data[lo:hi], self.scale[lo // br : -(-hi // br)])
+
     def to(self, device) -> "QuantizedWeight":
         return QuantizedWeight(self.fmt, self.data.to(device), self.scale.to(device))
 
