@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--budgets", default="0,0.05,0.1,0.2,0.3,0.5,0.7,1.0")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--form", choices=("rule", "index"), default="rule",
+                    help="how a plan runs: rule (decided per op from its output; robust to op-sequence "
+                         "changes between torch versions) or index (the profiled op sequence, checked)")
     ap.add_argument("--out", default="bench/results/recompute.json")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -88,6 +91,18 @@ def main(argv: list[str] | None = None) -> None:
     lm_loss(model(tokens), None, tokens)[0].backward()  # one profiled forward (and a warm-up)
     records = [p.records for p in prof]
 
+    from bench.runner import save_figure, write_result
+
+    def form(plan):
+        return plan.rule() if a.form == "rule" else plan.policy()
+
+    def result(rows):
+        return {"preset": a.preset, "overrides": FLASH_2 if a.preset == "flash" else {}, "seq_len": a.seq_len,
+                "batch": a.batch, "dtype": a.dtype, "plan_form": a.form, "rows": rows,
+                "ops_per_block": [len(r) for r in records]}
+
+    rows = []
+
     def run(name: str, contexts, plans=None) -> dict:
         for i, b in enumerate(blocks):
             model.layers[i] = b if contexts is False else Checkpointed(b, contexts[i] if contexts else None)
@@ -95,25 +110,25 @@ def main(argv: list[str] | None = None) -> None:
         if plans:
             row["planned_saved_bytes"] = sum(p.saved_bytes for p in plans)
             row["planned_recompute_cost"] = sum(p.recompute_cost for p in plans)
+            if a.form == "rule" and name.startswith("planner"):  # the rule's decisions, summed over the forwards run
+                row["rule_saved_ops"] = sum(p.rule_stats.get("saved", 0) for p in plans)
+                row["rule_recomputed_ops"] = sum(p.rule_stats.get("recomputed", 0) for p in plans)
         print(json.dumps(row), flush=True)
+        rows.append(row)
+        write_result(a.out, result(rows))  # after every row: a cut-off run keeps what it measured
         return row
 
-    rows = [run("none", False), run("full", None)]
+    run("none", False)
+    run("full", None)
     mm = [matmul_plan(r) for r in records]
-    rows.append(run("torch-sac-matmuls", [sac_matmul_policy() for _ in blocks], mm))
-    rows.append(run("planner@torch-sac-memory", [make_plan(r, p.saved_bytes).policy() for r, p in zip(records, mm)],
-                    [make_plan(r, p.saved_bytes) for r, p in zip(records, mm)]))
+    run("torch-sac-matmuls", [sac_matmul_policy() for _ in blocks], mm)
+    same_mem = [make_plan(r, p.saved_bytes) for r, p in zip(records, mm)]
+    run("planner@torch-sac-memory", [form(p) for p in same_mem], same_mem)
     for f in (float(x) for x in a.budgets.split(",")):
         plans = [make_plan(r, int(f * make_plan(r, 1 << 62).full_bytes)) for r in records]
-        rows.append(run(f"planner@{f:g}", [p.policy() for p in plans], plans))
+        run(f"planner@{f:g}", [form(p) for p in plans], plans)
     for i, b in enumerate(blocks):
         model.layers[i] = b
-    from bench.runner import save_figure, write_result
-
-    out = {"preset": a.preset, "overrides": FLASH_2 if a.preset == "flash" else {}, "seq_len": a.seq_len,
-           "batch": a.batch, "dtype": a.dtype, "rows": rows,
-           "ops_per_block": [len(r) for r in records]}
-    write_result(a.out, out)
     if dev.type == "cuda":
         import matplotlib
 
