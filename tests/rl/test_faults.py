@@ -36,6 +36,7 @@ def test_edge_killed_mid_loop_its_tool_calls_are_rerun_and_trained_once(tmp_path
     assert fault["kind"] == "edge" and fault["step"] == 2 and fault["replacement"] != fault["edge"]
     with sqlite3.connect(out / "dsec" / "dsec.sqlite") as db:
         edge_of = dict(db.execute("SELECT id, edge FROM sandboxes"))
+        verdict = {sid: (state, reason) for sid, state, reason in db.execute("SELECT id, state, reason FROM sandboxes")}
     calls = tool_calls(out)
     assert {c["how"] for c in calls} <= {"ran", "rerun"} and all(c["how"] for c in calls)
     by_round = {r: [c for c in calls if c["traj"].startswith(f"r{r}-")] for r in (1, 2, 3)}
@@ -44,6 +45,9 @@ def test_edge_killed_mid_loop_its_tool_calls_are_rerun_and_trained_once(tmp_path
     hit = [c for c in dead if c["traj"].startswith(("r2-", "r3-"))]  # addressed to the edge after its death
     assert hit, "no tool call reached the dead edge"
     assert all(c["how"] == "rerun" for c in hit), hit
+    # DSec's own verdict on those sandboxes: lost with their edge
+    assert all(verdict[c["sandbox"]] == ("lost", f"edge {fault['edge']} stopped heartbeating") for c in hit), \
+        [verdict[c["sandbox"]] for c in hit]
     assert all(c["how"] == "ran" for c in calls if c not in hit)  # nothing else needed a rerun
     # each rerun trajectory is consumed exactly once (the audit), by the step of its round
     steps = a["steps"]

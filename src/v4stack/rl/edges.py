@@ -123,6 +123,15 @@ class EdgeHost:
     def address(self) -> str:
         return self.url
 
+    def node(self) -> str | None:
+        """The Ray node this owner runs on (None outside Ray)."""
+        try:
+            import ray
+
+            return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        except Exception:
+            return None
+
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
