@@ -100,6 +100,22 @@ def test_the_rule_form_holds_on_other_inputs(block_and_inputs):
     assert plan.rule_stats["saved"] > 0 and plan.rule_stats["recomputed"] > 0
 
 
+def test_the_rule_form_without_the_op_output(block_and_inputs):
+    # torch releases that ask the policy before the op runs give no output: the rule then decides
+    # by (op name, input shapes) from the plan; gradients stay the plain backward's, bit for bit
+    blk, (x, positions, segs, ids) = block_and_inputs
+    plan = make_plan(profile(blk, x, positions, segs, ids), budget_bytes=1 << 18)
+    g = torch.Generator().manual_seed(5)
+    for args in ((x, positions, segs, ids),
+                 (torch.randn(x.shape, generator=g), positions, segs, torch.randint(0, 256, ids.shape, generator=g))):
+        got = _grads(Checkpointed(blk, plan.rule(use_output=False)), blk, args)
+        assert all(torch.equal(a, b) for a, b in zip(got, _grads(blk, blk, args)))
+        assert plan.rule_stats["saved"] > 0 and plan.rule_stats["recomputed"] > 0
+    none = make_plan(profile(blk, x, positions, segs, ids), budget_bytes=0)
+    _grads(Checkpointed(blk, none.rule(use_output=False)), blk, (x, positions, segs, ids))
+    assert none.rule_stats["saved"] == 0  # control: an empty plan saves nothing by key either
+
+
 def test_a_plan_for_other_ops_is_refused(block_and_inputs):
     blk, args = block_and_inputs
     recs = profile(blk, *args)

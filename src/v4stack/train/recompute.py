@@ -51,6 +51,7 @@ class OpRecord:
     storages: tuple[int, ...] = ()
     in_storages: tuple[int, ...] = ()
     needed: bool = False  # autograd keeps this output (or a view of it) for the backward
+    in_shapes: tuple = ()  # shapes of the tensor inputs (the rule's key when the output is not shown)
 
 
 def _tensors(x):
@@ -90,7 +91,11 @@ def _record(index: int, func, args, kwargs, out, seen: set[int] | None) -> OpRec
                     in_bytes=sum(t.numel() * t.element_size() for t in ins), flops=flops,
                     view=bool(outs) and all(_storage(t) in in_ptrs for t in outs),
                     random=torch.Tag.nondeterministic_seeded in func.tags, inplace=func._schema.is_mutable,
-                    storages=tuple(ptrs), in_storages=tuple(in_ptrs))
+                    storages=tuple(ptrs), in_storages=tuple(in_ptrs), in_shapes=_shapes(ins))
+
+
+def _shapes(tensors) -> tuple:
+    return tuple(tuple(t.shape) for t in tensors)
 
 
 class _Recorder(TorchDispatchMode):
@@ -154,19 +159,31 @@ class Plan:
 
         return contexts
 
-    def rule(self, balance: float = 100.0):
+    def rule(self, balance: float = 100.0, use_output: bool = True):
         """The same plan as a rule that holds for other inputs too (a block's op sequence depends on
         its data: which experts get tokens, how many candidates are visible). The greedy knapsack
         keeps every output above a value density, so the rule is: save an op's output when its
         recompute time per byte reaches the smallest density the plan kept, unless the op is a
         view, in-place, or of a kind whose outputs the profile saw written in place later; random
-        draws always. Decided per call from the op's real output (``ctx.op_output``)."""
+        draws always. Decided per call from the op's real output (``ctx.op_output``).
+
+        Where the checkpoint asks before the op has run (torch releases whose policy context has
+        no ``op_output``, e.g. 2.11), or with ``use_output=False``, the decision comes from the
+        plan by key instead: (op name, input shapes) as profiled, else the majority decision of
+        that op name's savable calls. Neither form depends on the op's position in the sequence."""
         kept = [_density(self.records[i], balance) for i in self.save if not self.records[i].random]
         threshold = min(kept) if kept else float("inf")
         unsafe = {r.name for r in self.records if r.view or r.inplace} | _mutated_later(self.records)
         unsafe |= {r.name for r in self.records} - {r.name for r in self.records if r.needed or r.random}
 
         stats = self.rule_stats = {"saved": 0, "recomputed": 0}
+        by_key: dict = {}
+        by_name: dict = {}
+        for r in _savable(self.records):
+            keep = r.index in self.save
+            by_key[(r.name, r.in_shapes)] = by_key.get((r.name, r.in_shapes), False) or keep
+            n_keep, n_all = by_name.get(r.name, (0, 0))
+            by_name[r.name] = (n_keep + keep, n_all + 1)
 
         def decide(ctx, op, *args, **kwargs):
             policy = fn(ctx, op, *args, **kwargs)
@@ -175,10 +192,15 @@ class Plan:
             return policy
 
         def fn(ctx, op, *args, **kwargs):
-            out = getattr(ctx, "op_output", None)
+            out = getattr(ctx, "op_output", None) if use_output else None
             name = str(op.overloadpacket)
-            if out is None or name in unsafe:
+            if name in unsafe:
                 return CheckpointPolicy.PREFER_RECOMPUTE
+            if out is None:
+                key = (name, _shapes(_tensors((args, list(kwargs.values())))))
+                n_keep, n_all = by_name.get(name, (0, 0))
+                save = by_key[key] if key in by_key else 2 * n_keep > n_all
+                return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
             r = _record(0, op, args, kwargs, out, None)
             if r.view or r.out_bytes == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
