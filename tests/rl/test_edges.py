@@ -44,3 +44,39 @@ def test_edge_actors_run_on_the_node_with_the_sandbox_resource(tmp_path):
             dsec.close()
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_tool_calls_on_a_killed_edge_are_rerun(dsec):
+    """Default run: an edge SIGKILLed (by its owner) under a pooled sandbox and under a command in
+    flight; both calls come back 'rerun' with the command's real output, from a fresh sandbox on the
+    edge's next incarnation. Inverse control: the same calls on a live edge come back 'ran'."""
+    import threading
+    import time
+
+    from v4stack.rl.sandboxes import ToolRunner
+
+    tools = ToolRunner(dsec.url, dsec.token, slots=2)
+    try:
+        a, sid_a, seq_a = tools.reserve()
+        b, sid_b, seq_b = tools.reserve()
+        assert sid_a != sid_b
+        assert tools.run(a, seq_a, "expr 40 + 2") == ("42\n", "ran")  # inverse control: live edge
+        assert tools.run(b, seq_b, "echo live") == ("live\n", "ran")
+        pooled, sid2, seq = tools.reserve()  # both from the pool, on the current edge
+        slow, slow_id2, slow_seq = tools.reserve()
+        assert {sid2, slow_id2} == {sid_a, sid_b}
+        got = {}
+        t = threading.Thread(target=lambda: got.update(slow=tools.run(slow, slow_seq, "sleep 1.5; echo late")))
+        t.start()
+        time.sleep(0.5)  # the command is running on the edge
+        dead = dsec.kill_edge("edge-0")
+        new = dsec.ensure_edge("edge-0")
+        t.join(60)
+        assert got["slow"] == ("late\n", "rerun")
+        assert tools.run(pooled, seq, "expr 40 + 2") == ("42\n", "rerun")
+        assert tools.stats.retried == 2 and tools.stats.failed == 0
+        assert new["id"] != dead["id"] and new["registered"]
+        fresh, fid, fseq = tools.reserve()  # the re-runs' sandboxes, on the new incarnation: 'ran'
+        assert fid not in (sid2, slow_id2) and tools.run(fresh, fseq, "echo ok") == ("ok\n", "ran")
+    finally:
+        tools.close()
