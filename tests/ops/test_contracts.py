@@ -74,3 +74,39 @@ def test_a_pool_read_without_its_index_bound_is_rejected():
     assert {f["access"] for f in failures} == {"load P0", "load P1"}
     cex = next(f["counterexample"] for f in failures if f["access"] == "load P0")
     assert cex["r0"] >= cex["N0"] >= 0
+
+
+def test_one_row_softmax_with_an_off_by_one_mask_is_rejected():
+    from v4stack.kernels import specs_more
+
+    failures = prove.prove(specs_more.softmax_row(row_bound=lambda n: n.o <= n.N, name="softmax_row_off_by_one"))
+    cex = {f["access"]: f["counterexample"] for f in failures}
+    assert cex["load X"]["o"] == cex["load X"]["N"]  # the column one past the row
+
+
+def test_grouped_tile_table_needs_the_offsets_order():
+    # without "offsets rise" (two experts' row ranges may overlap) two programs store one row
+    import dataclasses
+
+    from v4stack.kernels import specs_more
+
+    g = specs_more.grouped_table()
+    failures = prove.prove(dataclasses.replace(g, name="grouped_unordered", relate=lambda a, b: []))
+    assert [(f["property"], f["access"]) for f in failures] == [("disjoint", "store Y")]
+    assert prove.prove(g) == []  # with it, the same kernel proves
+
+
+def test_a_chosen_tile_must_be_a_proved_candidate(tmp_path):
+    import json
+
+    from v4stack.kernels import tiles
+
+    ok = {"tables": {"HALF_TILES": [[64, tiles.HALF_CANDIDATES[1]], [1 << 62, tiles.HALF_CANDIDATES[6]]]}}
+    (tmp_path / "ok.json").write_text(json.dumps(ok))
+    assert tiles.load_chosen(tmp_path / "ok.json")["HALF_TILES"][1][1]["tma"] is True
+    bad = {"tables": {"HALF_TILES": [[1 << 62, dict(tiles.HALF_CANDIDATES[0], BK=32)]]}}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="not a candidate"):
+        tiles.load_chosen(tmp_path / "bad.json")
+    # every tile in use has its contract among the proved specs
+    assert all(n in specs.ALL for g in ("gemm_half", "gemm_grouped", "hc_mix") for n in specs.GROUPS[g])
