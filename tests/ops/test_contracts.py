@@ -93,6 +93,9 @@ def test_grouped_tile_table_needs_the_offsets_order():
     g = specs_more.grouped_table()
     failures = prove.prove(dataclasses.replace(g, name="grouped_unordered", relate=lambda a, b: []))
     assert [(f["property"], f["access"]) for f in failures] == [("disjoint", "store Y")]
+    cex = failures[0]["counterexample"]
+    # two programs store the same row (each program's values are in the counterexample, the second as x_b)
+    assert cex["lo"] + cex["j"] * 64 + cex["i"] == cex["lo_b"] + cex["j_b"] * 64 + cex["i_b"]
     assert prove.prove(g) == []  # with it, the same kernel proves
 
 

@@ -137,7 +137,8 @@ def prove(spec: Spec) -> list[dict]:
         m = ([acc.mask(ns), acc.mask(ns2)] if acc.mask else [])
         same = [a == b for a, b in zip(acc.coords(ns), acc.coords(ns2))]
         rel = list(spec.relate(ns, ns2))
-        check("disjoint", f"store {acc.tensor}", cons + cons2 + rel + m + [differ, *same], {**names, **names2})
+        both = {**names, **{f"{k}_b": v for k, v in names2.items()}}  # the second program's values as x_b
+        check("disjoint", f"store {acc.tensor}", cons + cons2 + rel + m + [differ, *same], both)
     return failures
 
 
