@@ -29,7 +29,7 @@ def test_hc_split_kernel_matches_float64_and_is_row_local():
 
 
 def test_hc_pre_kernel_matches_float64_and_is_row_local(monkeypatch):
-    monkeypatch.setattr(tm, "PRE_SPLIT", 128)  # several K slices at a small width
+    monkeypatch.setattr(tm, "PRE_SPLIT", 64)  # 5 K slices (a masked tree) at a small width
     x = torch.randn(9, 4, 80, generator=g).bfloat16()
     fn = torch.randn(24, 320, generator=g) * 0.05
     _, scale, base = _mix(1)
@@ -39,6 +39,17 @@ def test_hc_pre_kernel_matches_float64_and_is_row_local(monkeypatch):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
     alone = tm.hc_pre(x[6:7].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
     assert all(torch.equal(a[0], b[6]) for a, b in zip(alone, got))
+
+
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+def test_swiglu_act_kernel_matches_float64(limit):
+    gate, up, w = torch.randn(5, 1100, generator=g) * 2, torch.randn(5, 1100, generator=g) * 2, torch.rand(5, generator=g)
+    for weight in (None, w):
+        got = tm.swiglu_act(gate.bfloat16(), up.bfloat16(), limit, weight, torch.float32)
+        want = fused.swiglu_act_reference(gate.bfloat16().double(), up.bfloat16().double(), limit,
+                                          None if weight is None else weight.double(), torch.float64)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert got.abs().max() <= (limit * limit * w.max() if limit else float("inf"))
 
 
 @pytest.mark.parametrize("shape", [(5, 3, 48), (6, 40)])
@@ -105,6 +116,13 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
     assert ops.counters()["rope"] == {"triton_rope": 1}
     torch.testing.assert_close(y.double(), fused.rope_reference(x.double(), pos, freqs, False), atol=2e-2, rtol=1e-2)
     assert torch.equal(fused.rope(x[7:8].clone(), pos[7:8], freqs)[0], y[7])
+    gt, up, rw = (torch.randn(33, 2048, device="cuda") * 3).bfloat16(), torch.randn(33, 2048, device="cuda").bfloat16(), \
+        torch.rand(33, device="cuda")
+    ops.reset_counters()
+    act = fused.swiglu_act(gt, up, 10.0, rw, torch.bfloat16)
+    assert ops.counters()["swiglu_act"] == {"triton_swiglu_act": 1}
+    torch.testing.assert_close(act.double(), fused.swiglu_act_reference(gt.double(), up.double(), 10.0, rw.double(),
+                                                                         torch.float64), atol=2e-2, rtol=1e-2)
     o, w = torch.randn(5, 8, 64, device="cuda").bfloat16(), torch.randn(8, 32, 64, device="cuda").bfloat16()
     with ops.mode("fast"):
         torch.testing.assert_close(fused.group_linear(o, w).float(), fused.group_linear_reference(o, w).float(),

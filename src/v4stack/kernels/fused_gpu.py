@@ -23,6 +23,14 @@ def hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
             and fn.device == x.device and scale.device == x.device and base.device == x.device)
 
 
+def swiglu_act_ok(gate, up, limit, weight, out_dtype) -> bool:
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    return (gate.is_cuda and gate.dim() == 2 and gate.dtype in fl and up.dtype in fl and gate.shape == up.shape
+            and gate.is_contiguous() and up.is_contiguous() and up.device == gate.device and out_dtype in fl
+            and (weight is None or (weight.dim() == 1 and weight.shape[0] == gate.shape[0] and weight.is_contiguous()
+                                    and weight.dtype == torch.float32 and weight.device == gate.device)))
+
+
 def rope_ok(x, positions, freqs, inverse) -> bool:
     h = freqs.shape[0] if freqs.dim() == 1 else 0
     return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() >= 2
@@ -68,5 +76,7 @@ def register_all(register) -> None:
              accepts=_with("triton", C.hc_read))
     register("hc_write", "triton_hc_write", _lazy("triton_rows", "hc_write", "row_mix"), mode="fast", device="cuda",
              accepts=_with("triton", C.hc_write))
+    register("swiglu_act", "triton_swiglu_act", _guarded("swiglu_act", _lazy("triton_mhc", "swiglu_act"),
+             ref("swiglu_act_reference")), device="cuda", accepts=_with("triton", swiglu_act_ok))
     register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
              device="cuda", accepts=_with("triton", rope_ok))

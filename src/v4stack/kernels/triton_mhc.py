@@ -75,7 +75,7 @@ def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
     return pre, post, comb
 
 
-PRE_SPLIT = 512  # K per partial of hc_pre's projection: a constant, so a row's sum order depends on K alone
+PRE_SPLIT = 128  # K per partial of hc_pre's projection: a constant, so a row's sum order depends on K alone
 _BM, _BK = 4, 64  # rows and K per tile of the partial kernel (fixed: the order must not follow the batch)
 
 
@@ -103,33 +103,32 @@ def hc_pre_partial_kernel(X, W, P, SS, M, K, s_x, NW, BN: tl.constexpr, BM: tl.c
 
 @triton.jit
 def hc_pre_finish_kernel(P, SS, SCALE, BASE, PRE, POST, COMB, M, S, Kf, norm_eps, eps, BN: tl.constexpr,
-                         NH: tl.constexpr, ITERS: tl.constexpr, ROWS: tl.constexpr):
-    """Partials summed in slice order, times ``1 / sqrt(mean x^2 + eps)``, then the coefficients."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+                         NH: tl.constexpr, ITERS: tl.constexpr, SB: tl.constexpr):
+    """Row ``program 0``: its ``S`` partials loaded at once and summed (one fixed tree over the
+    slices), times ``1 / sqrt(mean x^2 + eps)``, then the coefficients."""
+    r = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     ok = r < M
     h = tl.arange(0, NH)
     jk = h[:, None] * NH + h[None, :]
-    pre = tl.zeros([ROWS, NH], tl.float32)
-    post = tl.zeros([ROWS, NH], tl.float32)
-    c = tl.zeros([ROWS, NH, NH], tl.float32)
-    ss = tl.zeros([ROWS], tl.float32)
-    for s in range(0, S):
-        row = P + (s * M + r) * BN
-        pre += tl.load(row[:, None] + h[None, :], mask=ok[:, None], other=0.0)
-        post += tl.load(row[:, None] + NH + h[None, :], mask=ok[:, None], other=0.0)
-        c += tl.load(row[:, None, None] + 2 * NH + jk[None, :, :], mask=ok[:, None, None], other=0.0)
-        ss += tl.load(SS + s * M + r, mask=ok, other=0.0)
+    s = tl.arange(0, SB)
+    sm = s < S
+    row = P + (s * M + r) * BN  # [SB]
+    pre = tl.sum(tl.load(row[:, None] + h[None, :], mask=sm[:, None], other=0.0), 0)
+    post = tl.sum(tl.load(row[:, None] + NH + h[None, :], mask=sm[:, None], other=0.0), 0)
+    c = tl.sum(tl.load(row[:, None, None] + 2 * NH + jk[None, :, :], mask=sm[:, None, None], other=0.0), 0)
+    ss = tl.sum(tl.load(SS + s * M + r, mask=sm, other=0.0), 0)
     rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, Kf) + norm_eps))
-    pre = pre * rs[:, None] * tl.load(SCALE) + tl.load(BASE + h)[None, :]
-    post = post * rs[:, None] * tl.load(SCALE + 1) + tl.load(BASE + NH + h)[None, :]
-    c = c * rs[:, None, None] * tl.load(SCALE + 2) + tl.load(BASE + 2 * NH + jk)[None, :, :]
+    pre = (pre * rs * tl.load(SCALE) + tl.load(BASE + h))[None, :]
+    post = (post * rs * tl.load(SCALE + 1) + tl.load(BASE + NH + h))[None, :]
+    c = (c * rs * tl.load(SCALE + 2) + tl.load(BASE + 2 * NH + jk))[None, :, :]
     _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH, ITERS)
 
 
 def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
     """mHC coefficients straight from the streams ``x [M, n, d]`` (any float dtype): the projection
-    ``fn [n^2 + 2n, n d]`` in fixed K slices (partials summed in order), the RMS factor, and the
-    Sinkhorn split - two kernels instead of a cast, the projection's two and the split's one."""
+    ``fn [n^2 + 2n, n d]`` in fixed K slices of ``PRE_SPLIT`` (many short programs: a decode step
+    has few rows), the slices summed in one fixed tree, the RMS factor, and the Sinkhorn split -
+    two kernels instead of a cast, the projection's two and the split's one."""
     M = x.shape[0]
     K, NW = fn.shape[1], fn.shape[0]
     pre, post, comb = _outputs(M, n, x.device)
@@ -142,9 +141,8 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
     xf = x.reshape(M, K)
     launch(hc_pre_partial_kernel, (triton.cdiv(M, _BM), S), xf, fn, p, ss, M, K, xf.stride(0), NW, BN=bn, BM=_BM,
            BK=_BK, SPLIT=PRE_SPLIT, num_warps=4)
-    rows = 16
-    launch(hc_pre_finish_kernel, (triton.cdiv(M, rows),), p, ss, scale, base, pre, post, comb, M, S, float(K),
-           float(norm_eps), float(eps), BN=bn, NH=n, ITERS=iters, ROWS=rows, num_warps=1)
+    launch(hc_pre_finish_kernel, (M,), p, ss, scale, base, pre, post, comb, M, S, float(K), float(norm_eps),
+           float(eps), BN=bn, NH=n, ITERS=iters, SB=triton.next_power_of_2(S), num_warps=2)
     return pre, post, comb
 
 
@@ -182,4 +180,31 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
         bm = min(16, triton.next_power_of_2(M))
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, M, D,
                SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, num_warps=4)
+    return y
+
+
+@triton.jit
+def swiglu_act_kernel(G, U, WT, Y, N, limit, CLAMP: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    g = tl.load(G + t * N + o, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + t * N + o, mask=m, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    a = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    if HAS_W:
+        a = a * tl.load(WT + t)
+    tl.store(Y + t * N + o, a.to(Y.dtype.element_ty), mask=m)
+
+
+def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, weight, out_dtype) -> torch.Tensor:
+    """``(silu(clamp(gate)) * clamp(up)) [* weight]`` per row in fp32, written in ``out_dtype``."""
+    T, N = gate.shape
+    y = torch.empty(T, N, dtype=out_dtype, device=gate.device)
+    if T and N:
+        block = 1024
+        launch(swiglu_act_kernel, (T, triton.cdiv(N, block)), gate, up, weight if weight is not None else gate, y, N,
+               float(limit), CLAMP=limit > 0, HAS_W=weight is not None, BLOCK=block, num_warps=4)
     return y

@@ -26,6 +26,7 @@ from torch import nn
 from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
+from v4stack.ops.fused import swiglu_act
 
 
 class Expert(nn.Module):
@@ -59,14 +60,9 @@ def swiglu_in_weight_dtype(x, w1, w2, w3, limit: float) -> torch.Tensor:
     """The shared expert as ``LocalGrouped`` runs the routed ones: GEMMs in the weight dtype (fp32
     accumulation; no per-call cast of a weight to fp32), clamps and activation in the compute
     dtype. The same arithmetic as ``swiglu`` when the weights are in the compute dtype."""
-    cd = compute_dtype(x.dtype)
     xw = x.to(w1.dtype)
-    gate = ops.linear(xw, w1).to(cd)
-    up = ops.linear(xw, w3).to(cd)
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    return ops.linear((ops.silu(gate) * up).to(w2.dtype), w2).to(cd)
+    act = swiglu_act(ops.linear(xw, w1), ops.linear(xw, w3), limit, None, w2.dtype)
+    return ops.linear(act, w2).to(compute_dtype(x.dtype))
 
 
 class Gate(nn.Module):
@@ -117,13 +113,9 @@ class LocalGrouped:
         offsets = torch.searchsorted(ids, torch.arange(moe.n_experts + 1, device=x.device))
         rows = x[order // k].to(w1.dtype)
         cd = compute_dtype(x.dtype)
-        gate = ops.grouped_linear(rows, w1, offsets).to(cd)
-        up = ops.grouped_linear(rows, w3, offsets).to(cd)
-        if moe.limit > 0:
-            gate = gate.clamp(max=moe.limit)
-            up = up.clamp(-moe.limit, moe.limit)
-        act = ops.silu(gate) * up * weights.reshape(-1)[order].to(cd).unsqueeze(-1)
-        out = ops.grouped_linear(act.to(w2.dtype), w2, offsets).to(cd)
+        act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
+                         weights.reshape(-1)[order], w2.dtype)
+        out = ops.grouped_linear(act, w2, offsets).to(cd)
         y = torch.empty(T * k, x.shape[1], dtype=cd, device=x.device)
         y[order] = out
         return ops.moe_combine(y.view(T, k, -1), indices)

@@ -7,6 +7,8 @@
   concatenated); fast mode on CUDA runs it as one batched GEMM.
 - ``hc_pre(x, fn, scale, base, n, iters, eps, norm_eps)``: the projection and ``hc_split`` from
   the streams ``x [N, n, d]`` (one pair of kernels on CUDA).
+- ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
+  (times the routing weight) between their GEMMs, one kernel on CUDA.
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
   len(freqs)`` channels by ``positions * freqs`` (``model/rope.py``).
 
@@ -51,6 +53,18 @@ def hc_pre_reference(x, fn, scale, base, n: int, iters: int, eps: float, norm_ep
     return hc_split(mix, scale, base, n, iters, eps)
 
 
+def swiglu_act_reference(gate, up, limit: float, weight, out_dtype):
+    cd = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u = gate.to(cd), up.to(cd)
+    if limit > 0:
+        g = g.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    act = ops.silu(g) * u
+    if weight is not None:
+        act = act * weight.to(cd).unsqueeze(-1)
+    return act.to(out_dtype)
+
+
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
     r = 2 * freqs.shape[0]
     ang = positions.to(torch.float64).unsqueeze(-1) * freqs
@@ -77,6 +91,7 @@ def _group_linear_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
+register("swiglu_act", "torch_composite", swiglu_act_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
@@ -94,6 +109,14 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     flattened streams (in the compute dtype) -> pre, post, comb."""
     return call("hc_pre", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, n, iters, eps,
                 norm_eps)
+
+
+def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None, out_dtype):
+    """SwiGLU's activation between the expert GEMMs: ``silu(clamp(gate, max=limit)) *
+    clamp(up, -limit, limit)``, times the routing ``weight [T]`` if given, in the compute dtype,
+    returned in ``out_dtype`` (the next GEMM's); ``limit`` 0 disables the clamps."""
+    return call("swiglu_act", ops.get_mode(), str(gate.dtype)[6:], gate.device.type, gate, up, limit, weight,
+                out_dtype)
 
 
 def group_linear(x: torch.Tensor, w: torch.Tensor, fp=None) -> torch.Tensor:
