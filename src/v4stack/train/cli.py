@@ -55,6 +55,8 @@ def train_command(
     seq_len: int = typer.Option(128, min=4),
     grad_accum: int = typer.Option(1, min=1, help="Micro-batches per optimizer step (pipeline micro-batches with --pp)."),
     pp: int = typer.Option(1, "--pp", min=1, help="Pipeline stages under torchrun (world = pp x dp; 1F1B)."),
+    pp_schedule: str = typer.Option("1f1b", "--pp-schedule", help="Pipeline schedule: 1f1b or interleaved."),
+    pp_virtual: int = typer.Option(1, "--pp-virtual", help="Model chunks per pipeline rank (interleaved: >= 2)."),
     ep: int = typer.Option(1, "--ep", min=1, help="Expert-parallel ranks inside the dp ranks (under torchrun, pp = 1)."),
     ep_backend: str = typer.Option("all_to_all", help="Expert-parallel backend: all_to_all or megamoe."),
     cp: int = typer.Option(1, "--cp", min=1, help="Context-parallel shards per sequence under torchrun (world = dp x cp)."),
@@ -80,7 +82,7 @@ def train_command(
     from v4stack.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(preset=preset, out=out, data=list(data or []), steps=steps, batch_size=batch_size,
-                      seq_len=seq_len, grad_accum=grad_accum, pp=pp, ep=ep, ep_backend=ep_backend, cp=cp, ops=ops, recompute=recompute, optimizer=optimizer, muon_lr=muon_lr,
+                      seq_len=seq_len, grad_accum=grad_accum, pp=pp, pp_schedule=pp_schedule, pp_virtual=pp_virtual, ep=ep, ep_backend=ep_backend, cp=cp, ops=ops, recompute=recompute, optimizer=optimizer, muon_lr=muon_lr,
                       adamw_lr=adamw_lr, weight_decay=weight_decay, warmup=warmup, mtp_weight=mtp_weight,
                       seed=seed, ckpt_every=ckpt_every, eval_every=eval_every,
                       stochastic_bf16=stochastic_bf16, max_minutes=max_minutes, threads=threads,

@@ -101,17 +101,26 @@ class Stage:
             if name not in mine:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
+    @property
+    def virtual(self) -> int:
+        """Model chunks this rank holds (1: one contiguous run of blocks)."""
+        return 1
+
     def forward(self, tokens: torch.Tensor, x: torch.Tensor | None):
         """Streams in (None on stage 0) -> streams out, or (main loss, MTP loss) on the last stage."""
+        return self.forward_span(tokens, x, self.layers, self.mesh.first, self.mesh.last)
+
+    def forward_span(self, tokens: torch.Tensor, x: torch.Tensor | None, layers, first: bool, last: bool):
+        """The blocks ``layers``, after the embedding when ``first``, before the head when ``last``."""
         m = self.model
         B, T = tokens.shape
         segs, positions = m._fresh_segments(B, T, tokens.device)
         ids = tokens.reshape(-1)
-        if self.mesh.first:
+        if first:
             x = m.embed(ids).unsqueeze(1).expand(-1, m.cfg.hc_mult, -1).contiguous()
-        for i in self.layers:
+        for i in layers:
             x = m.layers[i](x, positions, segs, ids)
-        if not self.mesh.last:
+        if not last:
             return x
         logits = m._head(x).view(B, T, -1)
         return lm_loss(logits, m.mtp_logits(x, tokens) if self.mtp else None, tokens)

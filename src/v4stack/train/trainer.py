@@ -41,7 +41,8 @@ from v4stack.train.data import ByteBatches
 from v4stack.train.log import LossLog, Progress, plot_curves
 from v4stack.train.context import cp_accumulate
 from v4stack.train.mesh import build_mesh
-from v4stack.train.pipeline import Stage, first_last_groups, run_1f1b, tie_embedding_grads
+from v4stack.train.interleaved import SCHEDULES, build_stage
+from v4stack.train.pipeline import first_last_groups, tie_embedding_grads
 from v4stack.train.recompute import apply_recompute
 
 OPTIMIZERS = ("muon", "adamw")
@@ -59,6 +60,8 @@ class TrainConfig:
     seq_len: int = 128
     grad_accum: int = 1  # micro-batches per step and replica (the pipeline's micro-batches when pp > 1)
     pp: int = 1  # pipeline stages (under torchrun; the world is pp x dp)
+    pp_schedule: str = "1f1b"  # or "interleaved": pp_virtual chunks per stage (train/interleaved.py)
+    pp_virtual: int = 1  # model chunks per pipeline rank (interleaved: >= 2)
     ep: int = 1  # expert-parallel ranks inside the dp ranks (train/expert_parallel.py)
     cp: int = 1  # context-parallel shards per sequence (under torchrun, pp = 1; world = dp x cp)
     ops: str = "fast"  # ops mode: fast, or invariant (row results independent of the batch)
@@ -101,6 +104,17 @@ class TrainConfig:
         need(self.cp == 1 or (self.seq_len % (2 * self.cp) == 0 and self.mtp_weight == 0 and self.recompute == "none"
                               and self.ep == 1),
              f"train field 'cp' ({self.cp}) needs seq_len a multiple of 2 x cp, no MTP loss, recompute none, ep 1")
+        need(self.pp_schedule in SCHEDULES,
+             f"train field 'pp_schedule' must be one of {SCHEDULES}, got {self.pp_schedule!r}")
+        need(isinstance(self.pp_virtual, int) and (self.pp_virtual == 1 if self.pp_schedule == "1f1b"
+                                                   else self.pp_virtual >= 2),
+             f"train field 'pp_virtual' must be 1 with pp_schedule 1f1b and >= 2 with interleaved, "
+             f"got {self.pp_virtual!r}")
+        need(self.pp_schedule == "1f1b" or self.pp >= 2,
+             f"train field 'pp' must be >= 2 for the interleaved schedule, got {self.pp}")
+        need(self.pp_schedule == "1f1b" or self.grad_accum % self.pp == 0,
+             f"train field 'grad_accum' ({self.grad_accum}) must be a multiple of pp ({self.pp}) "
+             "for the interleaved schedule")
         need(self.device in ("cpu", "cuda"), f"train field 'device' must be 'cpu' or 'cuda', got {self.device!r}")
         need(self.recompute in ("none", "full", "matmul") or self.recompute.startswith("plan:"),
              f"train field 'recompute' must be none, full, matmul or plan:F, got {self.recompute!r}")
@@ -195,7 +209,7 @@ def _train(cfg: TrainConfig) -> dict:
     if found is not None:  # weights by name, before the stage drops what it does not hold
         cmeta = json.loads((found / "meta.json").read_text())
         model.load_state_dict(ckpt.load_model(found)["model"])
-    stage = Stage.build(model, mesh, use_mtp) if mesh.pp > 1 else None
+    stage, run_pp = build_stage(model, mesh, use_mtp, cfg.pp_schedule, cfg.pp_virtual) if mesh.pp > 1 else (None, None)
     if stage is not None:
         params = {n: p for n, p in model.named_parameters() if n in set(stage.param_names())}
         stage.release_others()
@@ -215,7 +229,8 @@ def _train(cfg: TrainConfig) -> dict:
         apply_recompute(model, cfg.recompute, (sample,), stage.layers if stage is not None else None)
     opt = _optimizer(cfg, params, mesh, ep)
     if cmeta is not None:
-        same = (cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1)) == (world, mesh.pp, mesh.cp)
+        same = ((cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1), cmeta.get("pp_virtual", 1))
+                == (world, mesh.pp, mesh.cp, stage.virtual if stage is not None else 1))
         if same:
             optim_state = _to_device(ckpt.load(found, rank)[1], dev)
             opt.load_state_dict(optim_state["optim"])
@@ -240,7 +255,7 @@ def _train(cfg: TrainConfig) -> dict:
         micro = [batches.batch(step, mesh.replica * cfg.grad_accum + m).to(dev) for m in range(cfg.grad_accum)]
         scale = 1.0 / (cfg.grad_accum * dp)
         if stage is not None:
-            sums = run_1f1b(stage, micro, cfg.mtp_weight, scale)
+            sums = run_pp(stage, micro, cfg.mtp_weight, scale)
             tie_embedding_grads(stage, tie_group)
         elif mesh.cp > 1:
             sums = cp_accumulate(model, micro, scale, mesh)
@@ -328,7 +343,8 @@ def _save(root: Path, step: int, mesh, stage, model, opt, log: LossLog, elapsed:
     _barrier(mesh.world)
     if mesh.rank == 0:
         meta = {"step": step, "world": mesh.world, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "elapsed": elapsed,
-                "records": log.records, **({"ep": ep.ep} if ep is not None else {})}
+                "records": log.records, **({"ep": ep.ep} if ep is not None else {}),
+                **({"pp_virtual": stage.virtual} if stage is not None and stage.virtual > 1 else {})}
         state = model.state_dict() if ep is None else ep.dense_state(model)
         ckpt.commit(root, step, {"model": state} if stage is None else None, meta, keep)
         log.save()
