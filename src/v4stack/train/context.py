@@ -252,7 +252,7 @@ def cp_loss_value(losses: torch.Tensor, has_target: torch.Tensor, layout: Layout
     return F.nll_loss(-seq, torch.zeros(seq.shape[0], dtype=torch.long, device=seq.device))
 
 
-def cp_backward_scale(tokens: torch.Tensor) -> int:
+def predicted_tokens(tokens: torch.Tensor) -> int:
     """The number of predicted tokens of a micro-batch (the mean's divisor)."""
     B, T = tokens.shape
     return B * (T - 1)
@@ -267,7 +267,7 @@ def cp_accumulate(model, micro: list[torch.Tensor], scale: float, mesh) -> torch
     for tokens in micro:
         lay = Layout(mesh.cp, mesh.cp_rank, tokens.shape[1])
         losses, has = cp_token_losses(model, tokens, lay, mesh.cp_group)
-        (losses[has].sum() / cp_backward_scale(tokens) * scale).backward()
+        (losses[has].sum() / predicted_tokens(tokens) * scale).backward()
         value = cp_loss_value(losses, has, lay, mesh.cp_group)
         if mesh.cp_rank == 0:
             sums[0] += value.item()
