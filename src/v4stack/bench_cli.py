@@ -19,7 +19,7 @@ BENCHES = {
     "ops": "ops", "ops-check": "ops_check", "serve": "serve", "serve-engine": "serve_engine", "serve-roofline": "serve_roofline",
     "megamoe": "megamoe", "megamoe-compute": "megamoe_compute", "dsec": "dsec", "wal": "rollout_wal",
     "prefix": "prefix", "train-tiny": "train_tiny", "muon-vs-adamw": "muon_vs_adamw",
-    "muon-plan-table": "muon_plan_table", "journal-ab": "journal_ab",
+    "muon-plan-table": "muon_plan_table", "journal-ab": "journal_ab", "pp-bubble": "pp_bubble",
 }
 
 app = typer.Typer(help="Benchmarks that write stamped JSON under bench/results/ (run from a source checkout).",

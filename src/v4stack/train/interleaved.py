@@ -17,7 +17,9 @@ the order of one process accumulating the same micro-batches: bitwise equal to i
 Transport is the one 1F1B uses: sends are ``isend`` and are waited for at the end of the step;
 receives block when the op needs them. Two kinds of message travel between the same pair of ranks
 in both directions (streams and stream gradients of different chunks), so every message carries a
-tag naming (micro-batch, virtual stage, direction); gloo matches by tag. With sends that never
+tag naming (micro-batch, virtual stage, direction); gloo matches by tag. Each pair's send order also
+equals its receive order (tested), so a transport that matches in order pairs them the same way.
+With sends that never
 block, the schedule is free of deadlock exactly when the dependency graph over the ranks' op orders
 has no cycle, which ``simulate`` checks by running it; the same simulation gives the bubble.
 """
