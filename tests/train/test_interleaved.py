@@ -145,3 +145,12 @@ def test_interleaved_equals_1f1b_with_mtp_and_with_data_parallel(tmp_path, world
     _spawn(world, a, pp=2, grad_accum=2, **over)
     _spawn(world, b, pp=2, pp_schedule="interleaved", pp_virtual=2, grad_accum=2, **over)
     _assert_same_run(a, b, 3)
+
+
+@pytest.mark.slow
+def test_three_ranks_of_two_chunks_equal_one_process(tmp_path):
+    # pp 3 x 2 chunks: six one-block virtual stages, the streams wrapping from rank 2 to rank 0 once
+    one, three = tmp_path / "one", tmp_path / "three"
+    train(TrainConfig(**{**BASE, "grad_accum": 6, "out": str(one)}))
+    _spawn(3, three, pp=3, pp_schedule="interleaved", pp_virtual=2, grad_accum=6)
+    _assert_same_run(three, one, 3)
