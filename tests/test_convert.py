@@ -159,3 +159,16 @@ def test_round_trip_keeps_a_foreign_writers_header_bytes(ckpt, tmp_path):
     shard.write_bytes(len(foreign).to_bytes(8, "little") + foreign + raw[8 + n :])
     to_released(to_project(rel, tmp_path / "p"), tmp_path / "back")
     assert (tmp_path / "back" / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_export_converts_one_shard_at_a_time(monkeypatch, tmp_path):
+    """A fresh export holds one shard's tensors in the released formats at a time (the output is
+    the same bytes as converting everything at once: the round-trip tests above)."""
+    import v4stack.model.released as R
+
+    calls, real = [], R.released_tensors
+    monkeypatch.setattr(R, "released_tensors", lambda t: calls.append(len(t)) or real(t))
+    model = V4Model(preset("tiny"), seed=1)
+    n = len(model.state_dict())
+    R.export_released(model, tmp_path / "r", shards=4)
+    assert len(calls) == 4 and sum(calls) >= n and max(calls) < n // 3, (calls, n)  # not all at once

@@ -33,7 +33,7 @@ from v4stack.atomic import atomic_write
 from v4stack.config import ConfigError, ModelConfig
 from v4stack.model.init import is_fp32_param
 from v4stack.model.model import V4Model
-from v4stack.model.quant import quantize_weight
+from v4stack.model.quant import quantize_weight, released_format
 from v4stack.model.weights import _CRC_PREFIX, INDEX_FILE, QUANT_KEY, WeightsError, _crc, read_tensors
 from v4stack.ops.quantized import FormatError, check_format
 
@@ -265,18 +265,30 @@ def released_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def write_released(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path, shards: int = 1) -> Path:
-    """Write ``tensors`` (dense or already in the released formats) as a released checkpoint."""
+def _released_names(name: str, t: torch.Tensor) -> list[str]:
+    """The released tensor names ``released_tensors`` makes of project tensor ``name``."""
+    if t.is_floating_point() and t.dtype not in (torch.float8_e4m3fn, torch.float8_e8m0fnu) \
+            and released_format(name) is not None:
+        return [name, name[: -len(".weight")] + ".scale"]
+    return [name]
+
+
+def write_released(cfg: ModelConfig, tensors, path: Path, shards: int = 1) -> Path:
+    """Write ``tensors`` (a mapping, dense or already in the released formats) as a released
+    checkpoint, one shard at a time: only the shard being written is held converted (the source
+    tensors of a checkpoint on disk are memory-mapped, ``read_tensors``)."""
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
-    rel = released_tensors(tensors)
-    names = sorted(rel)
+    source = {r: n for n in tensors for r in _released_names(n, tensors[n])}
+    names = sorted(source)
     per = -(-len(names) // shards)
     groups = [names[i : i + per] for i in range(0, len(names), per)]
     weight_map, total = {}, 0
     for i, group in enumerate(groups):
         fname = shard_name(i, len(groups))
-        part = {n: rel[n].contiguous() for n in group}
+        conv = released_tensors({n: tensors[n] for n in sorted({source[r] for r in group})})
+        part = {n: conv[n].contiguous() for n in group}
+        del conv
         atomic_write(path / fname, st_save(part, metadata={"format": "pt"}))
         for n, t in part.items():
             weight_map[n] = fname
