@@ -118,3 +118,50 @@ def test_engine_gives_a_fresh_recorded_seed(tiny):
     assert a.params.seed is not None and a.params.seed != b.params.seed and a.output != b.output
     c = e.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=1.0, seed=a.params.seed))[0]
     assert c.output == a.output  # the recorded seed replays the request
+
+
+def test_mixed_batch_rows_equal_rows_alone_and_policy_logprob_in_float64_on_cpu():
+    x = _logits(5, seed=3)
+    ps = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=1.3, min_tokens=3),
+          SamplingParams(logit_bias={7: 100.0}), SamplingParams(temperature=0.5, top_p=0.8, min_p=0.02)]
+    rows = [Row(p, 11 + b, b) for b, p in enumerate(ps)]
+    rows[2].no_stop_ids = tuple(range(x.shape[1]))  # everything masked: the row falls back to the model's logits
+    together = sample(x, rows)
+    alone = [sample(x[b : b + 1], [rows[b]])[0] for b in range(5)]
+    assert [(d.token, d.logprob, d.sampled_logprob) for d in together] == \
+        [(d.token, d.logprob, d.sampled_logprob) for d in alone]
+    assert together[0].token == int(x[0].argmax()) and together[3].token == 7
+    for d, r in zip(together, rows):  # the policy's log-probability, float64 maths on the CPU
+        t = 1.0 if r.params.greedy else r.params.temperature
+        z = x[rows.index(r)].double() / t
+        assert d.sampled_logprob == pytest.approx(min(0.0, float(z[d.token] - torch.logsumexp(z, -1))), abs=1e-12)
+    # inverse control: another draw index changes some sampled token
+    moved = sample(x, [Row(r.params, r.seed, r.index + 5) for r in rows])
+    assert [d.token for d in moved] != [d.token for d in together]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_sampling_waits_once_and_matches_the_cpu_tokens():
+    import warnings
+
+    x = _logits(6, v=4096, seed=5)
+    rows = [Row(SamplingParams(temperature=0.0 if b % 2 else 0.9, top_k=50, top_p=0.9), b, b) for b in range(6)]
+    xc = x.cuda()
+    sample(xc, rows)  # warm-up (kernel builds)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = sample(xc, rows)
+            synced = len(w)
+            with warnings.catch_warnings(record=True) as ctl:  # control: the detector sees a read-back
+                warnings.simplefilter("always")
+                xc[0, 0].item()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(ctl) >= 1 and synced <= 1
+    cpu = sample(x, rows)
+    assert [d.token for d in got] == [d.token for d in cpu]
+    for a, b in zip(got, cpu):
+        assert abs(a.logprob - b.logprob) < 1e-4 and abs(a.sampled_logprob - b.sampled_logprob) < 1e-4

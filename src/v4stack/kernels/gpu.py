@@ -135,33 +135,50 @@ def register_all(register) -> None:
              device="cuda", accepts=trit(C.weighted_pool))
     register("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine", "row_mix"), mode=inv, device="cuda",
              accepts=trit(C.moe_combine))
-    # fast mode: the project kernel where it measured faster than the framework's
-    # (bench/results/ops_h200.json, V4-Flash widths), the framework elsewhere
+    # fast mode: the project kernel where it measured faster than the framework's. The committed
+    # table (kernels/fast_picks.json, from bench/results/ops_h200.json by bench.fast_picks: device
+    # time under CUDA graphs, by rows) decides where it has a bucket; the rule given here elsewhere.
     def rows(t):
         return t.numel() // max(1, t.shape[-1]) if t.dim() else 1
 
+    def measured(op, nrows, rule=None):
+        from v4stack.kernels.fast_table import prefers_project
+
+        def when(*a):
+            v = prefers_project(op, nrows(*a))
+            return (rule is not None and rule(*a)) if v is None else v
+        return when
+
+    grouped_measured = measured("grouped_linear", lambda x, w, offsets: x.shape[0])
     fast_picks = (
         ("rms_norm", "triton_rms_norm", _lazy("triton_rows", "rms_norm", "rms_norm"), C.rms_norm, None),
         ("indexer_scores", "triton_indexer_scores", _lazy("triton_gemm", "indexer_scores", "indexer"), C.indexer_scores, None),
         ("weighted_pool", "triton_weighted_pool", _lazy("triton_rows", "weighted_pool", "row_mix"), C.weighted_pool,
-         lambda kv, s, dim: kv.numel() // (kv.shape[-1] * kv.shape[-2]) >= 1024),
+         measured("weighted_pool", lambda kv, s, dim: kv.numel() // (kv.shape[-1] * kv.shape[-2]),
+                  lambda kv, s, dim: kv.numel() // (kv.shape[-1] * kv.shape[-2]) >= 1024)),
         ("moe_combine", "triton_moe_combine", _lazy("triton_rows", "moe_combine", "row_mix"), C.moe_combine,
-         lambda y, idx: y.shape[0] >= 1024),
+         measured("moe_combine", lambda y, idx: y.shape[0], lambda y, idx: y.shape[0] >= 1024)),
         ("softmax", "triton_softmax", _lazy("triton_rows", "softmax", "softmax"), C.softmax,
-         lambda x, dim=-1: rows(x) >= 1024 and x.shape[-1] <= 4096),
+         measured("softmax", lambda x, dim=-1: rows(x), lambda x, dim=-1: rows(x) >= 1024 and x.shape[-1] <= 4096)),
+        ("log_softmax", "triton_log_softmax", _lazy("triton_rows", "log_softmax", "softmax"), C.softmax,
+         measured("log_softmax", lambda x, dim=-1: rows(x))),
         ("hc_mix", "triton_hc_mix", _lazy("triton_gemm", "hc_mix", "hc_mix"), C.hc_mix,
-         lambda flat, fn, eps: rows(flat) <= 64),
+         measured("hc_mix", lambda flat, fn, eps: rows(flat), lambda flat, fn, eps: rows(flat) <= 64)),
         ("attention_with_sink", "triton_sparse_attention",
          _lazy("triton_attention", "attention_with_sink", "sparse_attention"), C.attention_with_sink,
-         lambda q, keys, mask, sink, scale: q.shape[0] <= 64),
+         measured("attention_with_sink", lambda q, keys, mask, sink, scale: q.shape[0],
+                  lambda q, keys, mask, sink, scale: q.shape[0] <= 64)),
+        ("grouped_linear", "triton_grouped_gemm", _lazy_grouped, C.grouped_linear,
+         lambda x, w, offsets: not _grouped_mm_ok(x, w, offsets)  # also wherever torch refuses
+         or grouped_measured(x, w, offsets)),
     )
     for op, name, fn, check, when in fast_picks:
         ok = check if when is None else (lambda c, w: lambda *a: c(*a) and w(*a))(check, when)
         register(op, name, fn, mode=fast, device="cuda", accepts=trit(ok))
     register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=_grouped_mm_ok)
+    register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=inv, device="cuda",
+             accepts=_with("triton", C.grouped_linear))
     for mode in (inv, fast):
-        register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=mode,
-                 device="cuda", accepts=_with("triton", C.grouped_linear))
         register("indexer_scores_rows", "triton_indexer_scores_rows", _lazy("triton_gemm", "indexer_scores_rows", "indexer"),
                  mode=mode, device="cuda", accepts=trit(C.indexer_scores_rows))
         register("sparse_attention", "triton_sparse_attention", _lazy("triton_attention", "sparse_attention", "sparse_attention"),

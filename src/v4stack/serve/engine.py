@@ -214,18 +214,21 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_step_cache_bytes = self.runner.last_bytes
         self.stats.cache_bytes_written += self.runner.last_bytes
-        ready = []
-        for (req, n), lg in zip(plan, logits):
+        ready, at = [], []  # row numbers, not per-row views of the logits (a view costs host time)
+        for i, (req, n) in enumerate(plan):
             self.stats.tokens_computed += n
             if not req.pending:
-                ready.append((req, lg))
+                ready.append(req)
+                at.append(i)
         if not ready:
             return []
-        rows = [Row(r.params, r.params.seed, len(r.output), r.output, r.prompt, tuple(r.stop_ids)) for r, _ in ready]
-        draws = sample(torch.stack([lg for _, lg in ready]), rows)  # one call for the whole step
+        rows = [Row(r.params, r.params.seed, len(r.output), r.output, r.prompt, tuple(r.stop_ids)) for r in ready]
+        batch = logits if len(at) == logits.shape[0] else logits[at]
+        with ops_mode(self.config.ops_mode):
+            draws = sample(batch, rows)  # one call for the whole step
         done = []
         now = time.perf_counter()
-        for (req, _), d in zip(ready, draws):
+        for req, d in zip(ready, draws):
             tok = d.token
             req.output.append(tok)
             req.draws.append(d)

@@ -133,6 +133,14 @@ def top_logprobs(logprobs: torch.Tensor, n: int) -> list[list[tuple[int, float]]
     return [list(zip(ii, vv)) for ii, vv in zip(i, v)]
 
 
+def _touches(r: Row) -> bool:
+    """Whether ``_penalise`` changes row ``r`` (without it the logits are used as they are)."""
+    p = r.params
+    return bool(p.logit_bias or (p.repetition_penalty != 1.0 and (r.output or r.prompt))
+                or ((p.presence_penalty or p.frequency_penalty) and r.output)
+                or (r.index < p.min_tokens and r.no_stop_ids))
+
+
 def _penalise(x: torch.Tensor, rows: list[Row]) -> None:
     V = x.shape[1]
     for b, r in enumerate(rows):
@@ -153,58 +161,98 @@ def _penalise(x: torch.Tensor, rows: list[Row]) -> None:
             x[b, ids] = float("-inf")
 
 
+def _row_params(rows: list[Row], greedy: list[bool], dev) -> torch.Tensor:
+    """Every per-row number the device path needs, in one float64 ``[B, 6]`` tensor moved in one
+    transfer: temperature (1 for greedy rows), top-k (V when off: 0 here), top-p, min-p, the row's
+    uniform and the policy temperature."""
+    vals = []
+    for r, g in zip(rows, greedy):
+        p = r.params
+        t = 1.0 if g else p.temperature
+        vals.append((t, float(p.top_k), p.top_p, p.min_p, 0.0 if g else uniform(r.seed, r.index), t))
+    return torch.tensor(vals, dtype=torch.float64).to(dev, non_blocking=True)
+
+
+def _truncated_draw(x: torch.Tensor, prm: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p sampling of every row of ``x [R, V]`` with the row's
+    counter-based uniform; row-local throughout, no host sync. Returns token ids ``[R]``."""
+    R, V = x.shape
+    dev = x.device
+    xs = x / prm[:, 0:1].to(torch.float32)
+    sv, si = torch.sort(xs, dim=-1, descending=True, stable=True)
+    pos = torch.arange(V, device=dev)[None, :]
+    k = prm[:, 1:2].to(torch.long)
+    k = torch.where((k == 0) | (k > V), V, k)
+    sv = sv.masked_fill(pos >= k, float("-inf"))
+    probs = torch.softmax(sv.double(), dim=-1)
+    drop = (probs.cumsum(-1) - probs) >= prm[:, 2:3]  # keep the smallest prefix reaching top_p
+    drop |= probs < prm[:, 3:4] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always stays
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1)
+    j = torch.searchsorted(cdf, prm[:, 4:5] * cdf[:, -1:], right=True).clamp(max=V - 1)
+    # a draw landing past the kept mass (rounding) takes the last kept token
+    last = (~drop).sum(-1, keepdim=True) - 1
+    return si.gather(1, torch.minimum(j, last))[:, 0]
+
+
+def _policy_logprob(raw: torch.Tensor, tok: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    """log softmax(raw / T)[tok] per row, clamped at 0. On the CPU in float64 (the trainer's
+    importance ratios compare against float64 recomputations); on CUDA in float32 with a max-shifted
+    logsumexp (``torch.logsumexp`` subtracts the row max), one pass over the vocabulary."""
+    dt = torch.float64 if raw.device.type == "cpu" else torch.float32
+    scaled = raw.to(dt) / temp.to(dt)
+    return (scaled.gather(1, tok[:, None]) - torch.logsumexp(scaled, -1, keepdim=True))[:, 0].clamp(max=0.0)
+
+
+def _model_logprobs(raw: torch.Tensor) -> torch.Tensor:
+    """The model's log-probabilities (float32). On CUDA through ``ops.log_softmax`` (the dispatch
+    table's pick for the active mode); on the CPU ``torch.log_softmax``, the bits the tests pin."""
+    if raw.device.type == "cpu":
+        return torch.log_softmax(raw, dim=-1)
+    from v4stack import ops
+
+    return ops.log_softmax(raw, -1)
+
+
 def sample(logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
-    """One token for each row of ``logits [B, V]`` (any device); one call per engine step."""
+    """One token for each row of ``logits [B, V]`` (any device); one call per engine step.
+
+    On a device the whole step is sync-free until its end: per-row parameters go up in one
+    transfer, and the tokens with both log-probabilities come back in one (``[B, 3]`` float64,
+    non-blocking into pinned memory, then one wait); the top-n alternatives, when asked, in one more.
+    """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"sample: logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
     B, V = logits.shape
+    dev = logits.device
     raw = logits.detach().float()
-    lp = torch.log_softmax(raw, dim=-1)
-    x = raw.clone()
-    _penalise(x, rows)
-    dead = ~torch.isfinite(x).any(-1)  # everything masked or biased away: fall back to the model's
-    if bool(dead.any()):
-        x[dead] = raw[dead]
+    lp = _model_logprobs(raw)
     greedy = [r.params.greedy for r in rows]
-    tokens = [0] * B
-    if any(greedy):
-        g = [b for b in range(B) if greedy[b]]
-        am = torch.argmax(x[g], dim=-1).tolist()
-        for b, t in zip(g, am):
-            tokens[b] = t
-    s_rows = [b for b in range(B) if not greedy[b]]
-    if s_rows:
-        dev = x.device
-        ps = [rows[b].params for b in s_rows]
-        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)[:, None]
-        xs = x[s_rows] / temp
-        sv, si = torch.sort(xs, dim=-1, descending=True, stable=True)
-        pos = torch.arange(V, device=dev)[None, :]
-        k = torch.tensor([min(p.top_k, V) if p.top_k else V for p in ps], device=dev)[:, None]
-        sv = sv.masked_fill(pos >= k, float("-inf"))
-        probs = torch.softmax(sv.double(), dim=-1)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=dev)[:, None]
-        drop = (probs.cumsum(-1) - probs) >= top_p  # keep the smallest prefix reaching top_p
-        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float64, device=dev)[:, None]
-        drop |= probs < min_p * probs[:, :1]
-        drop[:, 0] = False  # the most likely token always stays
-        probs = probs.masked_fill(drop, 0.0)
-        cdf = probs.cumsum(-1)
-        u = torch.tensor([uniform(rows[b].seed, rows[b].index) for b in s_rows], dtype=torch.float64,
-                         device=dev)[:, None]
-        j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=V - 1)
-        # a draw landing past the kept mass (rounding) takes the last kept token
-        last = (~drop).sum(-1, keepdim=True) - 1
-        j = torch.minimum(j, last)
-        for b, t in zip(s_rows, si.gather(1, j)[:, 0].tolist()):
-            tokens[b] = t
-    tok_t = torch.tensor(tokens, device=lp.device)[:, None]
-    chosen = lp.gather(1, tok_t)[:, 0].tolist()
-    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=torch.float64,
-                         device=raw.device)[:, None]
-    scaled = raw.double() / temps  # the policy's log-probability, as importance ratios need it
-    pol = (scaled.gather(1, tok_t) - torch.logsumexp(scaled, -1, keepdim=True))[:, 0].clamp(max=0.0).tolist()
-    draws = [Draw(t, c, None, p) for t, c, p in zip(tokens, chosen, pol)]
+    prm = _row_params(rows, greedy, dev)
+    x = raw
+    if any(_touches(r) for r in rows):
+        x = raw.clone()
+        _penalise(x, rows)
+        dead = ~torch.isfinite(x).any(-1, keepdim=True)  # everything masked or biased away: the model's
+        x = torch.where(dead, raw, x)
+    if all(greedy):
+        tok = torch.argmax(x, dim=-1)
+    elif not any(greedy):
+        tok = _truncated_draw(x, prm)
+    else:
+        tok = torch.where(torch.tensor(greedy).to(dev, non_blocking=True), torch.argmax(x, dim=-1),
+                          _truncated_draw(x, prm))
+    out = torch.stack([tok.double(), lp.gather(1, tok[:, None])[:, 0].double(),
+                       _policy_logprob(raw, tok, prm[:, 5:6]).double()], 1)
+    if dev.type == "cpu":
+        host = out
+    else:
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(dev).synchronize()  # the step's one wait
+    vals = host.tolist()
+    draws = [Draw(int(t), c, None, p) for t, c, p in vals]
     want = [b for b in range(B) if rows[b].params.logprobs]
     if want:
         n = max(rows[b].params.logprobs for b in want)

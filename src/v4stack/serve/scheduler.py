@@ -68,10 +68,11 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         budget = self.budget
         plan: list[tuple[Request, int]] = []
+        preempted: set[int] = set()  # ids; a list membership test here was O(batch) per request
         for req in sorted(self.running, key=lambda r: r.admitted_order):
             if budget == 0:
                 break
-            if req not in self.running:  # preempted by an earlier one in this loop
+            if id(req) in preempted:  # preempted by an earlier one in this loop
                 continue
             n = self._chunk(req, budget)
             if self.draft_tokens is not None and n == req.pending:
@@ -82,6 +83,7 @@ class Scheduler:
                     continue
                 victim = max(self.running, key=lambda r: r.admitted_order)
                 self.preempt(victim)
+                preempted.add(id(victim))
                 plan = [(r, k) for r, k in plan if r is not victim]
                 if victim is req:
                     n = 0

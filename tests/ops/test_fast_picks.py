@@ -1,0 +1,77 @@
+"""Fast mode's measured picks: the committed table is what ``bench.fast_picks`` derives from the
+committed ops measurement, each bucket picks the lower device time, and the lookup follows it."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import fast_picks
+from v4stack import ops
+from v4stack.kernels import fast_table
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = "bench/results/ops_h200.json"
+
+
+def _source():
+    return json.loads((ROOT / SOURCE).read_text())
+
+
+def test_committed_table_is_derived_from_the_committed_measurement():
+    derived = fast_picks.derive(_source(), SOURCE)
+    assert derived == fast_table.load()
+    assert derived["source_commit"] == _source()["stamp"]["commit"]
+    for e in derived["ops"].values():
+        for b in e["buckets"]:
+            faster = b["project_graph_s"] < b["framework_graph_s"]
+            assert b["pick"] == ("project" if faster else "framework")
+    # the two picks this table exists for: the grouped GEMM up to 256 tokens, log_softmax at vocab widths
+    g = derived["ops"]["grouped_linear"]["buckets"]
+    assert [b["pick"] for b in g] == ["project"] * 4 + ["framework"]
+    assert {b["pick"] for b in derived["ops"]["log_softmax"]["buckets"]} == {"project"}
+
+
+def test_swapped_times_flip_the_picks(tmp_path):
+    # inverse control: the same measurement with the two times exchanged picks the other side everywhere
+    src = copy.deepcopy(_source())
+    for r in src["results"]:
+        r["fast_graph_s"], r["invariant_graph_s"] = r["invariant_graph_s"], r["fast_graph_s"]
+    a, b = fast_picks.derive(_source(), SOURCE), fast_picks.derive(src, SOURCE)
+    flips = [(x["pick"], y["pick"]) for op in a["ops"] for x, y in zip(a["ops"][op]["buckets"], b["ops"][op]["buckets"])]
+    assert flips and all(p != q for p, q in flips)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(b))
+    assert fast_table.prefers_project("grouped_linear", 6, str(path)) is False
+    assert fast_table.prefers_project("grouped_linear", 6) is True
+
+
+def test_lookup_by_rows():
+    p = fast_table.prefers_project
+    assert p("grouped_linear", 1) and p("grouped_linear", 6) and p("grouped_linear", 1536)
+    assert p("grouped_linear", 1537) is False  # the 4096-token bucket: torch._grouped_mm measured faster
+    assert p("grouped_linear", 10**6) is None  # past the last bucket: the registered rule
+    assert p("moe_combine", 1) is False and p("moe_combine", 64) is True
+    assert p("no_such_op", 1) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_mode_dispatch_follows_the_table_on_cuda():
+    from v4stack.ops import dispatch
+
+    w = torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16)
+    for rows, want in ((6, "triton_grouped_gemm"), (8 * 384, "torch_grouped_mm")):
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        off = torch.linspace(0, rows, 9, device="cuda").long()
+        assert dispatch.resolve("grouped_linear", "fast", "bfloat16", "cuda", x, w, off).name == want
+        with ops.mode("fast"):
+            y = ops.grouped_linear(x, w, off)
+        ref = torch.cat([x[off[e]:off[e + 1]].float() @ w[e].float().T for e in range(8)])
+        torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=0.02)
+    lg = torch.randn(4, 129280, device="cuda")
+    assert dispatch.resolve("log_softmax", "fast", "float32", "cuda", lg, -1).name == "triton_log_softmax"
+    with ops.mode("fast"):
+        torch.testing.assert_close(ops.log_softmax(lg, -1), torch.log_softmax(lg, -1), atol=1e-5, rtol=1e-5)
