@@ -125,7 +125,8 @@ class MTPStep:
             else:
                 rows.append(self._row(req, []))
                 picks.append(last)
-        draws = iter(sample(logits[picks], rows) if rows else [])
+        with ops_mode(e.config.ops_mode):  # as the plain engine samples
+            draws = iter(sample(logits[picks], rows) if rows else [])
 
         # accept, advance the caches by what was kept, undo what rejected drafts wrote
         kept, got, rejected = [], [], []
