@@ -249,3 +249,19 @@ def test_engine_drafts_equal_the_reference_mtp(model, prompts):
         assert req.mtp_draft == (len(toks), int(torch.argmax(ref)))
         seen += 1
     assert seen == 4 and eng.stats.drafted >= 3
+
+
+@pytest.mark.slow
+def test_greedy_tokens_on_the_serving_tests_prompts():
+    """The prompts of tests/serve/test_api_invariance.py (byte tokens), all in one engine, on the
+    server's weights (tiny, seed 0): identical with and without speculative decoding."""
+    prompts = ["invariant HTTP"] + [f"another request {i} " * (i + 1) for i in range(7)] + ["hi"]
+    ids = [list(p.encode()) for p in prompts]
+    server_model = V4Model(preset("tiny"), seed=0).cast(torch.float32).eval()
+    sp = SamplingParams(max_tokens=N)
+    ref = plain(server_model, ids, sp)
+    eng = spec_engine(server_model, Oracle, expected={tuple(p): o for p, o in zip(ids, ref)}, wrong=range(0, N, 3))
+    assert [r.output for r in eng.generate(ids, sp)] == ref
+    assert 0 < eng.stats.accepted < eng.stats.drafted
+    eng = spec_engine(server_model)  # the model's own (untrained) MTP drafts
+    assert [r.output for r in eng.generate(ids, sp)] == ref
