@@ -101,6 +101,7 @@ class Cluster:
         self.watcher = Watcher(home, CONTROL_TOKEN, dead_after=1.0, layer_grace=0)
         self.edges: list[subprocess.Popen] = []
         self.start_edge("edge-a")
+        self._env = {k: os.environ.get(k) for k in ("DSEC_API_URL", "DSEC_TOKEN")}
         os.environ["DSEC_API_URL"], os.environ["DSEC_TOKEN"] = self.url, TOKEN
 
     def start_edge(self, name: str) -> subprocess.Popen:
@@ -159,6 +160,11 @@ class Cluster:
         for name in self.own_groups():  # a SIGKILLed edge leaves its groups behind
             Cgroup(name).destroy()
         self.unmount_all(self.home)
+        for k, v in self._env.items():  # the cluster's address must not outlive it (later tests read it)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
     def own_groups(self) -> list[str]:
         """This cluster's cgroups only: its edges' workers and its sandboxes (never anyone else's)."""

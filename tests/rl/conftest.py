@@ -38,6 +38,14 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def own_dsec(monkeypatch):
+    """The loop starts its own DSec unless DSEC_API_URL names one; a value left in the environment
+    by another suite (or the user's shell) must not send these tests to a foreign apiserver."""
+    monkeypatch.delenv("DSEC_API_URL", raising=False)
+    monkeypatch.delenv("DSEC_TOKEN", raising=False)
+
+
 @pytest.fixture(scope="session")
 def dsec(tmp_path_factory):
     why = dsec_missing()
