@@ -21,7 +21,10 @@ So with ``dp == ep`` and one micro-batch per rank a step equals the one-process 
 accumulates the same micro-batches, bit for bit (``tests/train/test_expert_parallel.py``); with
 ``dp > ep`` or more micro-batches per rank the sums are regrouped and equal it up to fp32
 reassociation. Checkpoints keep weights by name: rank ``j`` of the first EP group writes its
-experts as a part, rank 0 the dense weights; resuming needs the same ``ep`` and world.
+experts as a part, rank 0 the dense weights. Each rank's optimizer shard holds its dense and
+expert parts and the first expert of its block, so a run resumes under another ``ep`` and world
+(one process included): the shards are merged by parameter name (expert stacks' momenta per
+expert) and re-cut to the new owners (``optim/reshard.py``).
 
 Evaluation inside a run (no autograd) goes through the same backend on every rank of the group
 (the exchange is collective), with the model's torch expert maths, so it always reads the current
@@ -122,9 +125,10 @@ def setup(model, ep: int, backend: str, mesh, device: torch.device, max_tokens: 
 class SplitOptimizer:
     """The dense parameters' sharded optimizer and the local experts' optimizer, stepped together."""
 
-    def __init__(self, dense, experts, split: ParamSplit):
+    def __init__(self, dense, experts, split: ParamSplit, first_expert: int):
         self.parts = {"dense": dense, "experts": experts}
         self.split = split
+        self.first_expert = first_expert  # the block's first routed expert (its stacks' row 0)
 
     def step(self, grads=None, lr_scale: float = 1.0) -> None:
         for opt in self.parts.values():
@@ -135,7 +139,8 @@ class SplitOptimizer:
             opt.zero_grad()
 
     def state_dict(self) -> dict:
-        return {"expert_parallel": {k: opt.state_dict() for k, opt in self.parts.items()}}
+        return {"expert_parallel": {**{k: opt.state_dict() for k, opt in self.parts.items()},
+                                    "first_expert": self.first_expert}}
 
     def load_state_dict(self, sd: dict) -> None:
         if "expert_parallel" not in sd:
@@ -153,4 +158,5 @@ def optimizer(params: dict, ep: ExpertParallel, muon_hp, adamw_hp, *, stochastic
     else:
         expert_opt = ZeroMuonAdamW(local, muon_hp, adamw_hp, stochastic=stochastic, seed=seed,
                                    group=ep.replica_group, group_ranks=ep.replica_ranks)
-    return SplitOptimizer(dense_opt, expert_opt, split_params((n, p.shape) for n, p in {**dense, **local}.items()))
+    return SplitOptimizer(dense_opt, expert_opt, split_params((n, p.shape) for n, p in {**dense, **local}.items()),
+                          ep.block[0])

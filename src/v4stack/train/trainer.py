@@ -5,8 +5,9 @@ One process runs ``MuonAdamW``; under ``torchrun`` (``WORLD_SIZE`` > 1; gloo on 
 1F1B over the ``grad_accum`` micro-batches, ``train/pipeline.py``) and each stage's ``dp``
 replicas run ``ZeroMuonAdamW`` over that stage's parameters: each replica computes gradients on
 its own micro-batches, scaled by 1 / (dp * grad_accum), and the sharded step sums them on the
-owners. A checkpoint resumes on another ``pp`` / ``dp`` layout: weights are stored by name (one
-file per stage) and the optimizer shards are merged and re-cut (``optim/reshard.py``). The data order is a pure function of
+owners. A checkpoint resumes on another ``pp`` / ``dp`` / ``ep`` layout: weights are stored by
+name (one file per stage or expert block) and the optimizer shards are merged and re-cut
+(``optim/reshard.py``). The data order is a pure function of
 (seed, step, micro-batch) and every piece of state that changes (weights, optimizer shards, the
 stochastic-rounding generators, the loss log) is in the checkpoint, so a run killed at any moment
 resumes from its last checkpoint and reproduces the same losses.
@@ -216,9 +217,6 @@ def _train(cfg: TrainConfig) -> dict:
     else:
         params = dict(model.named_parameters())
     tie_group = first_last_groups(mesh) if stage is not None else None
-    if cmeta is not None and (cmeta.get("ep", 1) != cfg.ep or (cfg.ep > 1 and cmeta["world"] != world)):
-        raise ValueError(f"train field 'ep': resume with the checkpoint's ep ({cmeta.get('ep', 1)}) and world "
-                         f"({cmeta['world']}); expert-parallel optimizer state is not re-cut")
     ep = expert_parallel.setup(model, cfg.ep, cfg.ep_backend, mesh, dev, cfg.batch_size * cfg.seq_len)
     if ep is not None:
         params = {n: p for n, p in params.items() if not ep.is_expert(n) or ep.owns(n)}
@@ -229,8 +227,8 @@ def _train(cfg: TrainConfig) -> dict:
         apply_recompute(model, cfg.recompute, (sample,), stage.layers if stage is not None else None)
     opt = _optimizer(cfg, params, mesh, ep)
     if cmeta is not None:
-        same = ((cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1), cmeta.get("pp_virtual", 1))
-                == (world, mesh.pp, mesh.cp, stage.virtual if stage is not None else 1))
+        same = ((cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1), cmeta.get("pp_virtual", 1),
+                 cmeta.get("ep", 1)) == (world, mesh.pp, mesh.cp, stage.virtual if stage is not None else 1, cfg.ep))
         if same:
             optim_state = _to_device(ckpt.load(found, rank)[1], dev)
             opt.load_state_dict(optim_state["optim"])
@@ -241,7 +239,8 @@ def _train(cfg: TrainConfig) -> dict:
             torch.set_rng_state(shards[min(rank, len(shards) - 1)]["rng"].cpu())
             if rank == 0 and cfg.progress:
                 print(f"resharded checkpoint {found.name}: pp {cmeta.get('pp', 1)} x dp "
-                      f"{cmeta.get('dp', cmeta['world'])} -> pp {mesh.pp} x dp {dp}", flush=True)
+                      f"{cmeta.get('dp', cmeta['world'])} (ep {cmeta.get('ep', 1)}) -> pp {mesh.pp} x dp {dp} "
+                      f"(ep {cfg.ep})", flush=True)
         start, elapsed0 = cmeta["step"], cmeta["elapsed"]
         log.records = cmeta["records"]
         log.truncate(start)
