@@ -41,7 +41,7 @@ def _ranks(rank, world, port, root, runs):
         for name, ep, backend, order, over in runs:
             expert_parallel.SOURCE_ORDER = order
             train(TrainConfig(**{**RUN, **over}, out=f"{root}/{name}", ep=ep, ep_backend=backend))
-            if rank < ep:
+            if rank < ep > 1:
                 step = {**RUN, **over}["steps"]
                 held = torch.load(f"{root}/{name}/ckpt/step_{step:06d}/model.experts{rank}.pt")["model"]
                 blocks = {int(re.search(r"\.experts\.(\d+)\.", n).group(1)) // (8 // ep) for n in held}

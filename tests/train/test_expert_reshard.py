@@ -62,10 +62,11 @@ def test_ep2_and_one_process_resume_each_other(tmp_path):
 @pytest.mark.slow
 def test_ep2_replicas_resumed_without_replicas_and_as_one_process(tmp_path):
     """EP2 x two replicas (four ranks) for one step, resumed at EP2 on two ranks (two micro-batches
-    each: the same four micro-batches) and as one process (four), against the uninterrupted
-    four-rank run. The step-1 weights and optimizer state carry over exactly, so step 2's
-    micro-batch losses are the same; its gradient sums are regrouped: four ranks add the block's
-    gradients as (g0 + g1) + (g2 + g3) and the dense ones as ((g0 + g1) + g2) + g3, two ranks
+    each: the same four micro-batches), without EP on two ranks (ZeRO over every parameter, expert
+    stacks of all eight experts) and as one process (four), against the uninterrupted four-rank
+    run. The step-1 weights and optimizer state carry over exactly, so step 2's micro-batch losses
+    are the same; its gradient sums are regrouped: four ranks add the block's gradients as
+    (g0 + g1) + (g2 + g3) and the dense ones as ((g0 + g1) + g2) + g3, EP2 on two ranks as
     (g0 + g2) + (g1 + g3) and (g0 + g1) + (g2 + g3), one process ((g0 + g1) + g2) + g3 for both.
     Where the order is the same (one process, dense) the weights are equal bit for bit; elsewhere
     within 2% of step 2's update (the fp32 reassociation, grown by Newton-Schulz as in
@@ -73,15 +74,15 @@ def test_ep2_replicas_resumed_without_replicas_and_as_one_process(tmp_path):
     1e-6) within 1e-6. Control: zeroing the block's momenta in the checkpoint breaks the bound."""
     runs = [("full", 2, "all_to_all", True, {}), ("half", 2, "all_to_all", True, {"steps": 1})]
     mp.spawn(_ranks, args=(4, free_port(), str(tmp_path), runs), nprocs=4)
-    for name in ("to_ep2", "to_one", "zeroed"):
+    for name in ("to_ep2", "to_dp2", "to_one", "zeroed"):
         shutil.copytree(tmp_path / "half", tmp_path / name)
-    mp.spawn(_ranks, args=(2, free_port(), str(tmp_path), [("to_ep2", 2, "all_to_all", True, {"grad_accum": 2})]),
-             nprocs=2)
+    runs = [(name, ep, "all_to_all", True, {"grad_accum": 2}) for name, ep in (("to_ep2", 2), ("to_dp2", 1))]
+    mp.spawn(_ranks, args=(2, free_port(), str(tmp_path), runs), nprocs=2)
     train(TrainConfig(**RUN, out=str(tmp_path / "to_one"), grad_accum=4))
 
     want, before = _weights(tmp_path / "full"), _weights(tmp_path / "half")
     worst = {}
-    for name in ("to_ep2", "to_one"):
+    for name in ("to_ep2", "to_dp2", "to_one"):
         got = _weights(tmp_path / name)
         assert got.keys() == want.keys(), name
         for k in want:
