@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from v4stack.optim.reshard import full_state
 from v4stack.train.trainer import TrainConfig, train
 
 from ..optim.distributed import free_port
@@ -57,6 +58,15 @@ def test_ep2_and_one_process_resume_each_other(tmp_path):
     _edit_expert_state(tmp_path / "dropped", lambda sd: sd["state"].clear())
     with pytest.raises(ValueError, match=r"no optimizer state 'muon\.layers\.\d+\.\S*experts\.\d+\.w\d\.weight'"):
         train(TrainConfig(**RUN, out=str(tmp_path / "dropped"), grad_accum=2))
+
+
+
+def test_ep_shard_without_its_block_is_refused():
+    """A shard written before shards recorded their block cannot be re-cut (the rows' experts are unknown)."""
+    old = {"expert_parallel": {"dense": {"steps": 1, "state": {}}, "experts": {"steps": 1, "state": {}}}}
+    with pytest.raises(ValueError, match="does not record its block of experts"):
+        full_state([old])
+    assert full_state([{"expert_parallel": {**old["expert_parallel"], "first_expert": 4}}])["steps"] == 1
 
 
 @pytest.mark.slow
