@@ -227,28 +227,63 @@ class ContextShard:
 # ---- the loss of a micro-batch under context parallelism ----------------------------------------
 
 
-def cp_token_losses(model, tokens: torch.Tensor, layout: Layout, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's next-token losses and the mask of rows that have a target (``[B * 2C]`` each)."""
+@dataclass
+class ShardLosses:
+    """Per-token losses of this rank's rows ``[B * 2C]`` and the masks of rows with a target:
+    the next token (``main``) and, with MTP, the token after it (``mtp``)."""
+
+    main: torch.Tensor
+    has: torch.Tensor
+    mtp: torch.Tensor | None = None
+    mtp_has: torch.Tensor | None = None
+
+
+def cp_losses(model, tokens: torch.Tensor, layout: Layout, group=None, mtp: bool = False) -> ShardLosses:
+    """This rank's next-token losses, and the MTP block's (token t+2) when ``mtp``.
+
+    The MTP block runs on the same local rows as the trunk: one process runs it over positions
+    ``0 .. T-2`` (a row needs the next token's embedding); here the last position gets a clamped
+    token and no target, which changes nothing before it (attention is causal). Its attention
+    layer reaches ``ContextShard.attention`` like the trunk's, so it exchanges its own halo."""
     B, T = tokens.shape
     if T != layout.seq_len:
         raise ValueError(f"context-parallel layout is for seq_len {layout.seq_len}, got {T}")
     pos = layout.positions(B, tokens.device)
     shard = ContextShard(layout, B, group)
-    x = model._trunk(layout.local(tokens).reshape(-1), pos, shard)
-    logits = model._head(x)
-    has_target = pos < T - 1
-    tgt = tokens.gather(1, (pos + 1).clamp(max=T - 1).view(B, -1)).reshape(-1)
-    return F.cross_entropy(logits, tgt, reduction="none"), has_target
+    h = model._trunk(layout.local(tokens).reshape(-1), pos, shard)
+    logits = model._head(h)
+
+    def at(k: int) -> torch.Tensor:
+        return tokens.gather(1, (pos + k).clamp(max=T - 1).view(B, -1)).reshape(-1)
+
+    out = ShardLosses(F.cross_entropy(logits, at(1), reduction="none"), pos < T - 1)
+    if mtp and len(model.mtp):
+        nxt = at(1)
+        emb = model.embed(nxt)
+        y = None
+        for blk in model.mtp:  # as V4Model.mtp_logits: every block reads the trunk's streams
+            y = blk.predict(h, emb, pos, shard, nxt)
+        out.mtp = F.cross_entropy(model.head(y), at(2), reduction="none")
+        out.mtp_has = pos < T - 2
+    return out
 
 
-def cp_loss_value(losses: torch.Tensor, has_target: torch.Tensor, layout: Layout, group=None) -> torch.Tensor:
+def cp_token_losses(model, tokens: torch.Tensor, layout: Layout, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's next-token losses and the mask of rows that have a target (``[B * 2C]`` each)."""
+    res = cp_losses(model, tokens, layout, group)
+    return res.main, res.has
+
+
+def cp_loss_value(losses: torch.Tensor, has_target: torch.Tensor, layout: Layout, group=None,
+                  shift: int = 1) -> torch.Tensor:
     """The micro-batch's mean loss from every rank's per-token losses, reduced as one process's
-    ``F.cross_entropy`` reduces them (the same values in the same order through ``nll_loss``)."""
+    ``F.cross_entropy`` reduces them (the same values in the same order through ``nll_loss``);
+    ``shift``: how far ahead the target lies (1 next token, 2 MTP)."""
     B = losses.numel() // (2 * layout.chunk)
     mine = losses.detach().masked_fill(~has_target, 0.0).view(B, -1)
     parts = [torch.empty_like(mine) for _ in range(layout.cp)]
     dist.all_gather(parts, mine.contiguous(), group=group)
-    seq = layout.assemble(parts)[:, :-1].reshape(-1, 1)
+    seq = layout.assemble(parts)[:, :-shift].reshape(-1, 1)
     return F.nll_loss(-seq, torch.zeros(seq.shape[0], dtype=torch.long, device=seq.device))
 
 
@@ -258,17 +293,24 @@ def predicted_tokens(tokens: torch.Tensor) -> int:
     return B * (T - 1)
 
 
-def cp_accumulate(model, micro: list[torch.Tensor], scale: float, mesh) -> torch.Tensor:
+def cp_accumulate(model, micro: list[torch.Tensor], scale: float, mesh, mtp_weight: float = 0.0) -> torch.Tensor:
     """Forwards and backwards of one step's micro-batches on this context shard. Each token's
-    loss gradient is ``scale / (B (T - 1))``, as under one process's mean; the parameter gradients
-    are this shard's part (the sharded optimizer step sums the shards). Returns ``[sum of main
-    losses, 0]`` on the replica's first shard, zeros on the others."""
+    loss gradient is ``scale / (B (T - 1))`` (MTP: ``mtp_weight scale / (B (T - 2))``), as under
+    one process's means; the parameter gradients are this shard's part (the sharded optimizer step
+    sums the shards). Returns ``[sum of main losses, sum of MTP losses]`` on the replica's first
+    shard, zeros on the others."""
     sums = torch.zeros(2, dtype=torch.float32, device=micro[0].device)
     for tokens in micro:
-        lay = Layout(mesh.cp, mesh.cp_rank, tokens.shape[1])
-        losses, has = cp_token_losses(model, tokens, lay, mesh.cp_group)
-        (losses[has].sum() / predicted_tokens(tokens) * scale).backward()
-        value = cp_loss_value(losses, has, lay, mesh.cp_group)
+        B, T = tokens.shape
+        lay = Layout(mesh.cp, mesh.cp_rank, T)
+        res = cp_losses(model, tokens, lay, mesh.cp_group, mtp=mtp_weight > 0)
+        total = res.main[res.has].sum() / predicted_tokens(tokens)
+        if res.mtp is not None:
+            total = total + mtp_weight * (res.mtp[res.mtp_has].sum() / (B * (T - 2)))
+        (total * scale).backward()
+        value = cp_loss_value(res.main, res.has, lay, mesh.cp_group)
+        extra = cp_loss_value(res.mtp, res.mtp_has, lay, mesh.cp_group, 2) if res.mtp is not None else None
         if mesh.cp_rank == 0:
             sums[0] += value.item()
+            sums[1] += 0.0 if extra is None else extra.item()
     return sums

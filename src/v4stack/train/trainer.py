@@ -102,9 +102,10 @@ class TrainConfig:
         need(self.ep_backend in EP_BACKENDS,
              f"train field 'ep_backend' must be one of {EP_BACKENDS}, got {self.ep_backend!r}")
         need(self.ops in ("fast", "invariant"), f"train field 'ops' must be 'fast' or 'invariant', got {self.ops!r}")
-        need(self.cp == 1 or (self.seq_len % (2 * self.cp) == 0 and self.mtp_weight == 0 and self.recompute == "none"
+        need(self.cp == 1 or (self.seq_len % (2 * self.cp) == 0 and not self.recompute.startswith("plan:")
                               and self.ep == 1),
-             f"train field 'cp' ({self.cp}) needs seq_len a multiple of 2 x cp, no MTP loss, recompute none, ep 1")
+             f"train field 'cp' ({self.cp}) needs seq_len a multiple of 2 x cp, recompute none, full or matmul "
+             "(plan:F profiles the one-process forward), ep 1")
         need(self.pp_schedule in SCHEDULES,
              f"train field 'pp_schedule' must be one of {SCHEDULES}, got {self.pp_schedule!r}")
         need(isinstance(self.pp_virtual, int) and (self.pp_virtual == 1 if self.pp_schedule == "1f1b"
@@ -257,7 +258,7 @@ def _train(cfg: TrainConfig) -> dict:
             sums = run_pp(stage, micro, cfg.mtp_weight, scale)
             tie_embedding_grads(stage, tie_group)
         elif mesh.cp > 1:
-            sums = cp_accumulate(model, micro, scale, mesh)
+            sums = cp_accumulate(model, micro, scale, mesh, cfg.mtp_weight)
         else:
             sums = torch.zeros(2, device=dev)
             for tokens in micro:
