@@ -8,9 +8,10 @@ gradient's error must stay within the error one process's fp32 gradient itself h
 small factor). Inverse controls: a halo never exchanged, halos delivered to the wrong chunk, and
 entries gathered in rank order instead of sequence order each change the losses.
 
-The trainer (`--cp 2`, one process per shard, the shards' gradients summed by the sharded step):
-step 1's loss is one process's to the bit, the next steps' follow it to 1e-5; slow: cp 2 x dp 2
-against one process accumulating the same two micro-batches, and two CP runs bitwise equal.
+The trainer (`--cp 2` with the MTP loss and `--recompute full`, one process per shard, the
+shards' gradients summed by the sharded step): step 1's loss and MTP loss are one process's to
+the bit, the next steps' follow it to 1e-5; slow: cp 2 x dp 2 against one process accumulating
+the same two micro-batches, and two CP runs bitwise equal.
 """
 
 import dataclasses
@@ -215,11 +216,16 @@ def _close_run(a, b, tol: float = 1e-5) -> None:
 
 
 def test_train_cp2_follows_one_process(tmp_path):
-    one = _train_run(tmp_path / "one")
-    cp = _train_run(tmp_path / "cp", world=2, cp=2)
+    """With the MTP loss on and, on the CP side, every layer recomputed in the backward."""
+    import json
+
+    one = _train_run(tmp_path / "one", mtp_weight=0.3)
+    cp = _train_run(tmp_path / "cp", world=2, cp=2, mtp_weight=0.3, recompute="full")
     _close_run(cp, one)
-    meta = __import__("json").loads((cp / "loss.json").read_text())["meta"]
+    meta = json.loads((cp / "loss.json").read_text())["meta"]
     assert (meta["cp"], meta["dp"]) == (2, 1)
+    ma, mb = ([r["mtp_loss"] for r in json.loads((d / "loss.json").read_text())["records"]] for d in (cp, one))
+    assert ma[0] == mb[0] and all(abs(x - y) <= 1e-5 for x, y in zip(ma, mb)), (ma, mb)
 
 
 @pytest.mark.slow

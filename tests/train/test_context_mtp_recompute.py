@@ -10,12 +10,14 @@ parameter gradients equal the non-recompute CP run's bitwise. Inverse control: a
 halo exchange returns its rows times (1 + 2^-12) changes the gradients, so the comparison sees an
 inconsistent recompute.
 
-The trainer: `--cp 2 --mtp-weight --recompute full` follows one process (step 1's loss and MTP
-loss equal, then within 1e-5).
+Pipeline x context parallelism (2 stages x 2 shards, MTP on the last stage): the main and MTP
+means are one process's to the bit; inverse control: streams sent to the other shard's peer.
+Slow: the trainer `--pp 2 --cp 2` with MTP follows one process (step 1 equal, then within 1e-5).
 """
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -118,16 +120,57 @@ def test_cp_mtp_bitwise_and_recompute_gradients(tmp_path):
     assert not res["inconsistent_recompute_equal"]  # control: a recompute seeing other halos differs
 
 
-def test_train_cp2_mtp_recompute_follows_one_process(tmp_path):
+def _pp_worker(rank, world, out):
+    from v4stack.train.mesh import build_mesh
+    from v4stack.train.pipeline import Stage, run_1f1b
+
+    torch.manual_seed(0)
+    tokens = _tokens()
+    res = {}
+    with ops.mode("invariant"):
+        for name in ("right", "swapped"):
+            mesh = build_mesh(2, 2)
+            if name == "swapped":  # inverse control: streams go to the other shard's peer
+                mesh.peer = lambda stage, m=mesh: (stage * m.dp + m.replica) * m.cp + 1 - m.cp_rank
+            stage = Stage.build(_model(), mesh, mtp=True)
+            res[name] = run_1f1b(stage, [tokens], W_MTP, 1.0)
+    if rank == 2:  # the last stage's first shard holds the means
+        torch.save(res, out)
+
+
+def test_pp2_cp2_losses_equal_one_process(tmp_path):
+    """Pipeline x context parallelism (2 stages x 2 shards, MTP on the last stage): each stage's
+    attention layers exchange over the stage's cp group, streams pass between peers of the same
+    shard; the main and MTP means are one process's to the bit."""
+    tokens = _tokens()
+    with ops.mode("invariant"):
+        torch.manual_seed(0)
+        logits, mtp_logits = _model().forward_train(tokens)
+        V = logits.shape[-1]
+        main = F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1))
+        mtp = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, V), tokens[:, 2:].reshape(-1))
+    out = tmp_path / "pp.pt"
+    run_world(_pp_worker, 4, str(out))
+    res = torch.load(out)
+    assert torch.equal(res["right"], torch.stack([main, mtp]))
+    assert not torch.equal(res["swapped"][0], main)  # control: the other shard's streams are seen
+
+
+@pytest.mark.slow
+def test_train_pp2_cp2_follows_one_process(tmp_path):
+    """Pipeline x context parallelism (world 4: 2 stages x 2 shards, MTP on the last stage): each
+    stage's attention layers exchange over the stage's cp group; the streams pass between peers
+    of the same shard."""
     from .test_pipeline import _losses
 
-    one = _train_run(tmp_path / "one", mtp_weight=0.3)
-    cp = _train_run(tmp_path / "cp", world=2, cp=2, mtp_weight=0.3, recompute="full")
-    la, lb = _losses(cp), _losses(one)
+    one = _train_run(tmp_path / "one", mtp_weight=0.3, grad_accum=2)
+    pc = _train_run(tmp_path / "pc", world=4, pp=2, cp=2, mtp_weight=0.3, grad_accum=2)
+    la, lb = _losses(pc), _losses(one)
     assert la[0] == lb[0] and all(abs(x - y) <= 1e-5 for x, y in zip(la, lb)), (la, lb)
     import json
 
-    ra = json.loads((cp / "loss.json").read_text())["records"]
-    rb = json.loads((one / "loss.json").read_text())["records"]
-    ma, mb = [r["mtp_loss"] for r in ra], [r["mtp_loss"] for r in rb]
+    meta = json.loads((pc / "loss.json").read_text())["meta"]
+    assert (meta["pp"], meta["cp"], meta["dp"]) == (2, 2, 1)
+    ma = [r["mtp_loss"] for r in json.loads((pc / "loss.json").read_text())["records"]]
+    mb = [r["mtp_loss"] for r in json.loads((one / "loss.json").read_text())["records"]]
     assert ma[0] == mb[0] and all(abs(x - y) <= 1e-5 for x, y in zip(ma, mb)), (ma, mb)

@@ -251,6 +251,13 @@ def cp_losses(model, tokens: torch.Tensor, layout: Layout, group=None, mtp: bool
     pos = layout.positions(B, tokens.device)
     shard = ContextShard(layout, B, group)
     h = model._trunk(layout.local(tokens).reshape(-1), pos, shard)
+    return head_losses(model, h, tokens, shard, pos, mtp)
+
+
+def head_losses(model, h: torch.Tensor, tokens: torch.Tensor, shard: ContextShard, pos: torch.Tensor,
+                mtp: bool) -> ShardLosses:
+    """The head's (and the MTP block's) per-token losses of the trunk's local streams ``h``."""
+    B, T = tokens.shape
     logits = model._head(h)
 
     def at(k: int) -> torch.Tensor:
@@ -293,6 +300,19 @@ def predicted_tokens(tokens: torch.Tensor) -> int:
     return B * (T - 1)
 
 
+def shard_means(res: ShardLosses, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This shard's parts of the main and MTP means (sums over its rows / the sequence's counts)."""
+    B, T = tokens.shape
+    main = res.main[res.has].sum() / predicted_tokens(tokens)
+    return main, None if res.mtp is None else res.mtp[res.mtp_has].sum() / (B * (T - 2))
+
+
+def logged_means(res: ShardLosses, lay: Layout, group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The micro-batch's main and MTP means, as one process computes them (collective over ``group``)."""
+    extra = None if res.mtp is None else cp_loss_value(res.mtp, res.mtp_has, lay, group, 2)
+    return cp_loss_value(res.main, res.has, lay, group), extra
+
+
 def cp_accumulate(model, micro: list[torch.Tensor], scale: float, mesh, mtp_weight: float = 0.0) -> torch.Tensor:
     """Forwards and backwards of one step's micro-batches on this context shard. Each token's
     loss gradient is ``scale / (B (T - 1))`` (MTP: ``mtp_weight scale / (B (T - 2))``), as under
@@ -304,12 +324,11 @@ def cp_accumulate(model, micro: list[torch.Tensor], scale: float, mesh, mtp_weig
         B, T = tokens.shape
         lay = Layout(mesh.cp, mesh.cp_rank, T)
         res = cp_losses(model, tokens, lay, mesh.cp_group, mtp=mtp_weight > 0)
-        total = res.main[res.has].sum() / predicted_tokens(tokens)
-        if res.mtp is not None:
-            total = total + mtp_weight * (res.mtp[res.mtp_has].sum() / (B * (T - 2)))
+        total, extra_part = shard_means(res, tokens)
+        if extra_part is not None:
+            total = total + mtp_weight * extra_part
         (total * scale).backward()
-        value = cp_loss_value(res.main, res.has, lay, mesh.cp_group)
-        extra = cp_loss_value(res.mtp, res.mtp_has, lay, mesh.cp_group, 2) if res.mtp is not None else None
+        value, extra = logged_means(res, lay, mesh.cp_group)
         if mesh.cp_rank == 0:
             sums[0] += value.item()
             sums[1] += 0.0 if extra is None else extra.item()

@@ -1,5 +1,7 @@
 """The training mesh: ``world = pp x dp x cp`` ranks, stage-major, then replica, then context
-shard (rank = (stage * dp + replica) * cp + cp_rank); context parallelism runs with ``pp == 1``.
+shard (rank = (stage * dp + replica) * cp + cp_rank). Under pipeline x context parallelism a
+stage's ZeRO group is its ``dp x cp`` ranks (the shards' partial gradients are summed there), and
+streams pass between the peers of the same replica and context shard.
 
 Every rank creates every group in the same order (``new_group`` is collective over the world), so
 one ``Mesh`` per process is built by all processes together. On one process, or with ``pp == 1``
@@ -45,8 +47,8 @@ class Mesh:
         return self.stage == self.pp - 1
 
     def peer(self, stage: int) -> int:
-        """Global rank of this replica's counterpart in ``stage``."""
-        return stage * self.dp + self.replica
+        """Global rank of this replica's (and context shard's) counterpart in ``stage``."""
+        return (stage * self.dp + self.replica) * self.cp + self.cp_rank
 
 
 def build_mesh(pp: int, cp: int = 1) -> Mesh:
@@ -57,13 +59,20 @@ def build_mesh(pp: int, cp: int = 1) -> Mesh:
         return Mesh(0, 1, 1, 1)
     world, rank = dist.get_world_size(), dist.get_rank()
     if cp > 1:
-        if pp != 1 or world % cp:
-            raise ValueError(f"train field 'cp' ({cp}) must divide the world size {world} and runs with pp = 1")
-        mesh = Mesh(rank, world, 1, world // cp, dp_ranks=tuple(range(world)), cp=cp)
-        for d in range(mesh.dp):  # every rank creates every replica's group, in replica order
-            group = dist.new_group(list(range(d * cp, (d + 1) * cp))) if mesh.dp > 1 else None
-            if d == mesh.replica:
-                mesh.cp_group = group
+        if pp < 1 or world % (pp * cp):
+            raise ValueError(f"train fields 'pp' ({pp}) x 'cp' ({cp}) must divide the world size {world}")
+        dp = world // (pp * cp)
+        mesh = Mesh(rank, world, pp, dp, dp_ranks=tuple(range(world)), cp=cp)
+        for s in range(pp):  # every rank creates every group, stage by stage, in the same order
+            ranks = tuple(range(s * dp * cp, (s + 1) * dp * cp))
+            group = dist.new_group(list(ranks)) if pp > 1 else None
+            if s == mesh.stage and pp > 1:
+                mesh.dp_group, mesh.dp_ranks = group, ranks
+            for d in range(dp):
+                sub = list(ranks[d * cp:(d + 1) * cp])
+                g = dist.new_group(sub) if pp * dp > 1 else None
+                if s == mesh.stage and d == mesh.replica:
+                    mesh.cp_group = g
         return mesh
     if pp < 1 or world % pp:
         raise ValueError(f"train field 'pp' must divide the world size {world}, got {pp}")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from v4stack.model import V4Model
+from v4stack.train.context import ContextShard, Layout, head_losses, logged_means, shard_means
 from v4stack.train.mesh import Mesh
 
 
@@ -78,6 +79,7 @@ class Stage:
     layers: range
     mtp: bool
     stream_dtype: torch.dtype
+    logged: tuple | None = None  # under context parallelism: the last forward's (main, MTP) loss values
 
     @classmethod
     def build(cls, model: V4Model, mesh: Mesh, mtp: bool) -> "Stage":
@@ -114,6 +116,8 @@ class Stage:
         """The blocks ``layers``, after the embedding when ``first``, before the head when ``last``."""
         m = self.model
         B, T = tokens.shape
+        if self.mesh.cp > 1:
+            return self._forward_cp(tokens, x, layers, first, last)
         segs, positions = m._fresh_segments(B, T, tokens.device)
         ids = tokens.reshape(-1)
         if first:
@@ -125,9 +129,29 @@ class Stage:
         logits = m._head(x).view(B, T, -1)
         return lm_loss(logits, m.mtp_logits(x, tokens) if self.mtp else None, tokens)
 
+    def _forward_cp(self, tokens: torch.Tensor, x, layers, first: bool, last: bool):
+        """As ``forward_span`` on this rank's context shard (``train/context.py``): the attention
+        layers exchange over the stage's cp group. On the last stage the returned losses are this
+        shard's part of the means (for the backward); ``logged`` holds the means themselves."""
+        m, mesh = self.model, self.mesh
+        B, T = tokens.shape
+        lay = Layout(mesh.cp, mesh.cp_rank, T)
+        positions = lay.positions(B, tokens.device)
+        shard = ContextShard(lay, B, mesh.cp_group)
+        ids = lay.local(tokens).reshape(-1)
+        if first:
+            x = m.embed(ids).unsqueeze(1).expand(-1, m.cfg.hc_mult, -1).contiguous()
+        for i in layers:
+            x = m.layers[i](x, positions, shard, ids)
+        if not last:
+            return x
+        res = head_losses(m, x, tokens, shard, positions, self.mtp)
+        self.logged = logged_means(res, lay, mesh.cp_group)
+        return shard_means(res, tokens)
+
     def stream_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
         cfg = self.model.cfg
-        return (tokens.numel(), cfg.hc_mult, cfg.hidden_size)
+        return (tokens.numel() // self.mesh.cp, cfg.hc_mult, cfg.hidden_size)
 
 
 def run_1f1b(stage: Stage, micro: list[torch.Tensor], mtp_weight: float, scale: float) -> torch.Tensor:
@@ -151,6 +175,8 @@ def run_1f1b(stage: Stage, micro: list[torch.Tensor], mtp_weight: float, scale: 
         if mesh.last:
             main, extra = out
             total = main if extra is None else main + mtp_weight * extra
+            if stage.logged is not None:  # context shards: the means, counted on the first shard
+                main, extra = (None if v is None else v * (mesh.cp_rank == 0) for v in stage.logged)
             sums[0] += main.detach().float()
             if extra is not None:
                 sums[1] += extra.detach().float()
@@ -200,8 +226,10 @@ def first_last_groups(mesh: Mesh) -> object:
     mine = None
     if mesh.pp == 1:
         return None
+    cp = mesh.cp
     for r in range(mesh.dp):
-        g = dist.new_group([r, (mesh.pp - 1) * mesh.dp + r])
-        if r == mesh.replica:
-            mine = g
+        for c in range(cp):  # under context parallelism: per context shard too
+            g = dist.new_group([r * cp + c, ((mesh.pp - 1) * mesh.dp + r) * cp + c])
+            if r == mesh.replica and c == mesh.cp_rank:
+                mine = g
     return mine

@@ -106,6 +106,8 @@ class TrainConfig:
                               and self.ep == 1),
              f"train field 'cp' ({self.cp}) needs seq_len a multiple of 2 x cp, recompute none, full or matmul "
              "(plan:F profiles the one-process forward), ep 1")
+        need(self.cp == 1 or self.pp_schedule == "1f1b",
+             f"train field 'cp' ({self.cp}) runs with pp_schedule 1f1b, got {self.pp_schedule!r}")
         need(self.pp_schedule in SCHEDULES,
              f"train field 'pp_schedule' must be one of {SCHEDULES}, got {self.pp_schedule!r}")
         need(isinstance(self.pp_virtual, int) and (self.pp_virtual == 1 if self.pp_schedule == "1f1b"
@@ -338,7 +340,7 @@ def _save(root: Path, step: int, mesh, stage, model, opt, log: LossLog, elapsed:
     ckpt.write_shard(root, step, mesh.rank, {"optim": opt.state_dict(), "rng": torch.get_rng_state()})
     if ep is not None:  # each rank of the first EP group: its experts; rank 0 below: the dense weights
         ep.save_part(root, step, model)
-    if stage is not None and mesh.replica == 0:  # each stage's weights, by name
+    if stage is not None and mesh.replica == 0 and mesh.cp_rank == 0:  # each stage's weights, by name
         ckpt.write_model_part(root, step, f"stage{mesh.stage}", {"model": stage.state()})
     _barrier(mesh.world)
     if mesh.rank == 0:
