@@ -22,7 +22,7 @@ process to rounding, not to the bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,7 @@ class Stage:
     layers: range
     mtp: bool
     stream_dtype: torch.dtype
-    logged: tuple | None = None  # under context parallelism: the last forward's (main, MTP) loss values
+    logged: tuple | None = field(default=None, init=False)  # under context parallelism: the last forward's (main, MTP) loss values
 
     @classmethod
     def build(cls, model: V4Model, mesh: Mesh, mtp: bool) -> "Stage":
