@@ -1,9 +1,10 @@
 """Context parallelism with the MTP loss and with recompute (gloo, tiny preset, fp32, invariant ops).
 
 MTP: the MTP block's attention runs over the sharded sequence with its own halo exchange; every
-per-token MTP loss and the MTP mean are one process's to the bit (cp = 2). Inverse control: the
-trunk's exchanges intact but the MTP block's halos swapped between its two chunks changes the
-MTP losses.
+per-token MTP loss and the MTP mean are one process's to the bit (cp = 2); the gradients of
+main + w MTP stay within the fp32 envelope of test_context.py. Inverse controls: the trunk's
+exchanges intact but the MTP block's halos swapped between its two chunks changes the MTP losses;
+the one-process gradient of another MTP weight breaks the envelope.
 
 Recompute (`full` and `matmul`): the recomputed forward re-runs the layer's exchanges; the
 parameter gradients equal the non-recompute CP run's bitwise. Inverse control: a recompute whose
@@ -80,6 +81,12 @@ def _worker(rank, world, out):
         out_res["main"] = _gather_rows(res.main.detach().view(B, -1), lay)
         out_res["mtp"] = _gather_rows(res.mtp.detach().view(B, -1), lay)
         out_res["mtp_value"] = cp_loss_value(res.mtp, res.mtp_has, lay, shift=2)
+        summed = []
+        for g in g_plain:  # the shards' partial gradients, added in rank order
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g)
+            summed.append(sum(parts[1:], parts[0].clone()))
+        out_res["grads"] = summed
         out_res["mtp_grad_nonzero"] = any(p.grad is not None and p.grad.abs().sum() > 0
                                           for p in plain.mtp.parameters())
         with torch.no_grad():  # control: the trunk's 6 exchanges intact, the MTP block's halos swapped
@@ -99,15 +106,37 @@ def _worker(rank, world, out):
         torch.save(out_res, out)
 
 
-def test_cp_mtp_bitwise_and_recompute_gradients(tmp_path):
+def _one_process(dtype, mode, w=W_MTP):
+    """Per-token main and MTP losses, the MTP mean and the gradients of main + w * MTP."""
     tokens = _tokens()
-    with ops.mode("invariant"):  # one process: the main and MTP per-token losses
+    with ops.mode(mode):
         torch.manual_seed(0)
-        logits, mtp_logits = _model().forward_train(tokens)
+        m = _model(dtype)
+        logits, mtp_logits = m.forward_train(tokens)
         V = logits.shape[-1]
         per = F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none")
         mtp_per = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, V), tokens[:, 2:].reshape(-1), reduction="none")
         mtp_mean = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, V), tokens[:, 2:].reshape(-1))
+        (per.mean() + w * mtp_mean).backward()
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
+    return per.detach(), mtp_per.detach(), mtp_mean.detach(), grads
+
+
+def _within_envelope(cp_grads, g32, g64, target=None) -> bool:
+    """Every CP gradient within 8x one process's own fp32 error (``g32`` against ``g64``) of
+    ``target`` (default ``g64``), as in test_context.py."""
+    for a, b, exact, t in zip(cp_grads, g32, g64, g64 if target is None else target):
+        exact, t = exact.float(), t.float()
+        err_one, err_cp = (b - exact).abs().max().item(), (a - t).abs().max().item()
+        if err_cp > 8 * err_one + 2.0 ** -20 * exact.abs().max().item():
+            return False
+    return True
+
+
+def test_cp_mtp_bitwise_and_recompute_gradients(tmp_path):
+    per, mtp_per, mtp_mean, g32 = _one_process(torch.float32, "invariant")
+    g64 = _one_process(torch.float64, "fast")[3]
+    g64_half_mtp = _one_process(torch.float64, "fast", W_MTP / 2)[3]
     out = tmp_path / "r.pt"
     run_world(_worker, 2, str(out))
     res = torch.load(out)
@@ -116,6 +145,10 @@ def test_cp_mtp_bitwise_and_recompute_gradients(tmp_path):
     assert torch.equal(res["mtp_value"], mtp_mean)
     assert res["mtp_grad_nonzero"]
     assert not torch.equal(res["mtp_no_halo"][:, :-2], mtp_per.view(B, -1))  # control: MTP needs its halo
+    # gradients with the MTP loss: within the fp32 envelope of one process; control: against the
+    # one-process gradient of another MTP weight the envelope is broken (it sees MTP's share)
+    assert _within_envelope(res["grads"], g32, g64)
+    assert not _within_envelope(res["grads"], g32, g64, target=g64_half_mtp)
     assert res["full"] and res["matmul"]  # recompute: gradients bitwise equal to no recompute
     assert not res["inconsistent_recompute_equal"]  # control: a recompute seeing other halos differs
 
@@ -174,3 +207,17 @@ def test_train_pp2_cp2_follows_one_process(tmp_path):
     ma = [r["mtp_loss"] for r in json.loads((pc / "loss.json").read_text())["records"]]
     mb = [r["mtp_loss"] for r in json.loads((one / "loss.json").read_text())["records"]]
     assert ma[0] == mb[0] and all(abs(x - y) <= 1e-5 for x, y in zip(ma, mb)), (ma, mb)
+
+
+def test_cp_refusals_name_the_field():
+    """What `--cp` still refuses gets a clear error; what it now runs validates."""
+    from v4stack.train.trainer import TrainConfig
+
+    ok = dict(cp=2, seq_len=32)
+    TrainConfig(**ok, mtp_weight=0.3, recompute="matmul").validate()
+    TrainConfig(**ok, pp=2).validate()
+    for bad, match in ((dict(recompute="plan:0.5"), "plan:F"), (dict(ep=2), "ep 1"),
+                       (dict(pp=2, pp_schedule="interleaved", pp_virtual=2, grad_accum=2), "1f1b"),
+                       (dict(seq_len=30), "multiple of 2 x cp")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**{**ok, **bad}).validate()
