@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.runner import write_result
+from bench.timing import back_to_back, graph_time
 
 from v4stack.kernels import tiles as TL  # noqa: E402
 
@@ -60,36 +61,12 @@ def _time(fn, target_s=0.02) -> float:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    n = max(3, min(200, int(target_s / max(s.elapsed_time(e) / 1e3, 1e-6))))
-    ts = []
-    for _ in range(3):
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3 / n)
-    return statistics.median(ts)
+    return back_to_back(fn, target_s)
 
 
 def _graph_time(fn) -> float:
     """Device time per call: ``fn`` captured 20 times in one CUDA graph, replayed."""
-    if not CUDA:
-        return _time(fn)
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
-    return _time(g.replay) / 20
+    return graph_time(fn, 20, 0.02) if CUDA else _time(fn)
 
 
 def _host_p50(fn, batches=50, per=50) -> float:

@@ -27,6 +27,7 @@ import traceback
 import torch
 
 from bench.ops_gpu_cases import CASES, build
+from bench.timing import back_to_back, graph_time
 from bench.runner import write_result
 from v4stack import ops
 
@@ -62,36 +63,11 @@ def invariance(name: str, mode: str) -> dict:
 
 
 def _time(fn, target_s=0.03) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    one = s.elapsed_time(e) / 1e3
-    n = max(3, min(200, int(target_s / max(one, 1e-6))))
-    ts = []
-    for _ in range(3):
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3 / n)
-    return statistics.median(ts)
+    return back_to_back(fn, target_s)
 
 
 def _graph_time(fn, reps=20) -> float:
-    """Device time per call without the host: ``fn`` captured ``reps`` times in one CUDA graph,
-    the graph replayed back to back (how the serving engine runs a decode step)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return _time(g.replay) / reps
+    return graph_time(fn, reps, 0.03)
 
 
 def timings(name: str) -> list[dict]:
