@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 import traceback
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.runner import write_result
-from bench.timing import back_to_back, graph_time
+from bench.timing import back_to_back, graph_time, host_per_call
 
 from v4stack.kernels import tiles as TL  # noqa: E402
 
@@ -70,17 +69,7 @@ def _graph_time(fn) -> float:
 
 
 def _host_p50(fn, batches=50, per=50) -> float:
-    if not CUDA:
-        return _time(fn)
-    ts = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(per):
-            fn()
-        ts.append((time.perf_counter() - t0) / per)
-    torch.cuda.synchronize()
-    return statistics.median(ts)
+    return host_per_call(fn, batches, per) if CUDA else _time(fn)
 
 
 def _variants(name, run, tiles, ms, make, framework, rec):

@@ -20,14 +20,13 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import time
 import traceback
 
 import torch
 
 from bench.ops_gpu_cases import CASES, build
-from bench.timing import back_to_back, graph_time
+from bench.timing import back_to_back, graph_time, host_per_call
 from bench.runner import write_result
 from v4stack import ops
 
@@ -114,15 +113,7 @@ def graph_timings(name: str, rows: list[dict]) -> None:
 
 
 def _p50_per_call(fn, batches=200, per=100) -> float:
-    ts = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(per):
-            fn()
-        ts.append((time.perf_counter() - t0) / per)
-    torch.cuda.synchronize()
-    return statistics.median(ts)
+    return host_per_call(fn, batches, per)
 
 
 def launch_tax() -> dict:

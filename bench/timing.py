@@ -5,11 +5,13 @@
     t = cuda_median(lambda: a @ b, reps=10)       # the median, seconds
     t = back_to_back(lambda: a @ b, target_s=0.02)  # seconds per call, calls issued back to back
     t = graph_time(lambda: a @ b)                  # device seconds per call, host launch cost removed
+    t = host_per_call(lambda: a @ b, 50, 50)       # host seconds per call (median over batches)
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -68,3 +70,17 @@ def graph_time(fn, reps: int = 20, target_s: float = 0.03) -> float:
         for _ in range(reps):
             fn()
     return back_to_back(g.replay, target_s) / reps
+
+
+def host_per_call(fn, batches: int, per: int) -> float:
+    """Host seconds per call: the median over ``batches`` batches of ``per`` back-to-back calls, the
+    device synchronised before each batch (and once at the end) so no batch waits on another."""
+    ts = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        ts.append((time.perf_counter() - t0) / per)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
