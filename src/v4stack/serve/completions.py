@@ -94,6 +94,36 @@ def _forced_prefix(body: ChatRequest) -> str:
     return ""
 
 
+async def _sse_stream(gen: Generation, head: dict, usage_on: bool, first, pieces):
+    """The frame both streaming endpoints share: the events ``first()`` makes, then the events ``pieces(job, text,
+    draws)`` makes of each engine step; a failed or aborted job ends the stream with an error event;
+    the usage chunk when asked for; ``[DONE]``; the generation is closed however the stream ends
+    (the client gone included)."""
+    try:
+        for event in first():
+            yield event
+        while not gen.done:
+            job, text, draws = await gen.next()
+            if job.finish in ("error", "abort"):
+                yield _sse(error_body(job.error or "the engine failed while running this request",
+                                      "server_error" if job.finish == "abort" else "invalid_request_error"))
+                break
+            for event in pieces(job, text, draws):
+                yield event
+        else:
+            if usage_on:
+                yield _sse({**head, "choices": [], "usage": gen.usage()})
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.close()
+
+
+def _messages(msgs) -> list[dict]:
+    """Chat messages as the template renders them."""
+    return [{"role": m.role, "content": m.text(), "name": m.name, "tool_call_id": m.tool_call_id,
+             "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None} for m in msgs]
+
+
 def mount(app: FastAPI, edge) -> None:
     tok, runner, name = edge.tok, edge.runner, edge.model_name
 
@@ -151,52 +181,41 @@ def mount(app: FastAPI, edge) -> None:
         return {"index": index, "text": prompt_text + j.text, "logprobs": logprobs, "finish_reason": j.finish,
                 "stop_reason": j._stops.stopped, "token_ids": list(j.ids)}
 
-    async def _stream_completion(gen: Generation, head: dict, echo: bool, lp, so):
+    def _stream_completion(gen: Generation, head: dict, echo: bool, lp, so):
         usage_on = bool(so and so.include_usage)
         every = bool(so and so.continuous_usage_stats)
         sent = {j.index: 0 for j in gen.jobs}  # characters sent per choice (text_offset)
         echoed: set[int] = set()
-        try:
-            while not gen.done:
-                job, text, draws = await gen.next()
-                if job.finish in ("error", "abort"):
-                    yield _sse(error_body(job.error or "the engine failed while running this request",
-                                          "server_error" if job.finish == "abort" else "invalid_request_error"))
-                    break
-                logprobs = None
-                if echo and job.index not in echoed and (draws or job.finish):
-                    echoed.add(job.index)
-                    pre = tok.decode(job.prompt)
-                    if lp is not None:
-                        pd = getattr(job.req, "prompt_draws", None)
-                        logprobs = completion_logprobs(job.ids[: len(draws)], draws, 0, pd, job.prompt)
-                    text = pre + text
-                elif lp is not None and draws:
-                    first = len(job.ids) - len(draws)
-                    logprobs = completion_logprobs(job.ids[first:], draws, sent[job.index])
-                if not (text or logprobs or job.finish):
-                    continue
-                sent[job.index] += len(text)
-                chunk = {**head, "choices": [{"index": job.index, "text": text, "logprobs": logprobs,
-                                              "finish_reason": job.finish, "stop_reason": job._stops.stopped}]}
-                if usage_on:
-                    chunk["usage"] = gen.usage() if every else None
-                yield _sse(chunk)
-            else:
-                if usage_on:
-                    yield _sse({**head, "choices": [], "usage": gen.usage()})
-            yield "data: [DONE]\n\n"
-        finally:
-            gen.close()
+
+        def pieces(job: Job, text: str, draws):
+            logprobs = None
+            if echo and job.index not in echoed and (draws or job.finish):
+                echoed.add(job.index)
+                pre = tok.decode(job.prompt)
+                if lp is not None:
+                    pd = getattr(job.req, "prompt_draws", None)
+                    logprobs = completion_logprobs(job.ids[: len(draws)], draws, 0, pd, job.prompt)
+                text = pre + text
+            elif lp is not None and draws:
+                first = len(job.ids) - len(draws)
+                logprobs = completion_logprobs(job.ids[first:], draws, sent[job.index])
+            if not (text or logprobs or job.finish):
+                return
+            sent[job.index] += len(text)
+            chunk = {**head, "choices": [{"index": job.index, "text": text, "logprobs": logprobs,
+                                          "finish_reason": job.finish, "stop_reason": job._stops.stopped}]}
+            if usage_on:
+                chunk["usage"] = gen.usage() if every else None
+            yield _sse(chunk)
+
+        return _sse_stream(gen, head, usage_on, list, pieces)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
         body: ChatRequest = await edge.body(http, ChatRequest)
         tools_on = bool(body.tools) and body.tool_choice != "none"
         prefix = _forced_prefix(body) if tools_on else ""
-        messages = [{"role": m.role, "content": m.text(), "name": m.name, "tool_call_id": m.tool_call_id,
-                     "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None}
-                    for m in body.messages]
+        messages = _messages(body.messages)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_on else None
         try:
             text = edge.template.render(messages, tools, prefix)
@@ -233,7 +252,7 @@ def mount(app: FastAPI, edge) -> None:
                             "stop_reason": j._stops.stopped, "token_ids": list(j.ids)})
         return Json({**head, "choices": choices, "usage": gen.usage()})
 
-    async def _stream_chat(gen: Generation, head: dict, want_lp: bool, tools_on: bool, prefix: str, so):
+    def _stream_chat(gen: Generation, head: dict, want_lp: bool, tools_on: bool, prefix: str, so):
         usage_on = bool(so and so.include_usage)
         every = bool(so and so.continuous_usage_stats)
         streams = {j.index: tc.ToolStream() for j in gen.jobs} if tools_on else {}
@@ -247,33 +266,24 @@ def mount(app: FastAPI, edge) -> None:
                 c["usage"] = gen.usage() if every else None
             return _sse(c)
 
-        try:
-            for j in gen.jobs:
-                yield chunk(j.index, {"role": "assistant", "content": ""})
-            while not gen.done:
-                job, text, draws = await gen.next()
-                if job.finish in ("error", "abort"):
-                    yield _sse(error_body(job.error or "the engine failed while running this request",
-                                          "server_error" if job.finish == "abort" else "invalid_request_error"))
-                    break
-                lp = chat_logprobs(job.ids[len(job.ids) - len(draws):], draws) if want_lp and draws else None
-                calls = []
-                if tools_on:
-                    text, calls = streams[job.index].push(text, final=job.finish is not None)
-                if text or lp:
-                    yield chunk(job.index, {"content": text}, None, lp)
-                for c in calls:
-                    yield chunk(job.index, {"tool_calls": [c.to_openai(calls_sent[job.index])]})
-                    calls_sent[job.index] += 1
-                if job.finish is not None:
-                    finish = "tool_calls" if calls_sent[job.index] and job.finish != "length" else job.finish
-                    yield chunk(job.index, {}, finish)
-            else:
-                if usage_on:
-                    yield _sse({**head, "choices": [], "usage": gen.usage()})
-            yield "data: [DONE]\n\n"
-        finally:
-            gen.close()
+        def pieces(job: Job, text: str, draws):
+            lp = chat_logprobs(job.ids[len(job.ids) - len(draws):], draws) if want_lp and draws else None
+            calls = []
+            if tools_on:
+                text, calls = streams[job.index].push(text, final=job.finish is not None)
+            if text or lp:
+                yield chunk(job.index, {"content": text}, None, lp)
+            for c in calls:
+                yield chunk(job.index, {"tool_calls": [c.to_openai(calls_sent[job.index])]})
+                calls_sent[job.index] += 1
+            if job.finish is not None:
+                finish = "tool_calls" if calls_sent[job.index] and job.finish != "length" else job.finish
+                yield chunk(job.index, {}, finish)
+
+        def first():
+            return [chunk(j.index, {"role": "assistant", "content": ""}) for j in gen.jobs]
+
+        return _sse_stream(gen, head, usage_on, first, pieces)
 
     @app.post("/tokenize")
     async def tokenize(http: Request):
@@ -281,10 +291,7 @@ def mount(app: FastAPI, edge) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise EdgeError(400, "send exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            msgs = [{"role": m.role, "content": m.text(), "name": m.name, "tool_call_id": m.tool_call_id,
-                     "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None}
-                    for m in body.messages]
-            text = edge.template.render(msgs, None)
+            text = edge.template.render(_messages(body.messages), None)
         else:
             text = body.prompt
         ids = tok.encode(text)
