@@ -82,11 +82,7 @@ def write_result(path: str | os.PathLike, payload: dict) -> Path:
 
 def save_figure(fig, path: str | os.PathLike) -> Path:
     """Save a matplotlib figure atomically (PNG)."""
-    import io
+    from v4stack.atomic import atomic_png
 
-    from v4stack.atomic import atomic_write
-
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
-    atomic_write(path, buf.getvalue())
+    atomic_png(fig, path, dpi=110)
     return Path(path)

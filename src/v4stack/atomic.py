@@ -34,3 +34,12 @@ def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> Non
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def atomic_png(fig, path: str | os.PathLike, dpi: int | None = None) -> None:
+    """A matplotlib figure written as PNG with ``atomic_write`` (rendered in memory first)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write(path, buf.getvalue())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from v4stack.atomic import atomic_write
+from v4stack.atomic import atomic_png
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -25,7 +25,6 @@ def paired(a: dict, b: dict) -> dict | None:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import io
 
     import matplotlib
 
@@ -51,7 +50,5 @@ def plot(doc: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    atomic_png(fig, path)
     plt.close(fig)
-    atomic_write(Path(path), buf.getvalue())

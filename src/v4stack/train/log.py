@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from v4stack.atomic import atomic_write
+from v4stack.atomic import atomic_png, atomic_write
 
 
 class LossLog:
@@ -61,7 +61,6 @@ class Progress:
 def plot_curves(curves: dict[str, list[tuple[int, float]]], path: Path, title: str,
                 baseline: float | None = None, xlabel: str = "step") -> None:
     """Loss curves into a PNG (written atomically)."""
-    import io
 
     import matplotlib
 
@@ -81,7 +80,5 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path: Path, title: s
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    atomic_png(fig, path)
     plt.close(fig)
-    atomic_write(Path(path), buf.getvalue())
