@@ -24,11 +24,11 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
 from v4stack import ops
 from v4stack.config import ModelConfig, preset
 from v4stack.model import V4Model
+from v4stack.train.grad_probe import activation_grads
 
 SLICES = {
     "flash2": ("flash", {"num_hidden_layers": 2, "compress_ratios": [4, 128], "num_nextn_predict_layers": 0,
@@ -44,28 +44,6 @@ def _model(name: str, dtype, dev) -> V4Model:
     return V4Model(cfg, seed=0).cast(dtype).to(dev)
 
 
-def _backward(model: V4Model, batch: torch.Tensor):
-    acts = []
-
-    def keep(_mod, _inp, out):
-        out.retain_grad()
-        acts.append(out)
-
-    hooks = [model.embed.register_forward_hook(keep)] + [b.register_forward_hook(keep) for b in model.layers]
-    model.zero_grad(set_to_none=True)
-    try:
-        logits = model(batch)
-        V = logits.shape[-1]
-        per = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), batch[:, 1:].reshape(-1), reduction="none")
-        per.view(batch.shape[0], -1).mean(1).sum().backward()
-    finally:
-        for h in hooks:
-            h.remove()
-    B, T = batch.shape
-    return ([a.grad.view(B, T, *a.shape[1:]).clone() for a in acts],
-            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
 def measure(name: str, setting: str, dtype, dev, seq: int) -> dict:
     model = _model(name, dtype, dev)
     g = torch.Generator().manual_seed(2)
@@ -77,10 +55,10 @@ def measure(name: str, setting: str, dtype, dev, seq: int) -> dict:
     try:
         torch.use_deterministic_algorithms(det)
         with ops.mode(mode):
-            alone, _ = _backward(model, seqs[:1])
-            mixed, p1 = _backward(model, seqs[[1, 0]])
-            _, p2 = _backward(model, seqs[[1, 0]])
-            _, p3 = _backward(model, seqs)
+            alone, _ = activation_grads(model, seqs[:1])
+            mixed, p1 = activation_grads(model, seqs[[1, 0]])
+            _, p2 = activation_grads(model, seqs[[1, 0]])
+            _, p3 = activation_grads(model, seqs)
     except RuntimeError as e:  # e.g. an op without a deterministic implementation
         return {"config": name, "setting": setting, "error": str(e).splitlines()[0][:300]}
     finally:

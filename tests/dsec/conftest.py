@@ -16,6 +16,8 @@ import httpx
 
 import pytest
 
+from tests.dsec.sandboxes import SMALL, SUBSTRATES
+
 
 def missing_capability() -> str | None:
     if os.geteuid() != 0:
@@ -179,3 +181,10 @@ def cluster(dsec_home, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("dsec-cluster"), unmount_all)
     yield c
     c.close()
+
+
+@pytest.fixture(params=SUBSTRATES)
+def sbx(runtime, request):
+    s = runtime.create("busybox", request.param, SMALL)
+    yield s
+    runtime.kill(s.id)

@@ -20,19 +20,10 @@ from pathlib import Path
 import pytest
 
 from v4stack.dsec import substrates
-from v4stack.dsec.cgroups import Limits
 from v4stack.dsec.errors import DsecError
 
-SUBSTRATES = list(substrates.NAMES)
+from tests.dsec.sandboxes import SMALL, SUBSTRATES
 NET_SUBSTRATES = [n for n in SUBSTRATES if substrates.supports_allow(n)]
-SMALL = Limits(memory_bytes=64 << 20, pids=64, disk_bytes=16 << 20)
-
-
-@pytest.fixture(params=SUBSTRATES)
-def sbx(runtime, request):
-    s = runtime.create("busybox", request.param, SMALL)
-    yield s
-    runtime.kill(s.id)
 
 
 # -- code inside the sandbox ------------------------------------------------------------------

@@ -9,20 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from v4stack.dsec import substrates
 from v4stack.dsec.cgroups import Limits
 from v4stack.dsec.errors import BadRequest, DsecError
 from v4stack.dsec.trajlog import query
 
-SUBSTRATES = list(substrates.NAMES)
-SMALL = Limits(memory_bytes=64 << 20, pids=64, disk_bytes=16 << 20)
-
-
-@pytest.fixture(params=SUBSTRATES)
-def sbx(runtime, request):
-    s = runtime.create("busybox", request.param, SMALL)
-    yield s
-    runtime.kill(s.id)
+from tests.dsec.sandboxes import SMALL, SUBSTRATES
 
 
 def _bounded(fn, seconds: float = 30):

@@ -12,39 +12,18 @@ biased MoE):
 """
 
 import torch
-import torch.nn.functional as F
 
 from v4stack import ops
 from v4stack.config import ModelConfig, preset
 from v4stack.model import V4Model
+from v4stack.train.grad_probe import activation_grads
 
 T = 32
 
 
 def _activation_grads(model: V4Model, batch: torch.Tensor, mode: str):
-    """(per-sequence activation gradients ``[B, T, ...]`` per hooked tensor, parameter gradients);
-    the loss is the sum of each sequence's mean loss, so a sequence's rows get its own loss's gradient."""
-    acts = []
-
-    def keep(_mod, _inp, out):
-        out.retain_grad()
-        acts.append(out)
-
-    hooks = [model.embed.register_forward_hook(keep)] + [b.register_forward_hook(keep) for b in model.layers]
-    model.zero_grad(set_to_none=True)
-    try:
-        with ops.mode(mode):
-            logits = model(batch)
-            V = logits.shape[-1]
-            per = F.cross_entropy(logits[:, :-1].reshape(-1, V), batch[:, 1:].reshape(-1), reduction="none")
-            per.view(batch.shape[0], -1).mean(1).sum().backward()
-    finally:
-        for h in hooks:
-            h.remove()
-    B = batch.shape[0]
-    grads = [a.grad.view(B, T, *a.shape[1:]) for a in acts]
-    params = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return grads, params
+    with ops.mode(mode):
+        return activation_grads(model, batch)
 
 
 def _model() -> V4Model:
