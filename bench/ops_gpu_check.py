@@ -8,7 +8,11 @@
   implementation the dispatch table ran; also each mode's device time per call with the host
   taken out (20 calls captured in a CUDA graph, replayed: ``graph_ratio``);
 - ``launch_h200.json``: host time of a contract check, of the dispatch lookup, of a light
-  launch, of Triton's own launch and of ``torch.add``, each p50 over batches of 100 calls.
+  launch (C path and Python path), of Triton's own launch, of ``torch.add`` and of ``ops.softmax``
+  / ``ops.log_softmax`` in each mode, each p50 over batches of 100 calls; the light launch's bits
+  against Triton's per specialisation;
+- the whole-model check (``bench/model_check.py``, ``--model-only`` runs just it): decode step
+  time per mode through the engine, then the invariance check in invariant and fast mode.
 
     python -m bench.ops_gpu_check --out-dir bench/results
     python -c "from bench.ops_gpu_check import plot; plot('bench/results/ops_h200.json', 'bench/results/ops_h200.png')"
@@ -17,8 +21,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import time
 import traceback
@@ -112,61 +114,61 @@ def graph_timings(name: str, rows: list[dict]) -> None:
                   f"{row['invariant_graph_s'] * 1e6:9.1f}us ratio {row['graph_ratio']:.2f}", flush=True)
 
 
-def _p50_per_call(fn, batches=200, per=100) -> float:
+def _p50_per_call(fn, batches=60, per=100) -> float:
     return host_per_call(fn, batches, per)
 
 
 def launch_tax() -> dict:
+    """Host seconds per call (p50 over batches of 100) of: a contract check, the dispatch lookup,
+    the light launcher (its C path and its Python path), Triton's own launch, ``torch.add`` (with
+    ``out=`` and allocating), and ``ops.softmax`` / ``ops.log_softmax`` in each mode; then, per
+    specialisation (fp32 / bf16, aligned / not, one row), whether the light launch's output equals
+    Triton's launch bit for bit."""
     from v4stack.kernels import contracts as C
+    from v4stack.kernels import launch as L
     from v4stack.kernels import triton_rows as tr
-    from v4stack.kernels.launch import launch
     from v4stack.ops import dispatch
 
     x = torch.randn(1, 64, device="cuda")
     y = torch.empty_like(x)
     a, b, c = torch.randn(64, device="cuda"), torch.randn(64, device="cuda"), torch.empty(64, device="cuda")
     consts = dict(LOG=False, BLOCK=64)
-    launch(tr.softmax_kernel, (1,), x, y, 64, 64, 64, **consts)  # compile + cache
-    res = {
-        "contract_check_s": _p50_per_call(lambda: C.softmax(x, -1)),
-        "dispatch_resolve_s": _p50_per_call(lambda: dispatch.resolve("softmax", "invariant", "float32", "cuda", x, -1)),
-        "light_launch_s": _p50_per_call(lambda: launch(tr.softmax_kernel, (1,), x, y, 64, 64, 64, **consts)),
-        "triton_launch_s": _p50_per_call(lambda: tr.softmax_kernel[(1,)](x, y, 64, 64, 64, **consts)),
-        "torch_add_s": _p50_per_call(lambda: torch.add(a, b, out=c)),
-        "torch_add_alloc_s": _p50_per_call(lambda: a + b),
-    }
-    with ops.mode("invariant"):
-        res["ops_softmax_invariant_s"] = _p50_per_call(lambda: ops.softmax(x, -1))
-    res["ops_softmax_fast_s"] = _p50_per_call(lambda: ops.softmax(x, -1))
-    res["light_launch_bits_equal_triton"] = True
-    launch(tr.softmax_kernel, (1,), x, y, 64, 64, 64, **consts)
-    y2 = torch.empty_like(x)
-    tr.softmax_kernel[(1,)](x, y2, 64, 64, 64, **consts)
-    res["light_launch_bits_equal_triton"] = bool(torch.equal(y, y2))
+    k = tr.softmax_kernel
+    L.launch(k, (1,), x, y, 64, 64, 64, **consts)  # compile + cache
+    L.py_launch(k, (1,), x, y, 64, 64, 64, **consts)
+    res = {"launch_path": L.PATH, "launch_setup_error": L.SETUP_ERROR,
+           "contract_check_s": _p50_per_call(lambda: C.softmax(x, -1)),
+           "dispatch_resolve_s": _p50_per_call(lambda: dispatch.resolve("softmax", "invariant", "float32", "cuda", x, -1)),
+           "light_launch_s": _p50_per_call(lambda: L.launch(k, (1,), x, y, 64, 64, 64, **consts)),
+           "light_launch_python_path_s": _p50_per_call(lambda: L.py_launch(k, (1,), x, y, 64, 64, 64, **consts)),
+           "triton_launch_s": _p50_per_call(lambda: k[(1,)](x, y, 64, 64, 64, **consts)),
+           "torch_add_s": _p50_per_call(lambda: torch.add(a, b, out=c)),
+           "torch_add_alloc_s": _p50_per_call(lambda: a + b)}
+    xs = {"softmax_1x4096": torch.randn(1, 4096, device="cuda"), "log_softmax_1x129280": torch.randn(1, 129280, device="cuda")}
+    with torch.no_grad():
+        for name, t in xs.items():
+            fn = ops.softmax if name.startswith("softmax") else ops.log_softmax
+            for mode in ("invariant", "fast"):
+                with ops.mode(mode):
+                    res[f"ops_{name}_{mode}_s"] = _p50_per_call(lambda: fn(t, -1))
+    base = torch.randn(4, 80, device="cuda")
+    spec = {}
+    for name, t in (("fp32", base[:, :64]), ("fp32_unaligned", base[:, 1:65]), ("bf16", base[:, :64].to(torch.bfloat16)),
+                    ("one_row", base[:1, :64]), ("fp16_unaligned", base.half()[:, 3:67])):
+        R, N = t.shape
+        y1, y2 = torch.empty(R, N, device="cuda", dtype=t.dtype), torch.empty(R, N, device="cuda", dtype=t.dtype)
+        n0 = len(L._cache)
+        L.launch(k, (R,), t, y1, N, t.stride(0), N, **consts)
+        L.launch(k, (R,), t, y1, N, t.stride(0), N, **consts)
+        k[(R,)](t, y2, N, t.stride(0), N, **consts)
+        spec[name] = {"bits_equal_triton": bool(torch.equal(y1, y2)), "new_entries": len(L._cache) - n0}
+    res["specialisations"] = spec
+    res["light_launch_bits_equal_triton"] = all(v["bits_equal_triton"] for v in spec.values())
+    res["c_entries"] = sum(type(e).__name__ == "Entry" for e in L._cache.values())
     res["contract_check_under_1us"] = res["contract_check_s"] < 1e-6
     res["light_launch_le_torch_add"] = res["light_launch_s"] <= res["torch_add_s"]
     print({k: (f"{v * 1e6:.2f}us" if isinstance(v, float) else v) for k, v in res.items()}, flush=True)
     return res
-
-
-BISECT = ("none", "linear", "grouped_linear", "sparse_attention", "attention_with_sink", "indexer_scores", "hc_mix",
-          "rms_norm", "softmax", "hc_read", "hc_write", "weighted_pool", "moe_combine")
-
-
-@contextlib.contextmanager
-def _without_cuda_kernels(op: str):
-    """The table with ``op``'s CUDA kernels taken off (its torch references serve), for one block."""
-    from v4stack.ops import dispatch
-
-    saved = {k: v for k, v in dispatch._table.items() if k[0] == op and k[3] == "cuda"}
-    for k in saved:
-        del dispatch._table[k]
-    dispatch._resolved.clear()
-    try:
-        yield
-    finally:
-        dispatch._table.update(saved)
-        dispatch._resolved.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,8 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-set", action="append", default=[], help="model config override key=json-value")
     p.add_argument("--model-prompts", type=int, default=16)
     p.add_argument("--model-out", default="model_invariance_tiny_h200.json")
+    p.add_argument("--model-only", action="store_true", help="run only the whole-model check (bench.model_check)")
+    p.add_argument("--model-phases", default="decode,invariant,fast")
+    p.add_argument("--ops-out", default="ops_h200.json")
     a = p.parse_args(argv)
     skip, names = set(a.skip.split(",")), a.cases.split(",")
+    if a.model_only:
+        skip |= {"launch", "inv", "time"}
     t0 = time.time()
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     meta = {"widths": "flash", "device_name": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
         payload = {**meta, "bench": "ops", "ms": list(TIME_MS), "timing": "CUDA events, calls back to back, "
                    "median of 3 batches; *_graph_s: 20 calls captured in one CUDA graph, replayed", "results": rows}
-        write_result(os.path.join(a.out_dir, "ops_h200.json"), payload)
+        write_result(os.path.join(a.out_dir, a.ops_out), payload)
         print("timing done", round(time.time() - t0), flush=True)
         for n in names:  # after the eager numbers are safe on disk: a failed capture can spoil the context
             try:
@@ -224,46 +231,19 @@ def main(argv: list[str] | None = None) -> None:
                 payload.setdefault("graph_errors", {})[n] = repr(e)[:300]
                 traceback.print_exc()
                 break
-        write_result(os.path.join(a.out_dir, "ops_h200.json"), payload)
+        write_result(os.path.join(a.out_dir, a.ops_out), payload)
         print("graph timing done", round(time.time() - t0), flush=True)
-    if "model" not in skip:  # the whole model (serving path) through the table on the GPU
-        from v4stack import check
+    if "model" not in skip:  # the whole model (serving path) through the table on the GPU: bench/model_check.py
+        from bench import model_check
 
-        rep = {}
-        over = {k: json.loads(v) for k, v in (x.split("=", 1) for x in a.model_set)}
         dump = float(os.environ.get("V4STACK_DUMP_AFTER_S", "0"))
         if dump:  # where the model check is, should the call's time run out
             import faulthandler
 
             faulthandler.dump_traceback_later(dump, exit=False)
-        for m in ("invariant", "fast"):
-            ops.reset_counters()
-            t1 = time.time()
-            try:
-                r = check.check_invariance(preset=a.model_preset, prompts=a.model_prompts, mode=m,
-                                           batch_sizes=(4, a.model_prompts), dtype="bfloat16", device="cuda",
-                                           overrides=over)
-                rep[m] = {k: v for k, v in r.items() if isinstance(v, (int, float, bool, str))}
-                rep[m]["seconds"] = round(time.time() - t1, 1)
-            except Exception as e:
-                rep[m] = {"error": repr(e)[:500]}
-                traceback.print_exc()
-            rep[m]["served"] = ops.counters()
-            print("model", m, {k: v for k, v in rep[m].items() if k != "served"}, flush=True)
-        if rep["invariant"].get("invariant") is False:  # find the kernel family: take one off the table at a time
-            rep["without"] = {}
-            for op in BISECT:
-                with _without_cuda_kernels(op):
-                    r = check.check_invariance(preset=a.model_preset, prompts=8, mode="invariant", batch_sizes=(4, 8),
-                                               dtype="bfloat16", device="cuda", overrides=over)
-                rep["without"][op] = {k: r[k] for k in ("steps_compared", "steps_differ", "invariant",
-                                                        "chunking_invariant")}
-                print("model invariant without", op, rep["without"][op], flush=True)
-                if time.time() - t0 > 150:
-                    break
-        write_result(os.path.join(a.out_dir, a.model_out),
-                     {**meta, "bench": "model_invariance", "preset": a.model_preset, "overrides": over,
-                      "dtype": "bfloat16", "results": rep})
+        model_check.main(["--preset", a.model_preset, "--prompts", str(a.model_prompts), "--phases", a.model_phases,
+                          "--out", os.path.join(a.out_dir, a.model_out), *[f"--set={x}" for x in a.model_set]],
+                         meta={"widths": meta["widths"], "torch": meta["torch"]})
         print("model done", round(time.time() - t0), flush=True)
 
 

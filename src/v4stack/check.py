@@ -171,16 +171,47 @@ def compare(ref: dict[int, list], got: dict[int, list]) -> dict:
             "requests_differ": len(reqs_differ), "max_abs_diff": max_abs}
 
 
+def build_model(preset: str = "tiny", dtype: str = "float32", device: str = "cpu", seed: int = 0,
+                overrides: dict | None = None):
+    """The check's model: random weights from ``seed``. On a GPU the model is built there and its
+    weights drawn by the device's generator (the CPU's float64 draws of a V4-Flash-wide model take
+    tens of seconds, its copy to the GPU more). ``overrides``: config fields replacing the
+    preset's (e.g. fewer layers at Flash widths)."""
+    import torch
+
+    from v4stack.config import ModelConfig
+    from v4stack.config import preset as get_preset
+    from v4stack.model import V4Model
+    from v4stack.model.init import init_weights
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    cfg = get_preset(preset)
+    if overrides:
+        cfg = ModelConfig.from_dict({**cfg.to_dict(), **overrides})
+    if torch.device(device).type == "cpu":
+        model = V4Model(cfg, seed=seed)
+    else:
+        with torch.device(device):
+            model = V4Model(cfg, seed=None)
+        init_weights(model, seed, device=device)
+    return model.cast(getattr(torch, dtype)).eval()
+
+
 def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invariant", seed: int = 0,
                      batch_sizes: tuple[int, ...] = (3, 8, 32), dtype: str = "float32",
-                     max_prompt: int = 24, decode: int = 4, device: str = "cpu", overrides: dict | None = None) -> dict:
+                     max_prompt: int = 24, decode: int = 4, device: str = "cpu", overrides: dict | None = None,
+                     model=None) -> dict:
     """Run ``prompts`` requests alone and batched under ops mode ``mode``; compare bitwise.
-    ``overrides``: config fields replacing the preset's (e.g. fewer layers at Flash widths)."""
+    ``overrides``: config fields replacing the preset's (e.g. fewer layers at Flash widths);
+    ``model``: one built by ``build_model`` (so several modes share one build; ``preset``,
+    ``dtype``, ``device`` and ``overrides`` are then the model's). ``seconds`` in the result: wall
+    time of each phase."""
+    import time
+
     import torch
 
     from v4stack import ops
-    from v4stack.config import preset as get_preset
-    from v4stack.model import V4Model
 
     if mode not in ops.MODES:
         raise ValueError(f"mode must be one of {list(ops.MODES)}, got {mode!r}")
@@ -190,30 +221,44 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
         raise ValueError(f"prompts must be >= 1, got {prompts}")
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch_sizes must be non-empty and >= 1, got {list(batch_sizes)}")
-    cfg = get_preset(preset)
-    if overrides:
-        from v4stack.config import ModelConfig
-
-        cfg = ModelConfig.from_dict({**cfg.to_dict(), **overrides})
-    model = V4Model(cfg, seed=seed).cast(getattr(torch, dtype)).eval().to(device)
-    reqs = make_requests(prompts, seed, cfg.vocab_size, max_prompt, decode)
+    t0 = time.perf_counter()
+    secs = {}
+    if model is None:
+        model = build_model(preset, dtype, device, seed, overrides)
+        secs["build"] = time.perf_counter() - t0
+    device, dtype = model.embed.weight.device, str(model.dtype).replace("torch.", "")
+    reqs = make_requests(prompts, seed, model.cfg.vocab_size, max_prompt, decode)
     for r in reqs:
         r.chunks = [c.to(device) for c in r.chunks]
     runs = []
+
+    def lap(name: str) -> None:
+        nonlocal t0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        secs[name] = round(secs.get(name, 0.0) + time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+
     with torch.no_grad(), ops.mode(mode):
+        lap("setup")
         ref = run_alone(model, reqs)
+        lap("alone")
         first = None
         for i, b in enumerate(batch_sizes):
             got = run_batched(model, reqs, b, seed=seed * 1000 + i)
             first = first or (b, seed * 1000 + i, got)
             runs.append({"batch_size": b, "order_seed": seed * 1000 + i, **compare(ref, got)})
+        lap("batched")
         b, s, got = first
         again = compare(got, run_batched(model, reqs, b, seed=s))
+        lap("again")
         rechunk = compare_rows(ref, run_one_chunk(model, reqs))
+        lap("one_chunk")
     total = {k: sum(r[k] for r in runs) for k in ("steps", "steps_differ", "rows_differ")}
     return {
         "preset": preset, "mode": mode, "dtype": dtype, "prompts": prompts, "seed": seed,
-        "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "seconds": secs,
         "steps_per_request": [len(r.chunks) for r in reqs],
         "runs": runs,
         "steps_compared": total["steps"], "steps_differ": total["steps_differ"],

@@ -14,7 +14,11 @@ import functools
 import importlib
 import importlib.util
 
+import torch
+
 from v4stack.kernels import contracts as C
+
+_grad_enabled = torch.is_grad_enabled
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,8 +46,6 @@ def _lazy(module: str, attr: str, spec: str | None = None):
 
 
 def _needs_grad(args, kw) -> bool:
-    import torch
-
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
                                            for a in (*args, *kw.values()))
 
@@ -51,9 +53,16 @@ def _needs_grad(args, kw) -> bool:
 def _with(lib: str, check):
     """The project kernels compute forward values only: a call that autograd must differentiate
     (grad mode on and an input requiring grad: training) goes to the next implementation, a torch
-    one with its backward."""
+    one with its backward. (Every op call on CUDA runs one of these: kept to a few attribute reads;
+    whether ``lib`` is installed is asked once.)"""
+    have = []
+
     def accepts(*args, **kw):
-        return installed(lib) and not _needs_grad(args, kw) and check(*args, **kw)
+        if not have:
+            have.append(installed(lib))
+        if not have[0] or (_grad_enabled() and _needs_grad(args, kw)):
+            return False
+        return check(*args, **kw)
 
     return accepts
 
@@ -142,11 +151,18 @@ def register_all(register) -> None:
         return t.numel() // max(1, t.shape[-1]) if t.dim() else 1
 
     def measured(op, nrows, rule=None):
-        from v4stack.kernels.fast_table import prefers_project
+        import bisect
 
-        def when(*a):
-            v = prefers_project(op, nrows(*a))
-            return (rule is not None and rule(*a)) if v is None else v
+        from v4stack.kernels import fast_table
+
+        table = []
+
+        def when(*a):  # fast_table.prefers_project, with the op's buckets read once
+            if not table:
+                table.append(fast_table._buckets(op, str(fast_table.TABLE)))
+            bounds, picks = table[0]
+            i = bisect.bisect_left(bounds, nrows(*a))
+            return (rule is not None and rule(*a)) if i >= len(picks) else picks[i]
         return when
 
     grouped_measured = measured("grouped_linear", lambda x, w, offsets: x.shape[0])

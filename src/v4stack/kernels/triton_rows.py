@@ -6,6 +6,7 @@ accumulated slice by slice, then one tree over the vector). Nothing depends on h
 the call has.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -66,8 +67,6 @@ def softmax(x, dim=-1, log=False):
     """Softmax / log-softmax of each row. Rows up to ``ROW_BLOCK`` wide: one program per row.
     Wider rows (a vocabulary): chunks of ``ROW_BLOCK`` in parallel, two passes; the chunking
     depends on the row width alone."""
-    import torch
-
     N = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, N)
     if x2.stride(-1) != 1:
@@ -111,8 +110,6 @@ def pool_kernel(KV, S, Y, P, C, s_kr, s_kp, s_sr, s_sp, s_yr, BP: tl.constexpr, 
 
 def weighted_pool(kv, score, dim):
     """``sum_j softmax_j(score) * kv_j`` over dim 1 of ``[R, P, C]`` tensors (leading dims flattened)."""
-    import torch
-
     P, C = kv.shape[-2], kv.shape[-1]
     kv3, s3 = kv.reshape(-1, P, C).contiguous(), score.reshape(-1, P, C).contiguous()
     out_dtype = torch.promote_types(kv.dtype, score.dtype)
@@ -143,8 +140,6 @@ def combine_kernel(Yin, Idx, Out, k, D, s_yn, s_yk, s_in, s_on, BK: tl.constexpr
 
 def moe_combine(y, idx):
     """Per token, ``y [N, k, d]`` summed left to right in ascending expert id (ties in slot order), fp32."""
-    import torch
-
     N, k, D = y.shape
     yc, ic = y.contiguous(), idx.contiguous()
     out = torch.empty(N, D, dtype=torch.float32, device=y.device)
@@ -174,8 +169,6 @@ def rms_norm_kernel(X, W, Y, N, Nf, s_x, s_y, eps, HAS_W: tl.constexpr, BLOCK: t
 
 def rms_norm(x, weight, eps):
     """RMSNorm of each row: fp32 sum of squares in a fixed order, ``1 / sqrt`` correctly rounded."""
-    import torch
-
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     if x2.stride(-1) != 1:
@@ -202,8 +195,6 @@ def hc_read_kernel(X, Pre, Y, n, D, s_xn, s_xj, s_pn, s_yn, NB: tl.constexpr, BD
 
 def hc_read(x, pre):
     """mHC read ``sum_j pre_j x_j`` per token and channel block (a fixed tree over the streams)."""
-    import torch
-
     N, n, D = x.shape
     xc, pc = x.contiguous(), pre.contiguous()
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
@@ -232,8 +223,6 @@ def hc_write_kernel(X, Out, Post, Comb, Y, n, D, s_xn, s_xj, s_on, s_pn, s_cn, s
 
 def hc_write(x, out, post, comb):
     """mHC write ``x'_k = post_k * out + sum_j comb[j, k] x_j`` (a fixed tree over j)."""
-    import torch
-
     N, n, D = x.shape
     xc, oc, pc, cc = x.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous()
     y = torch.empty(N, n, D, dtype=x.dtype, device=x.device)

@@ -57,8 +57,12 @@ def _fmt(t: torch.Tensor) -> str:
     return f
 
 
+def _dev(t: torch.Tensor) -> str:
+    return "cuda" if t.is_cuda else t.device.type  # ``t.device`` builds an object per call
+
+
 def _run(op: str, t: torch.Tensor, *args, **kw):
-    return _call(op, get_mode(), _fmt(t), t.device.type, *args, **kw)
+    return _call(op, get_mode(), _fmt(t), "cuda" if t.is_cuda else t.device.type, *args, **kw)
 
 
 def _gemm(op: str, x: torch.Tensor, wfmt: torch.Tensor, fp: FloatSemantics | None, *args, **kw):
@@ -68,8 +72,8 @@ def _gemm(op: str, x: torch.Tensor, wfmt: torch.Tensor, fp: FloatSemantics | Non
     m = get_mode()
     if m == "fast" and x.is_cuda and (fp.relaxed or not _ieee_flags()):
         with _cuda_flags(fp):
-            return _call(op, m, _fmt(wfmt), x.device.type, *args, **kw)
-    return _call(op, m, _fmt(wfmt), x.device.type, *args, **kw)
+            return _call(op, m, _fmt(wfmt), _dev(x), *args, **kw)
+    return _call(op, m, _fmt(wfmt), _dev(x), *args, **kw)
 
 
 def linear(x: torch.Tensor, weight, fp: FloatSemantics | None = None) -> torch.Tensor:
@@ -79,7 +83,7 @@ def linear(x: torch.Tensor, weight, fp: FloatSemantics | None = None) -> torch.T
     elsewhere it is dequantised once (cached) and runs the dense GEMM of the mode."""
     if isinstance(weight, QuantizedWeight):
         fp = _admit("linear", fp)
-        return _call("linear", get_mode(), weight.fmt, x.device.type, x, weight)
+        return _call("linear", get_mode(), weight.fmt, _dev(x), x, weight)
     if weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"weight has in_features {weight.shape[-1]}, input has {x.shape[-1]}")
     return _gemm("linear", x, weight, fp, x, weight)

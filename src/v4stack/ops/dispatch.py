@@ -81,21 +81,29 @@ def _candidates(key: tuple[str, str, str, str]) -> tuple[Impl, ...]:
 
 def resolve(op: str, mode: str, fmt: str, device: str, *args, **kw) -> Impl:
     """The implementation a call with these arguments would run."""
-    for impl in _candidates((op, mode, fmt, device)):
+    key = (op, mode, fmt, device)
+    for impl in _resolved.get(key) or _candidates(key):
         if impl.accepts is None or impl.accepts(*args, **kw):
             return impl
     raise NoImplementation(f"ops.{op}: no implementation for mode={mode} format={fmt} device={device}")
 
 
 def call(op: str, mode: str, fmt: str, device: str, *args, **kw):
-    """Run the first accepting implementation of ``op`` for the key, counting it."""
-    impl = resolve(op, mode, fmt, device, *args, **kw)
+    """Run the first accepting implementation of ``op`` for the key, counting it. (``resolve``
+    inlined: this is every op's host path.)"""
+    key = (op, mode, fmt, device)
+    for impl in _resolved.get(key) or _candidates(key):
+        acc = impl.accepts
+        if acc is None or acc(*args, **kw):
+            break
+    else:
+        raise NoImplementation(f"ops.{op}: no implementation for mode={mode} format={fmt} device={device}")
     site = _site.get()
-    k = op if site is None else f"{site}:{op}"
-    per = _counts.get(k)
+    per = _counts.get(op if site is None else f"{site}:{op}")
     if per is None:
-        per = _counts.setdefault(k, {})
-    per[impl.name] = per.get(impl.name, 0) + 1
+        per = _counts.setdefault(op if site is None else f"{site}:{op}", {})
+    name = impl.name
+    per[name] = per.get(name, 0) + 1
     return impl.fn(*args, **kw)
 
 
