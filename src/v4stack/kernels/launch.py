@@ -118,11 +118,13 @@ def _c_entry(k, kernel, key, nargs, nconsts):
     if _C is None or not triton.__version__.startswith("3.6"):
         return None  # the two trailing scratch parameters are Triton 3.6's calling convention
     run, md = k.run, k.metadata
+    if not all(hasattr(md, a) for a in ("launch_cooperative_grid", "launch_pdl", "num_ctas")):
+        return None
     if (run.global_scratch_size or run.profile_scratch_size or md.launch_cooperative_grid or md.launch_pdl
             or md.num_ctas != 1 or k.function is None):
         return None
     kd = kinds(key, nconsts)
-    sig = getattr(k.src, "signature", None) or {}
+    sig = getattr(getattr(k, "src", None), "signature", None) or {}
     for name, kind in zip(kernel.arg_names[:nargs], kd):
         t = sig.get(name)
         if t is None or (t.startswith("*") and kind != "p") or (not t.startswith("*") and _KIND_OF_SIG.get(t) != kind):
