@@ -130,13 +130,15 @@ def test_c_launch_equals_triton_per_specialisation():
 
     assert L.PATH == "c", L.SETUP_ERROR
     base = torch.randn(4, 80, device="cuda")
-    for x in (base[:, :64], base[:, 1:65], base[:, :64].to(torch.bfloat16), base[:1, :64]):
+    # (input, new cache entries): one row of the first case is the same key (the grid is not in it)
+    for x, new in ((base[:, :64], 1), (base[:, 1:65], 1), (base[:, :64].to(torch.bfloat16), 1), (base[:1, :64], 0),
+                   (base.half()[:, 3:67], 1)):
         R, N = x.shape
         y, y2 = torch.empty(R, N, device="cuda", dtype=x.dtype), torch.empty(R, N, device="cuda", dtype=x.dtype)
         before = len(L._cache)
         for _ in range(2):
             L.launch(tr.softmax_kernel, (R,), x, y, N, x.stride(0), N, LOG=False, BLOCK=64)
-        assert len(L._cache) == before + 1  # compiled once for this specialisation
+        assert len(L._cache) == before + new  # compiled once for each new specialisation
         tr.softmax_kernel[(R,)](x, y2, N, x.stride(0), N, LOG=False, BLOCK=64)
         assert torch.equal(y, y2)
     assert any(isinstance(e, L._C.Entry) for e in L._cache.values())
