@@ -21,7 +21,7 @@ def kernels() -> dict:
     cx = dict(D=512, BH=16, CH=64, IEEE=False)
     return {
         "sparse_attention_fused": (ta.fused_kernel, _sig(attn_args + " O s_ot s_oh H scale NCH",
-                                                         attn_types + [BF, I, I, I, F, I]), cx),
+                                                         attn_types + [BF, I, I, I, F, I]), dict(cx, DV=512)),
         "sparse_attention_split": (ta.split_kernel, _sig(attn_args + " Pm Pl Pa H scale NCH",
                                                          attn_types + [P, P, P, I, F, I]), cx),
         "sparse_attention_merge": (ta.merge_kernel, _sig("Pm Pl Pa Sink O s_ot s_oh H NCH",

@@ -8,12 +8,13 @@ prove all of them on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
 from pathlib import Path
 
-from v4stack.kernels import specs_more, tiles
+from v4stack.kernels import attention_tiles, specs_more, tiles
 from v4stack.kernels.prove import Access, ContractError, Spec, cdiv, require
 
 
@@ -311,6 +312,16 @@ for _table, _cands in tiles.CANDIDATES.items():  # every candidate tile: any of 
     for _t in _cands:
         _n = tile_spec(_table, _t)
         ALL.setdefault(_n, _tile_builder(_table, _t, _n))
+_ATTENTION = ["sparse_attention", "sparse_attention_split"]
+for _bh in attention_tiles.block_heads():  # every launch shape of the sparse attention's candidates
+    if _bh != 16:
+        ALL[f"sparse_attention_bh{_bh}"] = (lambda b: lambda: sparse_attention(BH=b, name=f"sparse_attention_bh{b}"))(_bh)
+        ALL[f"sparse_attention_split_bh{_bh}"] = (lambda b: lambda: dataclasses.replace(
+            specs_more.sparse_attention_split(BH=b), name=f"sparse_attention_split_bh{b}"))(_bh)
+        _ATTENTION += [f"sparse_attention_bh{_bh}", f"sparse_attention_split_bh{_bh}"]
+for _bh, _dv in attention_tiles.column_blocks():
+    ALL[f"sparse_attention_cols_bh{_bh}_dv{_dv}"] = (lambda b, v: lambda: specs_more.sparse_attention_cols(BH=b, DV=v))(_bh, _dv)
+    _ATTENTION.append(f"sparse_attention_cols_bh{_bh}_dv{_dv}")
 for _i, (_, _t) in enumerate(tiles.FP8_TILES):
     ALL[f"fp8_gemm_{_i}"] = (lambda t, i: lambda: fp8_gemm(t["BM"], t["BN"], tiles.FP8_BLOCK, f"fp8_gemm_{i}"))(_t, _i)
 
@@ -321,7 +332,7 @@ def _active(*tables: str) -> list[str]:
 
 GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES"), "gemm_grouped": _active("GROUPED_TILES"),
           "hc_mix": _active("HC_TILES"), "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
-          "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": ["sparse_attention", "sparse_attention_split"]}
+          "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION}
 
 
 PROOFS = Path(__file__).with_name("proofs.json")
@@ -330,7 +341,7 @@ PROOFS = Path(__file__).with_name("proofs.json")
 def source_hash() -> str:
     """Hash of the specs and the prover: a recorded proof holds for exactly these sources."""
     h = hashlib.sha256()
-    for f in ("specs.py", "specs_more.py", "prove.py", "tiles.py"):
+    for f in ("specs.py", "specs_more.py", "prove.py", "tiles.py", "attention_tiles.py"):
         h.update(Path(__file__).with_name(f).read_bytes())
     return h.hexdigest()
 

@@ -125,3 +125,47 @@ def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table") -> Spec:
                   lambda n: z3.Implies(n.n1 > 0, cdiv(n.n1, BM) <= n.n1 / BM + 1)),
                  ("n1//BM + n2//BM <= (n1+n2)//BM", lambda n: n.n1 / BM + n.n2 / BM <= (n.n1 + n.n2) / BM)),
     )
+
+
+def sparse_attention_cols(D=512, BH=64, DV=256, CH=64, name=None) -> Spec:
+    """The fused sparse attention with column blocks: program (t, hg, cb) scores its heads'
+    chunks over the full head width ``D`` and computes output columns ``[cb * DV, cb * DV + DV)``
+    only (``D // DV`` programs per head group), reading those columns of the candidate rows again
+    for ``p @ v``. Index reads as in the fused kernel (any value; a pool row is read only for
+    ``0 <= idx < N``); the column blocks store disjoint parts of a row's output."""
+    import z3
+
+    def j(n):
+        return n.c * CH + n.jj
+
+    def h(n):
+        return n.hg * BH + n.hh
+
+    def col(n):
+        return n.cb * DV + n.e
+
+    def pools(d):
+        return (Access("P0", "load", lambda n: (n.r0, d(n)), lambda n: (n.N0, D),
+                       lambda n: z3.And(j(n) < n.K0, n.r0 >= 0, n.r0 < n.N0)),
+                Access("P1", "load", lambda n: (n.r1, d(n)), lambda n: (n.N1, D),
+                       lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1, n.r1 >= 0, n.r1 < n.N1)))
+
+    return Spec(
+        name=name or f"sparse_attention_cols_bh{BH}_dv{DV}", dims=("T", "H", "K0", "K1", "N0", "N1"),
+        zero_ok=("K0", "K1", "N0", "N1"), requires=lambda n: [n.K0 + n.K1 >= 1],
+        grid=lambda n: {"t": n.T, "hg": cdiv(n.H, BH), "cb": D // DV},
+        lanes=lambda n: {"c": cdiv(n.K0 + n.K1, CH), "jj": CH, "hh": BH, "d": D, "e": DV},
+        data=lambda n: {"r0": (-(1 << 63), 1 << 63), "r1": (-(1 << 63), 1 << 63)},
+        accesses=(
+            Access("Q", "load", lambda n: (n.t, h(n), n.d), lambda n: (n.T, n.H, D), lambda n: h(n) < n.H),
+            Access("I0", "load", lambda n: (n.t, j(n)), lambda n: (n.T, n.K0), lambda n: j(n) < n.K0),
+            Access("I1", "load", lambda n: (n.t, j(n) - n.K0), lambda n: (n.T, n.K1),
+                   lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1)),
+            *pools(lambda n: n.d),  # the scores' full-width read
+            *pools(col),  # this block's columns again, for p @ v
+            Access("Sink", "load", lambda n: (h(n),), lambda n: (n.H,), lambda n: h(n) < n.H),
+            Access("O", "store", lambda n: (n.t, h(n), col(n)), lambda n: (n.T, n.H, D), lambda n: h(n) < n.H,
+                   lanes=("hh", "e")),
+        ),
+        divides=((f"DV = {DV} divides D = {D}", lambda n: z3.BoolVal(D % DV == 0)),),
+    )

@@ -4,32 +4,51 @@ never gathered into a copy.
 The arithmetic is fixed by the candidate list alone. Candidates (pool 0's columns, then pool
 1's) are cut into chunks of ``CHUNK`` = 64. Each chunk is one block: its scores
 ``q . k * scale`` (one MMA over the head width), a chunk maximum ``m_c = max(sink, scores)``,
-``p = exp(s - m_c)``, ``l_c = sum p``, ``acc_c = p @ v``. Chunks are then merged in order,
-starting from the sink alone ``(M, L, A) = (sink, 1, 0)``:
-``M' = max(M, m_c)``, ``L' = L e^(M - M') + l_c e^(m_c - M')``, ``A' = A e^(M - M') + acc_c
-e^(m_c - M')``; the output is ``A / L``. A hidden candidate (``-1``) scores ``-inf`` and adds
-exact zeros, and an all-hidden chunk merges as the identity, so trailing ``-1`` columns change
-no bit.
+``p = exp(s - m_c)``, ``l_c = sum p`` (a pairwise tree with fixed pairs), ``acc_c = p @ v`` (one
+MMA over the chunk). Chunks are then merged in order, starting from the sink alone
+``(M, L, A) = (sink, 1, 0)``: ``M' = max(M, m_c)``, ``L' = L e^(M - M') + l_c e^(m_c - M')``,
+``A' = A e^(M - M') + acc_c e^(m_c - M')``; the output is ``A / L``. A hidden candidate (``-1``)
+scores ``-inf`` and adds exact zeros, and an all-hidden chunk merges as the identity, so trailing
+``-1`` columns change no bit.
 
-Two launch shapes give the same bits: ``split`` (few query rows, e.g. decode) runs one program
-per (row, head group, chunk) and a second kernel merges the chunks in order - so one row fills
-the SMs; ``fused`` (many rows) runs one program per (row, head group) that merges as it goes.
-Which one runs depends on the batch, the arithmetic does not (checked on the GPU by
-``bench/ops_gpu_check.py``).
+Launch shapes (``attention_tiles``) change which program computes a (row, head) and never its
+arithmetic: ``split`` (few query rows, e.g. decode) runs one program per (head group, chunk,
+row) and a second kernel merges the chunks in order - so one row fills the SMs; ``fused`` (many
+rows) runs one program per (head group, column block, row) that merges as it goes. A row's
+programs are adjacent in launch order, so the candidate rows it reads come from memory once and
+from L2 for its other head groups. Which shape runs depends on the batch, the bits do not
+(checked on the GPU by ``bench/attention_tiles.py`` for every candidate, and by
+``bench/ops_gpu_check.py`` through the dispatch table).
 """
-
 import triton
 import triton.language as tl
 
+from v4stack.kernels.attention_tiles import CHUNK, pick
 from v4stack.kernels.launch import cdiv, launch
-
-CHUNK = 64
-BLOCK_H = 16
 
 
 @triton.jit
-def _chunk(q, c0, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, D: tl.constexpr,
-           CH: tl.constexpr, IEEE: tl.constexpr):
+def _halve(x, N: tl.constexpr):
+    a, b = tl.split(tl.reshape(x, [x.shape[0], N // 2, 2]))
+    return a + b
+
+
+@triton.jit
+def _row_sum(p, CH: tl.constexpr):
+    """``sum(p, 1)`` as a pairwise tree with fixed pairs ((0 + 1) + (2 + 3)) + ...: each level adds
+    two values (commutative, so exact whatever the layout), so the bits never depend on how the
+    compiler spreads the chunk over threads - any launch shape gives the same row sum."""
+    tl.static_assert(CH == 64)
+    x = _halve(_halve(_halve(_halve(_halve(p, 64), 32), 16), 8), 4)
+    a, b = tl.split(x)
+    return a + b
+
+
+@triton.jit
+def _chunk(q, c0, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, dv0, D: tl.constexpr,
+           DV: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
+    """Chunk ``[c0, c0 + CH)``: its maximum, row sum and ``p @ v`` for output columns
+    ``[dv0, dv0 + DV)`` (the scores always over the full head width ``D``)."""
     j = c0 + tl.arange(0, CH)
     d = tl.arange(0, D)
     in0 = j < K0
@@ -38,22 +57,25 @@ def _chunk(q, c0, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, D:
     r1 = tl.load(I1 + t * s_i1 + (j - K0), mask=in1, other=-1).to(tl.int64)
     v0 = in0 & (r0 >= 0) & (r0 < N0)  # an index outside [0, N) is no candidate: never read
     v1 = in1 & (r1 >= 0) & (r1 < N1)
-    k0 = tl.load(P0 + r0[:, None] * D + d[None, :], mask=v0[:, None], other=0.0)
-    k1 = tl.load(P1 + r1[:, None] * D + d[None, :], mask=v1[:, None], other=0.0)
-    kv = tl.where(v0[:, None], k0, k1)
+    ok = v0 | v1
+    row = tl.where(v0, P0 + r0 * D, P1 + r1 * D)  # one gather: pool 0's row or pool 1's
+    kv = tl.load(row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    if DV == D:
+        v = kv
+    else:  # this program's output columns (the same rows again, from L1 / L2)
+        v = tl.load(row[:, None] + (dv0 + tl.arange(0, DV))[None, :], mask=ok[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(kv), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(kv))
-    s = tl.where((v0 | v1)[None, :], s * scale, float("-inf"))
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
     m = tl.maximum(sink, tl.max(s, 1))
     p = tl.exp(s - m[:, None])
-    ls = tl.sum(p, 1)
     if IEEE:
-        acc = tl.dot(p, kv, input_precision="ieee")
+        acc = tl.dot(p, v, input_precision="ieee")
     else:
-        acc = tl.dot(p.to(kv.dtype), kv)
-    return m, ls, acc
+        acc = tl.dot(p.to(v.dtype), v)
+    return m, _row_sum(p, CH), acc
 
 
 @triton.jit
@@ -73,31 +95,35 @@ def _load_q(Q, t, h0, s_qt, s_qh, H, D: tl.constexpr, BH: tl.constexpr):
 
 @triton.jit
 def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, H, scale, NCH,
-                 D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BH
+                 D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, DV: tl.constexpr):
+    # program (head group x column block, row): a row's programs are adjacent, so its candidate
+    # rows are read from memory once and from L2 by the others
+    t = tl.program_id(1).to(tl.int64)
+    h0 = (tl.program_id(0) // (D // DV)) * BH
+    dv0 = (tl.program_id(0) % (D // DV)) * DV
     q, h = _load_q(Q, t, h0, s_qt, s_qh, H, D, BH)
     sink = tl.load(Sink + h, mask=h < H, other=0.0)
     M = sink
     L = tl.full([BH], 1.0, tl.float32)
-    A = tl.zeros([BH, D], tl.float32)
+    A = tl.zeros([BH, DV], tl.float32)
     for c in range(0, NCH):
-        m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, D, CH, IEEE)
+        m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, dv0, D, DV, CH,
+                            IEEE)
         M, L, A = _merge(M, L, A, m, ls, acc)
     out = tl.div_rn(A, L[:, None])
-    d = tl.arange(0, D)
+    d = dv0 + tl.arange(0, DV)
     tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty), mask=(h < H)[:, None])
 
 
 @triton.jit
 def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, Pm, Pl, Pa, H, scale, NCH,
                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BH
-    c = tl.program_id(2)
+    t = tl.program_id(2).to(tl.int64)
+    h0 = tl.program_id(0) * BH
+    c = tl.program_id(1)
     q, h = _load_q(Q, t, h0, s_qt, s_qh, H, D, BH)
     sink = tl.load(Sink + h, mask=h < H, other=0.0)
-    m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, D, CH, IEEE)
+    m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, 0, D, D, CH, IEEE)
     base = (t * NCH + c) * H + h
     tl.store(Pm + base, m, mask=h < H)
     tl.store(Pl + base, ls, mask=h < H)
@@ -107,8 +133,8 @@ def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink
 
 @triton.jit
 def merge_kernel(Pm, Pl, Pa, Sink, O, s_ot, s_oh, H, NCH, D: tl.constexpr, BH: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    t = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(0) * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
     sink = tl.load(Sink + h, mask=h < H, other=0.0)
     M = sink
@@ -124,11 +150,12 @@ def merge_kernel(Pm, Pl, Pa, Sink, O, s_ot, s_oh, H, NCH, D: tl.constexpr, BH: t
     tl.store(O + t * s_ot + h[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty), mask=(h < H)[:, None])
 
 
-SPLIT_BELOW = 264  # programs (rows x head groups) below which the split launch is used: 2 waves of 132 SMs
+ROWS_PER_LAUNCH = 65535  # grid dims y and z hold the rows: a larger call is launched in row blocks
 
 
-def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None):
-    """``ops.sparse_attention`` for one or two pools on CUDA (or the interpreter)."""
+def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None, tiles=None):
+    """``ops.sparse_attention`` for one or two pools on CUDA (or the interpreter). ``path`` forces
+    the launch shape; ``tiles`` replaces the bucket table (the GPU bench times its candidates)."""
     import torch
 
     T, H, D = q.shape
@@ -138,31 +165,36 @@ def sparse_attention(q, pools, idx, sink, scale: float, path: str | None = None)
     i0, i1 = i0.contiguous(), i1.contiguous()
     K0, K1 = i0.shape[1], i1.shape[1]
     nch = cdiv(K0 + K1, CHUNK)
-    hg = cdiv(H, BLOCK_H)
     out = torch.empty_like(q)
     if T == 0:
         return out
+    t = pick(T, H, tiles)
+    bh, hg = t["BH"], cdiv(H, t["BH"])
     sink = sink.float().contiguous()
     ieee = q.dtype == torch.float32
     s_i0 = i0.stride(0) if K0 else 0
     s_i1 = i1.stride(0) if K1 else 0
-    if path is None:
-        path = "split" if T * hg < SPLIT_BELOW else "fused"
-    if path == "fused" or nch == 0:
-        launch(fused_kernel, (T, hg), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p0.shape[0], p1, i1, s_i1, K1, p1.shape[0], sink, out,
-                              out.stride(0), out.stride(1), H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK,
-                              IEEE=ieee, num_warps=8)
-        return out
-    pm = torch.empty(T, nch, H, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    pa = torch.empty(T, nch, H, D, dtype=torch.float32, device=q.device)
-    launch(split_kernel, (T, hg, nch), q, q.stride(0), q.stride(1), p0, i0, s_i0, K0, p0.shape[0], p1, i1, s_i1, K1, p1.shape[0], sink, pm, pl, pa,
-                               H, float(scale), nch, D=D, BH=BLOCK_H, CH=CHUNK, IEEE=ieee, num_warps=8)
-    launch(merge_kernel, (T, hg), pm, pl, pa, sink, out, out.stride(0), out.stride(1), H, nch, D=D, BH=BLOCK_H, num_warps=8)
+    path = path or t["path"]
+    kw = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+    for r0 in range(0, T, ROWS_PER_LAUNCH):  # rows never mix: a block's rows get the bits they get alone
+        n = min(ROWS_PER_LAUNCH, T - r0)
+        qs, os_, j0, j1 = q[r0:r0 + n], out[r0:r0 + n], i0[r0:r0 + n], i1[r0:r0 + n]
+        head = (qs, q.stride(0), q.stride(1), p0, j0, s_i0, K0, p0.shape[0], p1, j1, s_i1, K1, p1.shape[0], sink)
+        if path == "fused" or nch == 0:
+            dv = min(t["DV"] or D, D)
+            launch(fused_kernel, (hg * (D // dv), n), *head, os_, out.stride(0), out.stride(1), H, float(scale), nch,
+                   D=D, BH=bh, CH=CHUNK, IEEE=ieee, DV=dv, **kw)
+            continue
+        pm = torch.empty(n, nch, H, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pa = torch.empty(n, nch, H, D, dtype=torch.float32, device=q.device)
+        launch(split_kernel, (hg, nch, n), *head, pm, pl, pa, H, float(scale), nch, D=D, BH=bh, CH=CHUNK, IEEE=ieee, **kw)
+        launch(merge_kernel, (hg, n), pm, pl, pa, sink, os_, out.stride(0), out.stride(1), H, nch, D=D, BH=bh,
+               num_warps=t["merge_warps"])
     return out
 
 
-def attention_with_sink(q, keys, mask, sink, scale: float):
+def attention_with_sink(q, keys, mask, sink, scale: float, tiles=None):
     """Dense candidates ``keys [T, K, D]`` with ``mask [T, K]`` as one pool of ``T * K`` rows,
     each row's candidates its own ``K`` rows (``-1`` where hidden): the same kernel, no copy."""
     import torch
@@ -170,4 +202,4 @@ def attention_with_sink(q, keys, mask, sink, scale: float):
     T, K, D = keys.shape
     rows = torch.arange(T * K, device=q.device, dtype=torch.int32).view(T, K)
     idx = torch.where(mask, rows, torch.full_like(rows, -1))
-    return sparse_attention(q, [keys.reshape(T * K, D)], [idx], sink, scale)
+    return sparse_attention(q, [keys.reshape(T * K, D)], [idx], sink, scale, tiles=tiles)
