@@ -1,13 +1,16 @@
-"""The recompute planner on a real V4 block: what it saves follows the rules (views never, random
-ops always, the budget kept), gradients under any plan equal the plain backward bit for bit, and a
-plan that does not match the executed ops is refused."""
+"""The recompute planner on a real V4 block: what the trace marks (aliases, what autograd keeps,
+where the recompute stops), what a plan caches (never views, in-place ops or outputs written later;
+random draws always; the budget kept), gradients under any plan equal the plain backward bit for
+bit, and a block whose op sequence differs from the traced one still gets exact gradients."""
 
 import pytest
 import torch
 
 from v4stack.config import preset
 from v4stack.model import V4Model
-from v4stack.train.recompute import Checkpointed, make_plan, matmul_plan, profile, sac_matmul_policy
+from v4stack.train.recompute import (SAC_VARIANTS, Checkpointed, Plan, make_plan, policy_plan, sac_policy,
+                                     trace)
+from v4stack.train.recompute_trace import candidates
 
 
 @pytest.fixture(scope="module")
@@ -22,106 +25,148 @@ def block_and_inputs():
     return blk, (x, positions, segs, ids)
 
 
-def _grads(module, blk, args):
+@pytest.fixture(scope="module")
+def block_trace(block_and_inputs):
+    blk, args = block_and_inputs
+    return trace(blk, *args)
+
+
+def _grads(module, params, args):
     x = args[0].clone().requires_grad_(True)
-    blk.zero_grad(set_to_none=True)
+    for p in params.parameters():
+        p.grad = None
     out = module(x, *args[1:])
     (out.float() ** 2).sum().backward()
-    return [x.grad.clone()] + [p.grad.clone() for p in blk.parameters() if p.grad is not None]
+    return [x.grad.clone()] + [p.grad.clone() for p in params.parameters() if p.grad is not None]
 
 
-def test_plan_rules_and_budget(block_and_inputs):
-    blk, args = block_and_inputs
-    recs = profile(blk, *args)
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_trace_counts_each_storage_once(block_trace):
+    tr = block_trace
+    recs = tr.records
     assert any(r.view for r in recs) and any(r.name == "aten.mm" for r in recs)
-    full = make_plan(recs, budget_bytes=1 << 40)
-    none = make_plan(recs, budget_bytes=0)
-    half = make_plan(recs, budget_bytes=full.full_bytes // 2)
+    assert all(r.new_bytes == 0 for r in recs if r.view)
+    # what the trace calls needed is a subset of what autograd keeps (no address seen twice)
+    assert 0 < sum(r.new_bytes for r in recs if r.needed) <= tr.saved_bytes
+    assert 0 < tr.stop <= len(recs)
+    c = candidates(tr)
+    assert c.ops and all(r.index < tr.stop and not (r.view or r.inplace or r.written_later) for r in c.ops)
+    assert any(r.written_later for r in recs)  # the block writes into earlier outputs (y[order] = ...)
+
+
+def test_plan_rules_and_budget(block_trace):
+    tr = block_trace
+    total = candidates(tr).total_bytes
+    full, none, half = make_plan(tr, total), make_plan(tr, 0), make_plan(tr, total // 2)
+    ok = {r.index for r in candidates(tr).ops}
     for p in (full, none, half):
-        assert not any(recs[i].view or recs[i].inplace for i in p.save)
-        assert p.saved_bytes == sum(recs[i].out_bytes for i in p.save)
-    assert none.save == set() and none.saved_bytes == 0
-    assert half.saved_bytes <= full.full_bytes // 2
-    assert full.recompute_cost < half.recompute_cost < none.recompute_cost
-    # at the memory torch's save-the-matmuls policy holds, the planner leaves less to recompute
-    mm = matmul_plan(recs)
-    same = make_plan(recs, budget_bytes=mm.saved_bytes)
-    assert same.saved_bytes <= mm.saved_bytes and same.recompute_cost < mm.recompute_cost
+        assert p.save <= ok
+    assert none.save == frozenset() and none.saved_bytes == 0
+    assert half.saved_bytes <= total // 2 and full.saved_bytes == total
+    assert full.recompute_s < half.recompute_s < none.recompute_s
+    assert none.recompute_flops == policy_plan(tr, SAC_VARIANTS["nothing"]).recompute_flops > 0
+    # at the memory torch's save-the-matmuls policy holds, the planner's estimated recompute is smaller
+    mm = policy_plan(tr, SAC_VARIANTS["matmuls"])
+    same = make_plan(tr, mm.saved_bytes)
+    assert same.saved_bytes <= mm.saved_bytes and same.recompute_s < mm.recompute_s
+
+
+def test_gradients_under_plans_equal_the_plain_backward(block_and_inputs, block_trace):
+    blk, args = block_and_inputs
+    ref = _grads(blk, blk, args)
+    total = candidates(block_trace).total_bytes
+    for budget in (total // 3, total):
+        plan = make_plan(block_trace, budget)
+        assert _same(_grads(Checkpointed(blk, plan.contexts()), blk, args), ref)
+        assert plan.stats["replayed"] == len(plan.save) > 0 and plan.stats["diverged"] == 0
+    assert _same(_grads(Checkpointed(blk, sac_policy(SAC_VARIANTS["matmuls"])), blk, args), ref)
+
+
+@pytest.mark.slow
+def test_gradients_under_every_plan_and_policy(block_and_inputs, block_trace):
+    blk, args = block_and_inputs
+    ref = _grads(blk, blk, args)
+    total = candidates(block_trace).total_bytes
+    for budget in (0, total // 10, total // 2, total):
+        plan = make_plan(block_trace, budget)
+        assert _same(_grads(Checkpointed(blk, plan.contexts()), blk, args), ref)
+        assert _same(_grads(Checkpointed(blk, plan.torch_contexts()), blk, args), ref)
+    for keep in SAC_VARIANTS.values():
+        assert _same(_grads(Checkpointed(blk, sac_policy(keep)), blk, args), ref)
+    assert _same(_grads(Checkpointed(blk, None), blk, args), ref)
+
+
+def test_a_plan_holds_on_other_inputs(block_and_inputs, block_trace):
+    blk, (x, positions, segs, ids) = block_and_inputs
+    plan = make_plan(block_trace, candidates(block_trace).total_bytes // 2)
+    g = torch.Generator().manual_seed(5)
+    other = (torch.randn(x.shape, generator=g), positions, segs, torch.randint(0, 256, ids.shape, generator=g))
+    assert _same(_grads(Checkpointed(blk, plan.contexts()), blk, other), _grads(blk, blk, other))
+
+
+class _Branchy(torch.nn.Module):
+    """A block whose op sequence depends on its data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        if x.sum() > 0:
+            h = h * h.sigmoid()
+        return self.b(h).exp()
+
+
+def test_another_op_sequence_stops_caching_and_stays_exact():
+    torch.manual_seed(0)
+    m = _Branchy()
+    pos, neg = torch.rand(4, 8), -torch.rand(4, 8)
+    tr = trace(m, pos)
+    plan = make_plan(tr, candidates(tr).total_bytes)
+    assert _same(_grads(Checkpointed(m, plan.contexts()), m, (neg,)), _grads(m, m, (neg,)))
+    assert plan.stats["diverged"] == 1 and 0 < plan.stats["replayed"] < len(plan.save)
+
+
+def test_a_cached_output_written_later_is_refused(block_and_inputs, block_trace):
+    # inverse control for the written-later rule: caching such an output would hand back changed values
+    blk, args = block_and_inputs
+    bad = next(r for r in block_trace.records[:block_trace.stop]
+               if r.written_later and not r.view and not r.inplace and r.tensors_only)
+    with pytest.raises(RuntimeError, match="written in place since"):
+        _grads(Checkpointed(blk, Plan(block_trace, frozenset({bad.index})).contexts()), blk, args)
 
 
 def test_random_draws_are_saved_not_drawn_again():
     lin = torch.nn.Linear(8, 8)
 
-    def f(x):
-        return (lin(x) * torch.randn_like(x)).tanh()
-
-    x = torch.randn(4, 8)
-    recs = profile(f, x)
-    rand = [r.index for r in recs if r.random]
-    plan = make_plan(recs, budget_bytes=0)
-    assert rand and set(rand) <= plan.save
-
-    def grads(module, seed):
-        torch.manual_seed(seed)
-        lin.zero_grad(set_to_none=True)
-        module(x).sum().backward()
-        return lin.weight.grad.clone()
-
     class F(torch.nn.Module):
         def forward(self, x):
-            return f(x)
+            return (lin(x) * torch.randn_like(x)).tanh()
 
-    ref = grads(F(), 7)
-    # the RNG state is not restored for the recompute: only the saved draw keeps the gradient right
-    assert torch.equal(grads(Checkpointed(F(), plan.policy(), preserve_rng_state=False), 7), ref)
-    plan.save.clear()  # inverse control: the same run with the draw recomputed differs
-    assert not torch.equal(grads(Checkpointed(F(), plan.policy(), preserve_rng_state=False), 7), ref)
+    x = torch.randn(4, 8)
+    tr = trace(F(), x)
+    rand = {r.index for r in tr.records if r.random}
+    plan = make_plan(tr, budget_bytes=0)
+    assert rand and rand <= plan.save
 
+    def grads(context_fn, seed):
+        torch.manual_seed(seed)
+        lin.zero_grad(set_to_none=True)
+        Checkpointed(F(), context_fn, preserve_rng_state=False)(x).sum().backward()
+        return lin.weight.grad.clone()
 
-def test_gradients_under_every_plan_equal_the_plain_backward(block_and_inputs):
-    blk, args = block_and_inputs
-    ref = _grads(blk, blk, args)
-    recs = profile(blk, *args)
-    full_bytes = make_plan(recs, 1 << 40).full_bytes
-    for ctx in (make_plan(recs, 0).policy(), make_plan(recs, full_bytes // 3).policy(),
-                make_plan(recs, 1 << 40).policy(), sac_matmul_policy(), None):
-        got = _grads(Checkpointed(blk, ctx), blk, args)
-        assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
-
-
-def test_the_rule_form_holds_on_other_inputs(block_and_inputs):
-    blk, (x, positions, segs, ids) = block_and_inputs
-    plan = make_plan(profile(blk, x, positions, segs, ids), budget_bytes=1 << 18)
-    g = torch.Generator().manual_seed(5)
-    other = (torch.randn(x.shape, generator=g), positions, segs, torch.randint(0, 256, ids.shape, generator=g))
-    ref = _grads(blk, blk, other)
-    got = _grads(Checkpointed(blk, plan.rule()), blk, other)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref))
-    assert plan.rule_stats["saved"] > 0 and plan.rule_stats["recomputed"] > 0
-
-
-def test_the_rule_form_without_the_op_output(block_and_inputs):
-    # torch releases that ask the policy before the op runs give no output: the rule then decides
-    # by (op name, input shapes) from the plan; gradients stay the plain backward's, bit for bit
-    blk, (x, positions, segs, ids) = block_and_inputs
-    plan = make_plan(profile(blk, x, positions, segs, ids), budget_bytes=1 << 18)
-    g = torch.Generator().manual_seed(5)
-    for args in ((x, positions, segs, ids),
-                 (torch.randn(x.shape, generator=g), positions, segs, torch.randint(0, 256, ids.shape, generator=g))):
-        got = _grads(Checkpointed(blk, plan.rule(use_output=False)), blk, args)
-        assert all(torch.equal(a, b) for a, b in zip(got, _grads(blk, blk, args)))
-        assert plan.rule_stats["saved"] > 0 and plan.rule_stats["recomputed"] > 0
-    none = make_plan(profile(blk, x, positions, segs, ids), budget_bytes=0)
-    _grads(Checkpointed(blk, none.rule(use_output=False)), blk, (x, positions, segs, ids))
-    assert none.rule_stats["saved"] == 0  # control: an empty plan saves nothing by key either
-
-
-def test_a_plan_for_other_ops_is_refused(block_and_inputs):
-    blk, args = block_and_inputs
-    recs = profile(blk, *args)
-    wrong = make_plan(recs[1:], budget_bytes=0)  # shifted by one op: the names no longer line up
-    with pytest.raises(RuntimeError, match="recompute plan out of step"):
-        _grads(Checkpointed(blk, wrong.policy()), blk, args)
+    torch.manual_seed(7)
+    lin.zero_grad(set_to_none=True)
+    F()(x).sum().backward()
+    ref = lin.weight.grad.clone()
+    # the RNG state is not restored for the recompute: only the cached draw keeps the gradient right
+    assert torch.equal(grads(plan.contexts(), 7), ref)
+    # inverse control: the same run with the draw recomputed differs
+    assert not torch.equal(grads(Plan(tr, plan.save - rand).contexts(), 7), ref)
 
 
 @pytest.mark.parametrize("spec", ["plan:0.3", "full"])
