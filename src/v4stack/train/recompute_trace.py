@@ -130,7 +130,10 @@ class _Recorder(TorchDispatchMode):
 
 
 def trace(fn, *args) -> Trace:
-    """Record one forward of ``fn(*args)`` with gradients on (as under a checkpoint)."""
+    """Record one forward of ``fn(*args)`` with gradients on and its floating-point tensor inputs
+    requiring gradients (as a block's inputs do in training, so autograd keeps the same tensors)."""
+    args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
     rec = _Recorder()
     kept: dict[int, int] = {}  # storage address -> bytes, of what autograd keeps
     last_pack = 0  # ops recorded when autograd last saved a tensor: the recompute stops there
