@@ -28,6 +28,7 @@ from v4stack.model.norm import RMSNorm
 from v4stack.model.paged import PagedStep, Rings, entry_rows, take
 from v4stack.model.quant import grouped_weight
 from v4stack.model.rope import Rotary
+from v4stack.model import rowwise
 from v4stack.model.state import LayerState
 
 
@@ -54,6 +55,11 @@ def window_candidates(span: torch.Tensor, span_start: int, positions: torch.Tens
     idx = (positions - span_start).unsqueeze(1) + offs
     valid = idx >= 0
     return span[idx.clamp(min=0)], valid
+
+
+def _group_out(o: torch.Tensor, weight: torch.Tensor, groups: int, rank: int) -> torch.Tensor:
+    """``wo_a`` as a row step: the grouped projection of ``o [N, g, k]`` by the dense weight."""
+    return fused.group_linear(o, weight.view(groups, rank, -1))
 
 
 class Attention(nn.Module):
@@ -102,7 +108,7 @@ class Attention(nn.Module):
         g = self.groups
         o = o.reshape(N, g, H * c // g)
         wa = grouped_weight(self.wo_a, g, self.group_rank)  # row slices once its dense copy is dropped
-        o = fused.group_linear(o, wa) if isinstance(wa, torch.Tensor) else torch.cat(
+        o = rowwise.step(_group_out, o, self.wo_a.weight, g, self.group_rank, params=(1,)) if isinstance(wa, torch.Tensor) else torch.cat(
             [ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
         return self.wo_b(o)
 
@@ -185,7 +191,8 @@ class Attention(nn.Module):
             keys = torch.cat([F.pad(k, (0, 0, 0, K - k.shape[1])) for k, _ in cands[i:j]])
             mask = torch.cat([F.pad(m, (0, K - m.shape[1])) for _, m in cands[i:j]])
             lo = segments[i].start
-            outs.append(ops.attention_with_sink(q[lo : lo + rows], keys, mask, self.attn_sink, self.scale))
+            outs.append(rowwise.step(ops.attention_with_sink, q[lo : lo + rows], keys, mask, self.attn_sink, self.scale,
+                                     params=(3,)))
             i = j
         return torch.cat(outs)
 

@@ -9,6 +9,7 @@ from v4stack.config import ModelConfig
 from v4stack.model.attention import Attention, Segment
 from v4stack.model.mhc import hc_coefficients, hc_parameters, hc_read, hc_write
 from v4stack.model.moe import MoE
+from v4stack.model import rowwise
 from v4stack.model.norm import RMSNorm
 
 
@@ -28,11 +29,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 token_ids: torch.Tensor) -> torch.Tensor:
         """Streams ``x [N, n_hc, d]`` -> new streams."""
-        pre, post, comb = hc_coefficients(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                          self.iters, self.hc_eps, self.norm_eps)
+        pre, post, comb = rowwise.step(hc_coefficients, x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                       self.iters, self.hc_eps, self.norm_eps, params=(1, 2, 3))
         y = self.attn(self.attn_norm(hc_read(x, pre)), positions, segments, self.layer_id)
         x = hc_write(x, y, post, comb)
-        pre, post, comb = hc_coefficients(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-                                          self.iters, self.hc_eps, self.norm_eps)
+        pre, post, comb = rowwise.step(hc_coefficients, x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                       self.iters, self.hc_eps, self.norm_eps, params=(1, 2, 3))
         y = self.ffn(self.ffn_norm(hc_read(x, pre)), token_ids)
         return hc_write(x, y, post, comb)

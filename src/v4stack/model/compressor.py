@@ -17,6 +17,12 @@ from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model.norm import RMSNorm
 from v4stack.model.rope import Rotary
 from v4stack.model.state import CompressorTail
+from v4stack.model import rowwise
+
+
+def _ape_rows(positions: torch.Tensor, ape: torch.Tensor, ratio: int, dtype) -> torch.Tensor:
+    """Each row's learned position bias inside its block (a row step over ``positions``)."""
+    return ape.to(dtype)[positions % ratio]
 
 
 class Compressor(nn.Module):
@@ -36,7 +42,7 @@ class Compressor(nn.Module):
         """Rows ``x [N, d]`` -> (kv, score) ``[N, coff*width]`` in the compute dtype."""
         cd = compute_dtype(x.dtype)
         kv = self.wkv(x).to(cd)
-        score = self.wgate(x).to(cd) + self.ape.to(cd)[positions % self.ratio]
+        score = self.wgate(x).to(cd) + rowwise.step(_ape_rows, positions, self.ape, self.ratio, cd, params=(1,))
         return kv, score
 
     def pool_rows(self, kv: torch.Tensor, score: torch.Tensor, blocks: torch.Tensor, dtype) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from v4stack import ops
+from v4stack.model import rowwise
 
 
 class Linear(nn.Module):
@@ -17,7 +18,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight if self.qweight is None else self.qweight)
+        if self.qweight is not None:
+            return ops.linear(x, self.qweight)
+        return rowwise.step(ops.linear, x, self.weight, params=(1,))
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}"

@@ -25,6 +25,7 @@ from v4stack.model.linear import Linear
 from v4stack.model.mhc import hc_head, hc_parameters
 from v4stack.model.mtp import MTPBlock
 from v4stack.model.norm import RMSNorm
+from v4stack.model import rowwise
 from v4stack.model.paged import PagedCache, PagedStep, StepBatch
 from v4stack.model.state import RequestState, new_request_state
 
@@ -68,14 +69,14 @@ class V4Model(nn.Module):
     # ---- shared trunk ---------------------------------------------------------------
 
     def _trunk(self, ids: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
-        x = self.embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        x = rowwise.module_step(self.embed, self.embed, ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for block in self.layers:
             x = block(x, positions, segments, ids)
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        y = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
-                    self.cfg.rms_norm_eps)
+        y = rowwise.step(hc_head, x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
+                         self.cfg.rms_norm_eps, params=(1, 2, 3))
         return self.head(self.norm(y))
 
     @staticmethod

@@ -26,6 +26,7 @@ from torch import nn
 from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
+from v4stack.model import rowwise
 from v4stack.ops.fused import swiglu_act
 
 
@@ -139,6 +140,9 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return rowwise.module_step(self, self._rows, x, token_ids)
+
+    def _rows(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, token_ids)
         return self.combine(x, idx, w)
 

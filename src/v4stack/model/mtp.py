@@ -14,6 +14,7 @@ from v4stack.model.block import Block
 from v4stack.model.linear import Linear
 from v4stack.model.mhc import hc_head, hc_parameters
 from v4stack.model.norm import RMSNorm
+from v4stack.model import rowwise
 
 
 class MTPBlock(Block):
@@ -31,5 +32,6 @@ class MTPBlock(Block):
         """Streams ``h [N, n, d]`` and embedded next tokens ``[N, d]`` -> normed hidden ``[N, d]``."""
         x = self.e_proj(self.enorm(next_embed)).unsqueeze(1) + self.h_proj(self.hnorm(h))
         x = self.forward(x, positions, segments, next_ids)
-        y = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.norm_eps)
+        y = rowwise.step(hc_head, x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps,
+                         self.norm_eps, params=(1, 2, 3))
         return self.norm(y)

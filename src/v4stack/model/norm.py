@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from v4stack import ops
+from v4stack.model import rowwise
 
 
 class RMSNorm(nn.Module):
@@ -15,4 +16,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return rowwise.step(ops.rms_norm, x, self.weight, self.eps, params=(1,))

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from v4stack.model import rowwise
 from v4stack.model.attention import Segment, window_candidates
 from v4stack.train.cp_comm import RowPlan, exchange_rows, gather_entries
 
@@ -266,7 +267,7 @@ def head_losses(model, h: torch.Tensor, tokens: torch.Tensor, shard: ContextShar
     out = ShardLosses(F.cross_entropy(logits, at(1), reduction="none"), pos < T - 1)
     if mtp and len(model.mtp):
         nxt = at(1)
-        emb = model.embed(nxt)
+        emb = rowwise.module_step(model.embed, model.embed, nxt)
         y = None
         for blk in model.mtp:  # as V4Model.mtp_logits: every block reads the trunk's streams
             y = blk.predict(h, emb, pos, shard, nxt)
@@ -288,8 +289,10 @@ def cp_loss_value(losses: torch.Tensor, has_target: torch.Tensor, layout: Layout
     ``shift``: how far ahead the target lies (1 next token, 2 MTP)."""
     B = losses.numel() // (2 * layout.chunk)
     mine = losses.detach().masked_fill(~has_target, 0.0).view(B, -1)
-    parts = [torch.empty_like(mine) for _ in range(layout.cp)]
-    dist.all_gather(parts, mine.contiguous(), group=group)
+    parts = [mine]
+    if layout.cp > 1:
+        parts = [torch.empty_like(mine) for _ in range(layout.cp)]
+        dist.all_gather(parts, mine.contiguous(), group=group)
     seq = layout.assemble(parts)[:, :-shift].reshape(-1, 1)
     return F.nll_loss(-seq, torch.zeros(seq.shape[0], dtype=torch.long, device=seq.device))
 

@@ -127,3 +127,92 @@ def gather_entries(local: torch.Tensor, order: torch.Tensor, world: int, group=N
     entries in sequence order ``[len(order), B, w]``; ``order`` indexes the flattened
     ``[world, slots, cap]`` layout."""
     return _GatherEntries.apply(_joins_backward(local), order, world, group)
+
+
+# ---- unit pieces: every cross-row gradient added in unit order (train/unit_shard.py) ----------
+
+
+def _gather(t: torch.Tensor, world: int, group) -> list[torch.Tensor]:
+    if world == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """Static indices of the unit exchanges of one rank (``train/unit_shard.py`` builds them).
+
+    ``span_idx [n_local_units * span]``: each local unit's span rows in ``1 + every rank's local
+    rows`` (0: a zero row before the sequence start); ``back_idx [depth * n_local_rows]``: for each
+    local row, offset ``d`` = the ``d``-th unit at or after its own, the slot of that unit's span
+    gradient holding the row in ``every rank's span gradients + one zero slot``."""
+
+    world: int
+    rank: int
+    span: int
+    span_idx: tuple[int, ...]
+    back_idx: tuple[int, ...]
+    depth: int
+    unit_slots: tuple[int, ...]  # global unit order -> rank * n_local_units + local index
+
+
+class _UnitSpans(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, plan: UnitPlan, group):
+        tail = rows.shape[1:]
+        parts = _gather(rows, plan.world, group)
+        flat = torch.cat([rows.new_zeros((1, *tail))] + parts)
+        idx = torch.tensor(plan.span_idx, dtype=torch.long, device=rows.device)
+        ctx.plan, ctx.group, ctx.n = plan, group, rows.shape[0]
+        return flat.index_select(0, idx).view(-1, plan.span, *tail)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        plan = ctx.plan
+        tail = g.shape[2:]
+        parts = _gather(g.contiguous(), plan.world, ctx.group)
+        flat = torch.cat([p.reshape(-1, *tail) for p in parts] + [g.new_zeros((1, *tail))])
+        idx = torch.tensor(plan.back_idx, dtype=torch.long, device=g.device)
+        c = flat.index_select(0, idx).view(plan.depth, ctx.n, *tail)
+        acc = c[0]
+        for d in range(1, plan.depth):  # the row's own unit first, then later units in order
+            acc = acc + c[d]
+        return acc, None, None
+
+
+def unit_spans(rows: torch.Tensor, plan: UnitPlan, group=None) -> torch.Tensor:
+    """Local rows ``[n, B, w]`` (position-major) -> each local unit's span ``[units, span, B, w]``:
+    the ``span - unit`` rows before the unit (zeros before the sequence start), then its own. The
+    backward adds every row's gradient over the units whose spans hold it, in unit order."""
+    return _UnitSpans.apply(_joins_backward(rows), plan, group)
+
+
+class _UnitEntries(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, order: torch.Tensor, plan: UnitPlan, group):
+        parts = _gather(local, plan.world, group)
+        flat = torch.stack(parts).view(-1, *local.shape[2:])
+        ctx.save_for_backward(order)
+        ctx.plan, ctx.group, ctx.shape = plan, group, local.shape
+        ents = flat.index_select(0, order)
+        return ents.unsqueeze(0).expand(local.shape[0], *ents.shape).contiguous()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        plan, shape = ctx.plan, ctx.shape
+        every = torch.stack(_gather(g.contiguous(), plan.world, ctx.group)).view(-1, *g.shape[1:])
+        acc = every[plan.unit_slots[0]]
+        for s in plan.unit_slots[1:]:  # every unit's gradient of every entry, in unit order
+            acc = acc + every[s]
+        flat = g.new_zeros((plan.world * shape[0] * shape[1], *shape[2:]))
+        flat.index_copy_(0, order, acc)
+        return flat.view(plan.world, *shape)[plan.rank], None, None, None
+
+
+def unit_entries(local: torch.Tensor, order: torch.Tensor, plan: UnitPlan, group=None) -> torch.Tensor:
+    """Local entries ``[units, cap, B, w]`` -> one copy of the sequence's entries per local unit
+    ``[units, S, B, w]``; the backward adds each entry's gradient over all units, in unit order."""
+    return _UnitEntries.apply(_joins_backward(local), order, plan, group)
