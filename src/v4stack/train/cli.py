@@ -60,6 +60,9 @@ def train_command(
     ep: int = typer.Option(1, "--ep", min=1, help="Expert-parallel ranks inside the dp ranks (under torchrun, pp = 1)."),
     ep_backend: str = typer.Option("all_to_all", help="Expert-parallel backend: all_to_all or megamoe."),
     cp: int = typer.Option(1, "--cp", min=1, help="Context-parallel shards per sequence under torchrun (world = dp x cp)."),
+    grad_chunks: int = typer.Option(0, "--grad-chunks", min=0, help="0: off. U: every gradient summed over U fixed "
+                                    "chunks of each sequence in a fixed order, bitwise the same for one process and "
+                                    "any --cp with U / 2cp a power of two (needs --ops invariant; slower)."),
     ops: str = typer.Option("fast", help="Ops mode: fast, or invariant (bitwise reproducible per row)."),
     recompute: str = typer.Option("none", help="Activation recompute: none, full, matmul, or plan:F (keep fraction F)."),
     optimizer: str = typer.Option("muon", help="muon (Muon + AdamW split) or adamw (AdamW only)."),
@@ -82,7 +85,7 @@ def train_command(
     from v4stack.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(preset=preset, out=out, data=list(data or []), steps=steps, batch_size=batch_size,
-                      seq_len=seq_len, grad_accum=grad_accum, pp=pp, pp_schedule=pp_schedule, pp_virtual=pp_virtual, ep=ep, ep_backend=ep_backend, cp=cp, ops=ops, recompute=recompute, optimizer=optimizer, muon_lr=muon_lr,
+                      seq_len=seq_len, grad_accum=grad_accum, pp=pp, pp_schedule=pp_schedule, pp_virtual=pp_virtual, ep=ep, ep_backend=ep_backend, cp=cp, grad_chunks=grad_chunks, ops=ops, recompute=recompute, optimizer=optimizer, muon_lr=muon_lr,
                       adamw_lr=adamw_lr, weight_decay=weight_decay, warmup=warmup, mtp_weight=mtp_weight,
                       seed=seed, ckpt_every=ckpt_every, eval_every=eval_every,
                       stochastic_bf16=stochastic_bf16, max_minutes=max_minutes, threads=threads,

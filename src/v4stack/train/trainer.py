@@ -40,7 +40,9 @@ from v4stack.train import expert_parallel
 from v4stack.train.corpus import load_text, unigram_entropy
 from v4stack.train.data import ByteBatches
 from v4stack.train.log import LossLog, Progress, plot_curves
+from v4stack.train.chunk_grads import ChunkGrads, check_units
 from v4stack.train.context import cp_accumulate
+from v4stack.train.unit_shard import chunked_accumulate
 from v4stack.train.mesh import build_mesh
 from v4stack.train.interleaved import SCHEDULES, build_stage
 from v4stack.train.pipeline import first_last_groups, tie_embedding_grads
@@ -65,6 +67,7 @@ class TrainConfig:
     pp_virtual: int = 1  # model chunks per pipeline rank (interleaved: >= 2)
     ep: int = 1  # expert-parallel ranks inside the dp ranks (train/expert_parallel.py)
     cp: int = 1  # context-parallel shards per sequence (under torchrun, pp = 1; world = dp x cp)
+    grad_chunks: int = 0  # 0 = off (default); U: chunk-ordered gradients, bitwise equal across cp (train/unit_shard.py)
     ops: str = "fast"  # ops mode: fast, or invariant (row results independent of the batch)
     ep_backend: str = "all_to_all"  # all_to_all or megamoe
     recompute: str = "none"  # none, full, matmul (torch's selective policy) or plan:F (train/recompute.py)
@@ -106,6 +109,13 @@ class TrainConfig:
                               and self.ep == 1),
              f"train field 'cp' ({self.cp}) needs seq_len a multiple of 2 x cp, recompute none, full or matmul "
              "(plan:F profiles the one-process forward), ep 1")
+        need(isinstance(self.grad_chunks, int) and self.grad_chunks >= 0,
+             f"train field 'grad_chunks' must be an integer >= 0 (0 = off), got {self.grad_chunks!r}")
+        if self.grad_chunks:
+            check_units(self.grad_chunks, self.seq_len, self.cp)
+            need(self.pp == 1 and self.ep == 1 and self.ops == "invariant" and not self.recompute.startswith("plan:"),
+                 f"train field 'grad_chunks' ({self.grad_chunks}) runs with pp 1, ep 1, ops invariant and recompute "
+                 f"none, full or matmul")
         need(self.cp == 1 or self.pp_schedule == "1f1b",
              f"train field 'cp' ({self.cp}) runs with pp_schedule 1f1b, got {self.pp_schedule!r}")
         need(self.pp_schedule in SCHEDULES,
@@ -229,6 +239,7 @@ def _train(cfg: TrainConfig) -> dict:
             raise ValueError("train field 'recompute': plan:F profiles the whole model; use it with pp = 1")
         apply_recompute(model, cfg.recompute, (sample,), stage.layers if stage is not None else None)
     opt = _optimizer(cfg, params, mesh, ep)
+    chunks = ChunkGrads(params, cfg.grad_chunks) if cfg.grad_chunks else None
     if cmeta is not None:
         same = ((cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1), cmeta.get("pp_virtual", 1),
                  cmeta.get("ep", 1)) == (world, mesh.pp, mesh.cp, stage.virtual if stage is not None else 1, cfg.ep))
@@ -259,6 +270,8 @@ def _train(cfg: TrainConfig) -> dict:
         if stage is not None:
             sums = run_pp(stage, micro, cfg.mtp_weight, scale)
             tie_embedding_grads(stage, tie_group)
+        elif chunks is not None:
+            sums = chunked_accumulate(model, chunks, micro, scale, mesh, cfg.mtp_weight)
         elif mesh.cp > 1:
             sums = cp_accumulate(model, micro, scale, mesh, cfg.mtp_weight)
         else:
