@@ -237,3 +237,17 @@ def test_train_cp_times_dp_and_repeatability(tmp_path):
     _close_run(a, one)
     b = _train_run(tmp_path / "b", world=4, cp=2)
     _assert_same_run(a, b, 3)  # two CP runs: bitwise the same
+
+
+@pytest.mark.slow
+def test_train_cp_pp_dp_world8_follows_one_process(tmp_path):
+    """pp 2 x dp 2 x cp 2 (world 8, MTP on the last stage) against one process accumulating the
+    same two micro-batches: step 1 bitwise, then within 1e-5 (without --grad-chunks the shards'
+    gradient sums are regrouped; pipeline stages do not take --grad-chunks)."""
+    import json
+
+    one = _train_run(tmp_path / "one", grad_accum=2, mtp_weight=0.3)
+    run = _train_run(tmp_path / "run", world=8, pp=2, cp=2, mtp_weight=0.3)
+    _close_run(run, one)
+    meta = json.loads((run / "loss.json").read_text())["meta"]
+    assert (meta["pp"], meta["dp"], meta["cp"]) == (2, 2, 2)
