@@ -85,6 +85,9 @@ def _ptr(t: torch.Tensor) -> int:
 def _flops(func, args, kwargs, out) -> int:
     fn = flop_registry.get(func.overloadpacket)
     if fn is None:
+        if str(func.overloadpacket) == "aten._grouped_mm" and len(args) >= 2 and args[0].dim() == 2:
+            a, b = args[0], args[1]  # rows [T, K] grouped against [E, K, N]: each row meets one group
+            return 2 * a.shape[0] * a.shape[1] * b.shape[-1]
         return 0
     try:  # the registry's formulas take the op's arguments and output (as the flop counter calls them)
         return int(fn(*args, **kwargs, out_val=out))
