@@ -27,7 +27,7 @@ import torch
 from v4stack.config import ModelConfig, preset
 from v4stack.model import V4Model
 from v4stack.train.pipeline import lm_loss
-from v4stack.train.recompute import (SAC_VARIANTS, Checkpointed, make_plan, policy_plan, sac_policy,
+from v4stack.train.recompute import (SAC_VARIANTS, Checkpointed, as_run, make_plan, policy_plan, sac_policy,
                                      trace_layers)
 from v4stack.train.recompute_trace import candidates
 
@@ -154,8 +154,14 @@ def main(argv: list[str] | None = None) -> None:
                "planned_recompute_ops": sum(p.recompute_ops for p in plans),
                "planned_recompute_s": sum(p.recompute_s for p in plans)}
         if name.startswith("planner"):
-            row["cached_per_call"] = sum(p.stats["cached"] for p in plans) / max(1, plans[0].stats["calls"])
+            row["planned_saves_per_block"] = [len(p.save) for p in plans]
+            row["cached_per_block_call"] = [p.stats["cached"] / max(1, p.stats["calls"]) for p in plans]
             row["diverged_calls"] = sum(p.stats["diverged"] for p in plans)
+            row["diverged_at_per_block"] = [p.stats["diverged_at"] for p in plans]
+            ran = [as_run(p) for p in plans]  # what was really cached (less where a call left the trace)
+            row["run_saved_bytes"] = sum(p.saved_bytes for p in ran)
+            row["run_recompute_flops"] = sum(p.recompute_flops for p in ran)
+            row["run_recompute_ops"] = sum(p.recompute_ops for p in ran)
         print(json.dumps({k: v for k, v in row.items() if k != "step_s"}), flush=True)
         rows.append(row)
         write_result(a.out, result(rows))  # after every row: a cut-off run keeps what it measured

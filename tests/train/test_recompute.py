@@ -131,6 +131,32 @@ def test_another_op_sequence_stops_caching_and_stays_exact():
     assert plan.stats["diverged"] == 1 and 0 < plan.stats["replayed"] < len(plan.save)
 
 
+class _Lazy(torch.nn.Module):
+    """A block that builds a table on its first call only (as kernel autotuning or a lazily built
+    rope table does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.table = torch.nn.Linear(8, 8), None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.arange(8.0).exp()
+        return (self.lin(x) * self.table).tanh().sigmoid()
+
+
+def test_the_trace_is_of_a_warm_call():
+    x = torch.rand(4, 8)
+    for warm, diverged in ((True, 0), (False, 1)):  # control: a cold trace records the first call's extra ops
+        torch.manual_seed(0)
+        m = _Lazy()
+        tr = trace(m, x, warm=warm)
+        plan = make_plan(tr, candidates(tr).total_bytes)
+        assert _same(_grads(Checkpointed(m, plan.contexts()), m, (x,)), _grads(m, m, (x,)))
+        assert plan.stats["diverged"] == diverged
+        assert (plan.stats["replayed"] == len(plan.save) > 0) == (not diverged)
+
+
 def test_a_cached_output_written_later_is_refused(block_and_inputs, block_trace):
     # inverse control for the written-later rule: caching such an output would hand back changed values
     blk, args = block_and_inputs

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy, checkpoin
 
 from v4stack.train.recompute_trace import MATMULS, OpRecord, Trace, candidates, trace
 
-__all__ = ["Machine", "Plan", "make_plan", "policy_plan", "sac_policy", "SAC_VARIANTS", "Checkpointed",
+__all__ = ["Machine", "Plan", "as_run", "make_plan", "policy_plan", "sac_policy", "SAC_VARIANTS", "Checkpointed",
            "checkpoint_in_place", "apply_recompute", "trace", "MATMULS"]
 
 
@@ -52,11 +52,15 @@ class Plan:
     recompute_flops: int = 0  # FLOPs the recompute runs again (ops it reaches, not cached)
     recompute_ops: int = 0
     recompute_s: float = 0.0  # estimated
-    stats: dict = field(default_factory=lambda: {"calls": 0, "cached": 0, "replayed": 0, "diverged": 0})
+    stats: dict = field(default_factory=lambda: {"calls": 0, "cached": 0, "replayed": 0, "diverged": 0,
+                                                 "diverged_at": None})
 
     def contexts(self):
         """``context_fn`` for ``torch.utils.checkpoint``: a fresh (forward, recompute) mode pair
-        per checkpointed call, sharing one cache."""
+        per checkpointed call, sharing one cache; None (whole-block recompute, no modes) for a plan
+        that caches nothing."""
+        if not self.save:
+            return None
         funcs = [r.func for r in self.trace.records]
         save = [r.index in self.save for r in self.trace.records]
         stats = self.stats
@@ -109,6 +113,8 @@ class _Caching(TorchDispatchMode):
             return out
         self.aligned = False  # another op sequence than traced: cache nothing more in this call
         self.stats["diverged"] += 1
+        at = self.stats["diverged_at"]
+        self.stats["diverged_at"] = i if at is None else min(at, i)
         return out
 
     def __exit__(self, *exc):
@@ -162,6 +168,15 @@ def _finish(plan: Plan, machine: Machine) -> Plan:
     plan.recompute_ops = len(rerun)
     plan.recompute_s = sum(machine.cost(r) for r in rerun)
     return plan
+
+
+def as_run(plan: Plan, machine: Machine = Machine()) -> Plan:
+    """What ``plan`` really cached in the calls it ran: the saves before the first op where a call's
+    sequence left the trace (all of them where none did)."""
+    at = plan.stats["diverged_at"]
+    if at is None:
+        return plan
+    return _finish(Plan(plan.trace, frozenset(i for i in plan.save if i < at)), machine)
 
 
 def make_plan(tr: Trace, budget_bytes: int, machine: Machine = Machine()) -> Plan:

@@ -132,11 +132,16 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def trace(fn, *args) -> Trace:
+def trace(fn, *args, warm: bool = True) -> Trace:
     """Record one forward of ``fn(*args)`` with gradients on and its floating-point tensor inputs
-    requiring gradients (as a block's inputs do in training, so autograd keeps the same tensors)."""
+    requiring gradients (as a block's inputs do in training, so autograd keeps the same tensors).
+    ``warm``: run it once unrecorded first, so what only a first call does (kernel autotuning,
+    lazily built tables) is not taken for the block's op sequence."""
     args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
+    if warm:
+        with torch.enable_grad():
+            fn(*args)
     rec = _Recorder()
     kept: dict[int, int] = {}  # storage address -> bytes, of what autograd keeps
     last_pack = 0  # ops recorded when autograd last saved a tensor: the recompute stops there
