@@ -6,7 +6,8 @@ the same step run eagerly, per config x mode x batch x context.
 For each point the engine is filled as in ``bench/serve_roofline.py`` (synthetic history), a few
 steps run (graph capture), then:
 
-- ``step``: wall time of ``Engine.step`` (p50 of ``--steps``), and one profiled step: device
+- ``step``: wall time of ``Engine.step`` (p50 of ``--steps`` run back to back, no sync between
+  them), and one profiled step (with overlap: the next step's launch, then the in-flight one's read): device
   kernels launched (inside the graph replay too), their summed device time, host time spent in
   named regions (scheduling, layout, graph input copies, replay launch, sampling), host syncs;
 - ``eager``: one ``V4Model.step_paged`` over the same static decode layout, profiled: kernel
@@ -108,10 +109,13 @@ def _model_regions():
 
 def _step_regions(engine):
     from v4stack.serve import engine as eng_mod
+    from v4stack.serve import overlap as ov_mod
 
     r = engine.runner
     pairs = [(engine.scheduler, "schedule", "engine.schedule"), (r, "build_decode", "runner.build_decode"),
-             (r, "build", "runner.build"), (eng_mod, "sample", "engine.sample"),
+             (r, "build", "runner.build"), (eng_mod, "sample_async", "engine.sample_launch"),
+             (ov_mod, "sample_async", "ahead.sample_launch"), (eng_mod, "launch_ahead", "engine.launch_ahead"),
+             (engine, "_collect", "engine.collect"),
              (engine.cache, "plan_captures", "cache.plan_captures"), (engine.cache, "advance", "cache.advance")]
     if r.graphs is not None:
         pairs += [(r.graphs, "run", "graphs.run"), (r, "decode_host", "runner.decode_host")]
@@ -123,35 +127,41 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def profile_point(model, cfg, mode: str, batch: int, ctx: int, steps: int) -> dict:
+def profile_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, overlap: bool = True,
+                  warmup: int = 3) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
-    per = -(-(ctx + steps + 16) // B) + 1
+    per = -(-(ctx + steps + warmup + 16) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
-                                        token_budget=max(batch, 256), max_running=batch, ops_mode=mode))
-    reqs = fill(engine, batch, ctx, steps + 12, seed=batch * 7 + ctx)
-    for _ in range(3):  # publish the synthetic history, capture the graph
+                                        token_budget=max(batch, 256), max_running=batch, ops_mode=mode,
+                                        overlap=overlap))
+    reqs = fill(engine, batch, ctx, steps + warmup + 12, seed=batch * 7 + ctx)
+    t0 = time.perf_counter()
+    for _ in range(warmup):  # publish the synthetic history, capture the graph
         engine.step()
+    _sync(dev)
+    warm = time.perf_counter() - t0
     times = []
-    for _ in range(steps):
-        _sync(dev)
+    for _ in range(steps):  # back to back, as the roofline bench times them
         t0 = time.perf_counter()
         engine.step()
-        _sync(dev)
         times.append(time.perf_counter() - t0)
+    _sync(dev)
     times.sort()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     step_regions = tuple(label for _, _, label in _step_regions(engine))
     _sync(dev)
     with _annotated(_step_regions(engine)), profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        engine.step()
+        engine.step()  # with overlap: launches the next step, then reads the one in flight
         _sync(dev)
         wall = time.perf_counter() - t0
-    step = {"wall_us_p50": times[len(times) // 2] * 1e6, "profiled_wall_us": wall * 1e6,
+    step = {"wall_us_p50": times[len(times) // 2] * 1e6, "profiled_wall_us": wall * 1e6, "warmup_s": warm,
+            "overlap": overlap, "steps_ahead": engine.stats.ahead,
             **_summarise(prof, step_regions)}
     g = engine.runner.graphs
     step["graph_replays"] = g.replays if g is not None else 0
     step["graph_error"] = g.error if g is not None else None
+    engine.drain()
     # the same decode layout eagerly (re-running a decode step rewrites the same rows)
     chunks = [(r.cache, [r.output[-1] if r.output else 0]) for r in reqs if r.cache is not None]
     from v4stack.serve.graphs import _next_pow2, _width
@@ -189,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--overlap", type=int, default=1)
     ap.add_argument("--out", default="bench/results/serve_profile_h200.json")
     a = ap.parse_args(argv)
     payload = {"points": []}
@@ -200,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             for ctx in map(int, a.contexts.split(",")):
                 for b in map(int, a.batches.split(",")):
                     try:
-                        r = profile_point(model, cfg, mode, b, ctx, a.steps)
+                        r = profile_point(model, cfg, mode, b, ctx, a.steps, bool(a.overlap), a.warmup)
                     except Exception:
                         import traceback
 

@@ -10,7 +10,11 @@ Each point: ``batch`` requests whose caches hold ``ctx`` tokens of history - blo
 through the cache manager and the pools filled with random values instead of running a prefill
 (a decode step reads the same bytes either way; the prefill path itself is covered by the tests) -
 then decode steps of one token per request through ``Engine.step`` (scheduling, the model runner,
-the model, sampling), timed with device synchronisation.
+the model, sampling). After ``--warmup`` untimed steps (graph capture, kernel builds; not counted
+against the point's time budget) the steps run back to back as a server runs them, with no device
+sync between them (``--overlap 1``, the default: the engine launches each step before it reads the
+previous step's tokens); ``step_s_p50`` is the median wall time of one ``Engine.step`` call and
+``step_s_mean`` the window's wall time (synchronised at both ends) over its steps.
 
 Roofline: the bytes one decode step must read, over the measured device copy bandwidth:
 - weights: every parameter except the embedding table (only ``batch`` rows of it are read) and
@@ -128,27 +132,36 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float) -> dict:
+def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float,
+                overlap: bool = True, warmup: int = 3) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
-    per = -(-(ctx + steps + 8) // B) + 1
+    per = -(-(ctx + steps + warmup + 8) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
-                                        token_budget=max(batch, 256), max_running=batch, ops_mode=mode))
-    fill(engine, batch, ctx, steps + 4, seed=batch * 7 + ctx)
+                                        token_budget=max(batch, 256), max_running=batch, ops_mode=mode,
+                                        overlap=overlap))
+    fill(engine, batch, ctx, steps + warmup + 4, seed=batch * 7 + ctx)
+    t0 = time.perf_counter()
+    for _ in range(warmup):  # publish the synthetic history's blocks, capture the graph, build kernels
+        engine.step()
+    _sync(dev)
+    warm_s = time.perf_counter() - t0
+    # steps back to back, as a server runs them (no device sync between steps: with overlap the
+    # next step is launched before this one's tokens are read); each step's wall time is one call
     times, t_start = [], time.perf_counter()
-    for i in range(steps + 2):
-        _sync(dev)
+    for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
-        _sync(dev)
-        if i >= 2:  # the first steps publish the synthetic history's blocks and warm kernels
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         if time.perf_counter() - t_start > budget_s and len(times) >= 2:
             break
+    _sync(dev)
+    mean = (time.perf_counter() - t_start) / len(times)
     times.sort()
     p50 = times[len(times) // 2]
     sb = step_bytes(model, cfg, batch, ctx, torch.empty((), dtype=model.dtype).element_size())
     floor = sb["step_bytes"] / bw if bw else None
-    res = {"mode": mode, "batch": batch, "context": ctx, "steps_timed": len(times), "step_s_p50": p50,
+    res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "steps_timed": len(times),
+           "step_s_p50": p50, "step_s_mean": mean, "warmup_s": warm_s, "steps_ahead": engine.stats.ahead,
            "tok_s": batch / p50, "roofline_step_s": floor, "roofline_tok_s": batch / floor if floor else None,
            "fraction": floor / p50 if floor else None, **sb,
            "cache_bytes_written_last_step": engine.stats.last_step_cache_bytes,
@@ -171,7 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--point-budget-s", type=float, default=6.0, help="stop timing a point after this (>= 2 steps)")
+    ap.add_argument("--point-budget-s", type=float, default=6.0,
+                    help="stop timing a point after this many seconds past its warm-up (>= 2 steps)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (graph capture, kernel builds)")
+    ap.add_argument("--overlap", default="1", help="engine overlap: 1, 0, or 0,1 for both")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
@@ -188,21 +204,22 @@ def main(argv: list[str] | None = None) -> None:
     for mode in a.modes.split(","):  # every config's fast points first: they are the cheap ones
         for name, (cfg, model) in models.items():
             for ctx in map(int, a.contexts.split(",")):
-                for b in map(int, a.batches.split(",")):
+                for b, ov in ((b, ov) for b in map(int, a.batches.split(",")) for ov in map(int, a.overlap.split(","))):
                     try:
-                        r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s)
+                        r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup)
                     except Exception:  # record and go on: one failing point must not lose the rest
                         import traceback
 
-                        r = {"mode": mode, "batch": b, "context": ctx, "error": traceback.format_exc()[-1500:]}
+                        r = {"mode": mode, "batch": b, "context": ctx, "overlap": bool(ov),
+                             "error": traceback.format_exc()[-1500:]}
                     r["config"] = name
                     payload["runs"].append(r)
                     if "error" in r:
-                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3}: ERROR {r['error']}", flush=True)
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov}: ERROR {r['error']}", flush=True)
                     else:
                         roof = (f"  roofline {r['roofline_tok_s']:9.1f} tok/s ({100 * r['fraction']:.1f}%)"
                                 if r["fraction"] else "")
-                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
                               f"{r['tok_s']:9.1f} tok/s{roof}", flush=True)
                     from v4stack.kernels.fused_gpu import refused
 

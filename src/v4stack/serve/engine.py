@@ -22,7 +22,8 @@ from v4stack.serve.cache.manager import CacheManager, RequestCache
 from v4stack.serve.graphs import DecodeGraphs
 from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
-from v4stack.serve.sampling import Draw, Row, SamplingParams, sample, top_logprobs
+from v4stack.serve.overlap import InFlight, launch_ahead
+from v4stack.serve.sampling import Draw, Row, SamplingParams, sample_async, top_logprobs
 from v4stack.serve.scheduler import Scheduler
 from v4stack.serve.spec_step import MTPStep
 
@@ -46,6 +47,9 @@ class EngineConfig:
     # (under torchrun, one engine per rank, each holding its block of experts); every rank's engine
     # must run its steps together (the expert exchange is collective)
     expert_backend: str = "local"
+    # decode steps overlap the host's work for the last step's tokens (serve/overlap.py); between
+    # two ``step()`` calls a request's cache may then be one launched step ahead (``drain()``)
+    overlap: bool = False
 
     def validate(self) -> "EngineConfig":
         for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
@@ -74,6 +78,8 @@ class EngineStats:
     aborted: int = 0
     cache_bytes_written: int = 0  # bytes the model wrote into the cache pools, all steps
     last_step_cache_bytes: int = 0  # ... in the last step (O(new rows), never O(context))
+    ahead: int = 0  # overlap: steps launched before the previous step's tokens were read
+    wasted_rows: int = 0  # ... rows of those whose request had finished on the token in flight
     drafted: int = 0  # speculative: drafts verified
     accepted: int = 0  # ... and accepted
     # per finished request: (arrival, first token time, token times, prompt tokens, prefix-hit tokens)
@@ -93,8 +99,13 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache)
         if c.expert_backend != "local":
             self._expert_parallel(c)
-        if c.cuda_graphs and self.runner.device.type == "cuda" and c.expert_backend == "local":
-            self.runner.graphs = DecodeGraphs(self.model, self.cache, max_rows=c.max_running)
+        cuda = self.runner.device.type == "cuda"
+        if c.expert_backend == "local" and (c.overlap or (c.cuda_graphs and cuda)):
+            # without capture (CPU, or graphs off) the static decode layout runs eagerly
+            self.runner.graphs = DecodeGraphs(self.model, self.cache, max_rows=c.max_running,
+                                              capture=c.cuda_graphs and cuda)
+        self._inflight: InFlight | None = None  # overlap: the decode step whose tokens are unread
+        self._carry: list[Request] = []  # requests finished outside step() (drain), reported by the next
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -149,7 +160,14 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def drain(self) -> None:
+        """Read the in-flight step's tokens now (overlap), so every cache holds exactly the tokens
+        its request has; the requests it finishes are reported by the next ``step()``."""
+        if self._inflight is not None:
+            inf, self._inflight = self._inflight, None
+            self._carry += self._collect(inf)
 
     def _finish(self, req: Request, reason: str) -> None:
         hit = req.cache.hit_tokens if req.cache is not None else 0
@@ -170,6 +188,7 @@ class Engine:
         """Take a live request out of the engine without finishing it (its cache is released; no
         event is sent). Re-add it with ``add_request`` and, if its cache was restored elsewhere,
         ``attach``."""
+        self.drain()
         self.scheduler.release(req)
         self.requests.pop(req.id, None)
         req.status = Status.WAITING
@@ -189,9 +208,20 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it."""
+        """Run one batch; returns the requests that finished in it (with ``overlap``: whose last
+        token was read in it)."""
         if self.spec is not None:
             return self.spec.step()
+        done, self._carry = self._carry, []
+        if self._inflight is not None:
+            ahead = launch_ahead(self)  # launched before this host reads the in-flight tokens
+            done += self._collect(self._inflight)
+            self._inflight = ahead
+            if ahead is not None:
+                return done
+        return done + self._step()
+
+    def _step(self) -> list[Request]:
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -225,11 +255,26 @@ class Engine:
         rows = [Row(r.params, r.params.seed, len(r.output), r.output, r.prompt, tuple(r.stop_ids)) for r in ready]
         batch = logits if len(at) == logits.shape[0] else logits[at]
         with ops_mode(self.config.ops_mode):
-            draws = sample(batch, rows)  # one call for the whole step
+            sampled = sample_async(batch, rows)  # one call for the whole step
+        inf = InFlight(ready, [r.cache for r in ready], sampled)
+        if self.config.overlap and self.runner.graphed and not scoring:
+            self._inflight = inf  # read by the next step(), after it launched its own step
+            return []
+        return self._collect(inf)
+
+    def _collect(self, inf: InFlight) -> list[Request]:
+        """Read a step's sampled tokens and do the host work for them."""
+        draws = inf.sampled.collect()
         done = []
         now = time.perf_counter()
-        for req, d in zip(ready, draws):
+        for req, rc, d in zip(inf.reqs, inf.caches, draws):
+            if req.status is not Status.RUNNING or req.cache is not rc:
+                self.stats.wasted_rows += 1  # finished (or taken out) while this step was in flight
+                continue
             tok = d.token
+            p = len(req.prompt) + len(req.output)
+            if rc.pos > p:  # overlap: the step after this one already fed the token as a placeholder
+                rc.tokens[p] = tok
             req.output.append(tok)
             req.draws.append(d)
             req.token_times.append(now)

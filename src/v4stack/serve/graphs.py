@@ -58,7 +58,10 @@ class DecodeGraphs:
         self.pool = g.pool()
         return g, out, per_step
 
-    def run(self, runner, chunks) -> torch.Tensor:
+    def run(self, runner, chunks, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One static decode step; ``ids`` (a device tensor ``[len(chunks)]``), when given, are the
+        step's token ids, copied on the device over the layout's (the previous step's sampled
+        tokens, which the host has not read yet)."""
         self.steps += 1
         n = len(chunks)
         rows = _next_pow2(n)
@@ -68,6 +71,8 @@ class DecodeGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             buf = host.to(runner.device)
+            if ids is not None:
+                buf[:n].copy_(ids)
             batch = runner.decode_batch(buf, rows, width)
             if not (self.capture and self.error is None):
                 return self.model.step_paged(batch, self.cache.paged)[:n]
@@ -85,6 +90,8 @@ class DecodeGraphs:
         staging.copy_(host)
         buf.copy_(staging, non_blocking=True)  # the step's whole layout in one transfer
         copied.record()
+        if ids is not None:
+            buf[:n].copy_(ids)
         g.replay()
         self.replays += 1
         self.cache.paged.bytes_written += per_step

@@ -29,6 +29,7 @@ class ModelRunner:
         self.ratios = sorted({r for r in model.cfg.layer_ratios if r})
         self.last_bytes = 0
         self._arange: dict[int, torch.Tensor] = {}
+        self.graphed = False
         self.graphs = None  # serve/graphs.py: DecodeGraphs, installed by the engine on CUDA
 
     def build(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]]) -> StepBatch:
@@ -130,16 +131,26 @@ class ModelRunner:
             decode=True, closing=closing, captures=None, out_rows=None,
         )
 
-    def run(self, chunks: list[tuple[RequestCache, list[int]]], all_rows: bool = False) -> torch.Tensor:
+    def run(self, chunks: list[tuple[RequestCache, list[int]]], all_rows: bool = False,
+            ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns the logits of each request's last fed row ``[len(chunks), V]``
         (of every fed row with ``all_rows``). The caches advance past the fed tokens. A decode
-        step with no boundary capture replays a captured CUDA graph when ``graphs`` is set."""
-        caps = self.cache.plan_captures(chunks)
+        step with no boundary capture replays a captured CUDA graph when ``graphs`` is set
+        (``graphed`` says whether it did).
+
+        ``ids`` (a decode step through ``graphs`` only): the step's token ids as a device tensor;
+        the chunks then carry a placeholder token each, which ``cache.advance`` records and the
+        caller replaces with the real id once it is read back (``RequestCache.tokens``). Such a
+        step must close no block (its hash would need the ids)."""
+        caps = self.cache.plan_captures(chunks) if ids is None else [{}] * len(chunks)
         before = self.cache.paged.bytes_written
         g = self.graphs
-        if g is not None and not all_rows and not any(caps) and all(len(t) == 1 for _, t in chunks) \
-                and len(chunks) <= g.max_rows:
-            logits = g.run(self, chunks)
+        self.graphed = g is not None and not all_rows and not any(caps) and \
+            all(len(t) == 1 for _, t in chunks) and len(chunks) <= g.max_rows
+        if ids is not None and not self.graphed:
+            raise ValueError("run: device token ids need a static decode step")
+        if self.graphed:
+            logits = g.run(self, chunks, ids)
         else:
             batch = self.build(chunks, caps)
             if all_rows:

@@ -215,16 +215,36 @@ def _model_logprobs(raw: torch.Tensor) -> torch.Tensor:
     return ops.log_softmax(raw, -1)
 
 
-def sample(logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
-    """One token for each row of ``logits [B, V]`` (any device); one call per engine step.
+class Sampled:
+    """One step's draws, launched on the device and read back later: ``tokens`` (``[B]`` int64 on
+    the logits' device) can feed the next step before the host has seen them; ``collect()``
+    waits for the one read-back and returns the ``Draw`` of every row."""
 
-    On a device the whole step is sync-free until its end: per-row parameters go up in one
-    transfer, and the tokens with both log-probabilities come back in one (``[B, 3]`` float64,
-    non-blocking into pinned memory, then one wait); the top-n alternatives, when asked, in one more.
-    """
+    def __init__(self, tokens: torch.Tensor, host: torch.Tensor, done, lp: torch.Tensor, rows: list[Row]):
+        self.tokens, self._host, self._done, self._lp, self._rows = tokens, host, done, lp, rows
+
+    def collect(self) -> list[Draw]:
+        if self._done is not None:
+            self._done.synchronize()  # the step's one wait (only this step's work, not later launches)
+        rows = self._rows
+        draws = [Draw(int(t), c, None, p) for t, c, p in self._host.tolist()]
+        want = [b for b in range(len(rows)) if rows[b].params.logprobs]
+        if want:
+            n = max(rows[b].params.logprobs for b in want)
+            tops = top_logprobs(self._lp[want], n)
+            for b, t in zip(want, tops):
+                draws[b].top = t[: rows[b].params.logprobs]
+        for b in range(len(rows)):
+            if rows[b].params.logprobs == 0:
+                draws[b].top = []
+        return draws
+
+
+def sample_async(logits: torch.Tensor, rows: list[Row]) -> Sampled:
+    """``sample`` without its wait: every kernel is launched and the read-back is queued behind
+    them (non-blocking into pinned memory, an event marks it); nothing waits until ``collect``."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"sample: logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
-    B, V = logits.shape
     dev = logits.device
     raw = logits.detach().float()
     lp = _model_logprobs(raw)
@@ -246,23 +266,22 @@ def sample(logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
     out = torch.stack([tok.double(), lp.gather(1, tok[:, None])[:, 0].double(),
                        _policy_logprob(raw, tok, prm[:, 5:6]).double()], 1)
     if dev.type == "cpu":
-        host = out
-    else:
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        torch.cuda.current_stream(dev).synchronize()  # the step's one wait
-    vals = host.tolist()
-    draws = [Draw(int(t), c, None, p) for t, c, p in vals]
-    want = [b for b in range(B) if rows[b].params.logprobs]
-    if want:
-        n = max(rows[b].params.logprobs for b in want)
-        tops = top_logprobs(lp[want], n)
-        for b, t in zip(want, tops):
-            draws[b].top = t[: rows[b].params.logprobs]
-    for b in range(B):
-        if rows[b].params.logprobs == 0:
-            draws[b].top = []
-    return draws
+        return Sampled(tok, out, None, lp, rows)
+    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+    host.copy_(out, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(dev))
+    return Sampled(tok, host, done, lp, rows)
+
+
+def sample(logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
+    """One token for each row of ``logits [B, V]`` (any device); one call per engine step.
+
+    On a device the whole step is sync-free until its end: per-row parameters go up in one
+    transfer, and the tokens with both log-probabilities come back in one (``[B, 3]`` float64,
+    non-blocking into pinned memory, then one wait); the top-n alternatives, when asked, in one more.
+    """
+    return sample_async(logits, rows).collect()
 
 
 class Sampler:

@@ -1,0 +1,92 @@
+"""Overlapped decode: the next step is launched before the host reads this step's tokens.
+
+With ``EngineConfig(overlap=True)`` a decode step that replays a static graph is not waited for:
+its sampling is launched, its read-back queued (``sampling.sample_async``), and ``Engine.step``
+returns. The next call launches the step after it at once - its token ids are the device tensor
+of the sampled ids, copied into the graph's inputs on the device - and only then waits for the
+earlier step's tokens and does the host work for them (stop checks, events, cache book-keeping)
+while the device runs the later step. The device is never left waiting for the host's step
+work, and the host never waits for the step it has just launched.
+
+A step is launched ahead only when it is the step the scheduler would run anyway, up to rows
+that may turn out finished: every running request is a decoding request of the step in flight,
+none waits to be admitted (unless the batch is full), none reaches ``max_tokens`` with the token
+in flight (those are left out), its sampling needs no host-side token list (no penalties, bias or
+``min_tokens`` masking), its fed token closes no block (a closed block's hash needs the id) and
+every cache can reserve its next row without preemption. Otherwise the in-flight step is read
+first and the engine schedules as it always does. A row whose request finished on the token in
+flight (a stop id) was computed for nothing; its output is dropped and its cache was freed with
+the request (``EngineStats.wasted_rows``). The fed token's id is recorded in the request's cache
+token list when it is read back, before anything hashes that list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from v4stack.ops.mode import mode as ops_mode
+from v4stack.serve.cache.manager import RequestCache
+from v4stack.serve.request import Request, Status
+from v4stack.serve.sampling import Row, Sampled, sample_async
+
+PLACEHOLDER = -1  # a fed token whose id is still on the device
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose sampled tokens the host has not read."""
+
+    reqs: list[Request]
+    caches: list[RequestCache]  # each request's cache when it was launched
+    sampled: Sampled
+
+
+def _needs_host_tokens(req: Request, index: int) -> bool:
+    """Sampling draw ``index`` of ``req`` reads its token list on the host (penalties, bias, the
+    ``min_tokens`` mask of stop ids)."""
+    p = req.params
+    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or (index < p.min_tokens and req.stop_ids))
+
+
+def launch_ahead(eng) -> InFlight | None:
+    """Launch the decode step after ``eng``'s in-flight one, or None when it cannot be."""
+    inf, sch = eng._inflight, eng.scheduler
+    if sch.waiting and len(sch.running) < sch.max_running:
+        return None  # an admission may be due: schedule normally
+    live = [i for i, (r, rc) in enumerate(zip(inf.reqs, inf.caches)) if r.status is Status.RUNNING and r.cache is rc]
+    if len(live) != len(sch.running):
+        return None  # a request outside the in-flight step runs (prefill, attached)
+    B = eng.cache.B
+    keep = []
+    for i in live:
+        req = inf.reqs[i]
+        index = len(req.output) + 1  # the draw after the one in flight
+        if index >= req.params.max_tokens:
+            continue  # finishes when the in-flight token is read
+        if _needs_host_tokens(req, index) or (req.cache.pos + 1) % B == 0:
+            return None
+        keep.append(i)
+    g = eng.runner.graphs
+    if not keep or len(keep) > sch.budget or g is None or len(keep) > g.max_rows:
+        return None
+    reqs = [inf.reqs[i] for i in keep]
+    if not all(eng.cache.reserve(r.cache, 1) for r in reqs):
+        return None  # (blocks taken so far serve these requests' next row anyway)
+    tok = inf.sampled.tokens
+    if keep != list(range(len(inf.reqs))):
+        tok = tok[torch.tensor(keep, dtype=torch.long).to(tok.device, non_blocking=True)]
+    chunks = [(r.cache, [PLACEHOLDER]) for r in reqs]
+    with ops_mode(eng.config.ops_mode):
+        logits = eng.runner.run(chunks, ids=tok)
+        rows = [Row(r.params, r.params.seed, len(r.output) + 1, r.output, r.prompt, tuple(r.stop_ids)) for r in reqs]
+        sampled = sample_async(logits, rows)
+    st = eng.stats
+    st.steps += 1
+    st.ahead += 1
+    st.tokens_computed += len(reqs)
+    st.last_step_cache_bytes = eng.runner.last_bytes
+    st.cache_bytes_written += eng.runner.last_bytes
+    return InFlight(reqs, [r.cache for r in reqs], sampled)
