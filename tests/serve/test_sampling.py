@@ -165,3 +165,45 @@ def test_device_sampling_waits_once_and_matches_the_cpu_tokens():
     assert [d.token for d in got] == [d.token for d in cpu]
     for a, b in zip(got, cpu):
         assert abs(a.logprob - b.logprob) < 1e-4 and abs(a.sampled_logprob - b.sampled_logprob) < 1e-4
+
+
+def test_greedy_draw_kernel_matches_float64_first_maximum_and_is_row_local():
+    """``triton_sample.greedy_draw`` (Triton's interpreter on the CPU): the first maximum's id, its
+    log-probability to fp32 rounding, row-local bits; the torch reference agrees."""
+    ts = pytest.importorskip("v4stack.kernels.triton_sample")
+    from v4stack.ops import fused
+
+    x = _logits(5, v=2500, seed=9)  # not a multiple of the block: a masked tail
+    x[1, 2100] = x[1, 7] = x[1].max() + 1  # a tie across blocks: the first column wins
+    x[3, -1] = x[3].max() + 2  # the maximum in the masked block
+    for xx in (x, x.bfloat16()):
+        tok, out = ts.greedy_draw(xx)
+        want = xx.double().argmax(-1)
+        assert tok.tolist() == want.tolist() and tok[1] == 7
+        lp = torch.log_softmax(xx.double(), -1).gather(1, want[:, None])[:, 0]
+        torch.testing.assert_close(out[:, 1], lp, atol=2e-6, rtol=0)
+        assert torch.equal(out[:, 0], tok.double()) and torch.equal(out[:, 2], out[:, 1].clamp(max=0))
+        alone_tok, alone = ts.greedy_draw(xx[3:4].clone())
+        assert torch.equal(alone[0], out[3])
+        rt, ro = fused.greedy_draw_reference(xx)
+        assert torch.equal(rt, tok) and torch.allclose(ro, out, atol=2e-6, rtol=0)
+    # inverse control: the last maximum is another column
+    assert int(x.shape[1] - 1 - x[1].flip(0).argmax()) != int(tok[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_all_greedy_step_is_one_kernel_on_the_device_and_matches_the_cpu():
+    from v4stack import ops
+
+    x = _logits(7, v=129_280, seed=6).bfloat16()
+    rows = [Row(SamplingParams(), b, b) for b in range(7)]
+    for mode in ("fast", "invariant"):
+        ops.reset_counters()
+        with ops.mode(mode):
+            got = sample(x.cuda(), rows)
+        assert "triton_greedy_draw" in str(ops.counters())
+        cpu = sample(x.float(), rows)
+        assert [d.token for d in got] == [d.token for d in cpu]
+        for a, b in zip(got, cpu):
+            assert abs(a.logprob - b.logprob) < 1e-4 and abs(a.sampled_logprob - b.sampled_logprob) < 1e-4

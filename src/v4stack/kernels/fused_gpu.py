@@ -1,5 +1,5 @@
 """CUDA registrations of the fused decode-path ops (``ops/fused.py``): their contracts and the
-Triton kernels of ``triton_mhc.py``, in both modes (the kernels are row-local); and the existing
+Triton kernels of ``triton_mhc.py`` and ``triton_sample.py``, in both modes (the kernels are row-local); and the existing
 row-local mHC read / write kernels for fast mode as well."""
 
 import importlib
@@ -37,6 +37,11 @@ def rope_ok(x, positions, freqs, inverse) -> bool:
             and x.is_contiguous() and positions.dim() == 1 and positions.shape[0] == x.shape[0]
             and positions.dtype == torch.int64 and positions.device == x.device and freqs.dtype == torch.float64
             and freqs.device == x.device and h >= 1 and h & (h - 1) == 0 and 2 * h <= x.shape[-1])
+
+
+def greedy_draw_ok(logits) -> bool:
+    return (logits.is_cuda and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and logits.stride(1) == 1 and 0 < logits.shape[1] < 2**31)
 
 
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
@@ -80,3 +85,5 @@ def register_all(register) -> None:
              ref("swiglu_act_reference")), device="cuda", accepts=_with("triton", swiglu_act_ok))
     register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
              device="cuda", accepts=_with("triton", rope_ok))
+    register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
+             ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

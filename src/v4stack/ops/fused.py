@@ -11,6 +11,8 @@
   (times the routing weight) between their GEMMs, one kernel on CUDA.
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
   len(freqs)`` channels by ``positions * freqs`` (``model/rope.py``).
+- ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
+  logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
 The references compose the other ops exactly as the model did before these ops existed (so every
 CPU result keeps its bits, in both modes); on CUDA the fused Triton kernels of
@@ -89,6 +91,14 @@ def _group_linear_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(x.shape[0], -1)
 
 
+def greedy_draw_reference(logits: torch.Tensor):
+    raw = logits.float()
+    tok = torch.argmax(raw, dim=-1)
+    lp = raw.gather(1, tok[:, None])[:, 0] - torch.logsumexp(raw, -1)
+    return tok, torch.stack([tok.double(), lp.double(), lp.clamp(max=0.0).double()], 1)
+
+
+register("greedy_draw", "torch_composite", greedy_draw_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
@@ -133,3 +143,10 @@ def group_linear(x: torch.Tensor, w: torch.Tensor, fp=None) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``x [T, ..., D]`` rotated on its last ``2 * len(freqs)`` channels; ``freqs`` fp64 on x's device."""
     return call("rope", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, inverse)
+
+
+def greedy_draw(logits: torch.Tensor):
+    """``logits [B, V]`` -> the greedy ids ``[B]`` (int64; the first maximum) and ``[B, 3]`` float64
+    rows: id, its log-probability under ``log_softmax(logits.float())``, and that clamped at 0
+    (the policy log-probability at temperature 1)."""
+    return call("greedy_draw", ops.get_mode(), str(logits.dtype)[6:], logits.device.type, logits)

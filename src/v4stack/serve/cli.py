@@ -37,6 +37,9 @@ def serve_command(
     max_n: int = typer.Option(16, min=1, help="Largest n / best_of."),
     max_queue: int = typer.Option(256, min=0, help="Requests held beyond the running batch before 429."),
     drain_timeout: float = typer.Option(30.0, min=0, help="Seconds requests in flight may finish after SIGTERM."),
+    overlap: Optional[bool] = typer.Option(None, "--overlap/--no-overlap",
+                                           help="Launch each decode step before reading the last one's tokens "
+                                                "(default: on with --device cuda)."),
 ):
     """Start the OpenAI-compatible HTTP server (completions, chat, tools, SSE, /metrics)."""
     from pathlib import Path
@@ -54,7 +57,8 @@ def serve_command(
         raise typer.Exit(2)
     name = served_name or (Path(model).name if model else f"v4stack-{preset}")
     ecfg = EngineConfig(n_blocks=n_blocks, n_slots=n_slots, token_budget=token_budget,
-                        max_running=n_slots, ops_mode=ops_mode, eos_token_id=eos_token_id)
+                        max_running=n_slots, ops_mode=ops_mode, eos_token_id=eos_token_id,
+                        overlap=device.startswith("cuda") if overlap is None else overlap)
     opts = ServerOptions(api_key=api_key, allowed_origins=_csv(allowed_origins), allowed_methods=_csv(allowed_methods),
                          allowed_headers=_csv(allowed_headers), allow_credentials=allow_credentials,
                          max_body_bytes=max_body_bytes, max_stops=max_stops, max_stop_chars=max_stop_chars,

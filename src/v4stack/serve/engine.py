@@ -48,7 +48,7 @@ class EngineConfig:
     # must run its steps together (the expert exchange is collective)
     expert_backend: str = "local"
     # decode steps overlap the host's work for the last step's tokens (serve/overlap.py); between
-    # two ``step()`` calls a request's cache may then be one launched step ahead (``drain()``)
+    # two ``step()`` calls the last launched step's tokens may then be unread (``drain()``)
     overlap: bool = False
 
     def validate(self) -> "EngineConfig":
@@ -163,8 +163,9 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     def drain(self) -> None:
-        """Read the in-flight step's tokens now (overlap), so every cache holds exactly the tokens
-        its request has; the requests it finishes are reported by the next ``step()``."""
+        """Read the in-flight step's tokens now (overlap), so no sampled token is left unread (each
+        cache then holds its request's tokens and the next token is still to be fed); the requests
+        it finishes are reported by the next ``step()``."""
         if self._inflight is not None:
             inf, self._inflight = self._inflight, None
             self._carry += self._collect(inf)

@@ -2,7 +2,9 @@
 
 A decode step (one token per request, no boundary capture) is laid out in static shapes by
 ``ModelRunner.build_decode``: rows padded to a bucket (1, 2, 4, ... ``max_rows``), block tables
-padded to a power-of-two width. The first step of a shape is captured into a graph (after a
+padded to a power-of-two width, per compression ratio a power-of-two number of closing slots for
+the rows whose entry closes (none in most steps: a ratio-m entry closes once every m tokens). The
+first step of a shape is captured into a graph (after a
 warm-up run on a side stream; re-running a decode step writes the same rows again, so the warm-up
 changes nothing); later steps of that shape copy their layout into the graph's static inputs
 and replay it. Every input of a static step is a view of one int64 buffer
@@ -36,7 +38,7 @@ class DecodeGraphs:
     def __init__(self, model, cache, max_rows: int = 256, capture: bool = True):
         self.model, self.cache, self.max_rows = model, cache, _next_pow2(max_rows)
         self.capture = capture
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple, tuple] = {}  # (rows, width, closing caps) -> captured step
         self.pool = None
         self.error: str | None = None
         self.replays = 0
@@ -66,14 +68,15 @@ class DecodeGraphs:
         n = len(chunks)
         rows = _next_pow2(n)
         width = _width(max(1, max(len(rc.blocks) for rc, _ in chunks)))
-        host = runner.decode_host(chunks, rows, width)
-        key = (rows, width)
+        caps = runner.closing_caps(chunks, rows)  # steps where no entry closes skip the closing work
+        host = runner.decode_host(chunks, rows, width, caps)
+        key = (rows, width, caps)
         entry = self.graphs.get(key)
         if entry is None:
             buf = host.to(runner.device)
             if ids is not None:
                 buf[:n].copy_(ids)
-            batch = runner.decode_batch(buf, rows, width)
+            batch = runner.decode_batch(buf, rows, width, caps)
             if not (self.capture and self.error is None):
                 return self.model.step_paged(batch, self.cache.paged)[:n]
             try:

@@ -78,17 +78,31 @@ class ModelRunner:
     def build_decode(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int) -> StepBatch:
         """A decode step (one token per request) in static shapes: ``rows`` rows (padding rows use
         the scratch slot, an empty block table and position 0), block tables ``width`` wide, and
-        for every ratio one closing slot per row (rows whose entry does not close write it to the
-        scratch block). Entries are listed up to the table width, so the shapes depend on
-        ``(rows, width)`` only - what a captured graph needs."""
-        return self.decode_batch(self.decode_host(chunks, rows, width).to(self.device), rows, width)
+        per ratio the rows whose entry closes in this step, listed in a power-of-two number of
+        closing slots (``closing_caps``; extra slots repeat the first closing row and write to the
+        scratch block; none when no entry closes). Entries are listed up to the table width, so
+        the shapes depend on ``(rows, width, caps)`` only - what a captured graph needs."""
+        caps = self.closing_caps(chunks, rows)
+        return self.decode_batch(self.decode_host(chunks, rows, width, caps).to(self.device), rows, width, caps)
 
-    def decode_host(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int) -> torch.Tensor:
+    def closing_caps(self, chunks: list[tuple[RequestCache, list[int]]], rows: int) -> tuple[int, ...]:
+        """Closing slots per ratio of a decode step: 0 when no entry closes, else the next power of
+        two of the number of rows whose entry closes (at most ``rows``)."""
+        pos = np.fromiter((rc.pos for rc, _ in chunks), dtype=np.int64, count=len(chunks))
+        caps = []
+        for r in self.ratios:
+            n = int(np.count_nonzero((pos + 1) % r == 0))
+            caps.append(0 if n == 0 else min(rows, 1 << (n - 1).bit_length()))
+        return tuple(caps)
+
+    def decode_host(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int,
+                    caps: tuple[int, ...]) -> torch.Tensor:
         """The varying part of a static decode step as one int64 host tensor (one copy moves it):
         ids, positions, ends, state slots ``[rows]`` each, the block table ``[rows, width]``, then
-        per ratio the entry number and the destination pool row of each row's closing entry."""
+        per ratio the closing slots' request row, entry number and destination pool row
+        (``[cap]`` each)."""
         n, B, R, W = len(chunks), self.cache.B, rows, width
-        out = np.empty(4 * R + R * W + 2 * R * len(self.ratios), dtype=np.int64)
+        out = np.empty(4 * R + R * W + 3 * sum(caps), dtype=np.int64)
         ids, pos, end, slots = (out[i * R : (i + 1) * R] for i in range(4))
         table = out[4 * R : 4 * R + R * W].reshape(R, W)
         ids[:n] = [toks[0] for _, toks in chunks]
@@ -101,19 +115,22 @@ class ModelRunner:
         table.fill(-1)
         for i, (rc, _) in enumerate(chunks):
             table[i, : len(rc.blocks)] = rc.blocks
-        real = np.arange(R) < n
-        ar, off, scratch = np.arange(R), 4 * R + R * W, self.cache.blocks.scratch
-        for r in self.ratios:
+        off, scratch = 4 * R + R * W, self.cache.blocks.scratch
+        for r, cap in zip(self.ratios, caps):
+            if cap == 0:
+                continue
             per = B // r
-            entry = out[off : off + R]
-            np.floor_divide(pos, r, out=entry)
-            closes = real & ((pos + 1) % r == 0)
-            dest = table[ar, np.minimum(entry // per, W - 1)] * per + entry % per
-            out[off + R : off + 2 * R] = np.where(closes, dest, scratch * per)
-            off += 2 * R
+            seq, entry, dest = out[off : off + cap], out[off + cap : off + 2 * cap], out[off + 2 * cap : off + 3 * cap]
+            rows_ = np.flatnonzero((pos[:n] + 1) % r == 0)
+            k = len(rows_)
+            seq[:k], seq[k:] = rows_, rows_[0]
+            np.floor_divide(pos[seq], r, out=entry)
+            dest[:k] = table[rows_, np.minimum(entry[:k] // per, W - 1)] * per + entry[:k] % per
+            dest[k:] = scratch * per
+            off += 3 * cap
         return torch.from_numpy(out)
 
-    def decode_batch(self, buf: torch.Tensor, rows: int, width: int) -> StepBatch:
+    def decode_batch(self, buf: torch.Tensor, rows: int, width: int, caps: tuple[int, ...]) -> StepBatch:
         """The ``StepBatch`` whose tensors are views into ``buf`` (``decode_host``'s layout on the
         device), so refreshing ``buf`` refreshes the whole step."""
         R, W = rows, width
@@ -122,9 +139,10 @@ class ModelRunner:
             ar = self._arange[R] = torch.arange(R, device=self.device)
         pos = buf[R : 2 * R]
         closing, off = {}, 4 * R + R * W
-        for r in self.ratios:
-            closing[r] = Closing(ar, buf[off : off + R], buf[off + R : off + 2 * R])
-            off += 2 * R
+        for r, cap in zip(self.ratios, caps):
+            if cap:
+                closing[r] = Closing(buf[off : off + cap], buf[off + cap : off + 2 * cap], buf[off + 2 * cap : off + 3 * cap])
+                off += 3 * cap
         return StepBatch(
             ids=buf[:R], positions=pos, seq=ar, row0=ar, pos0=pos, end=buf[2 * R : 3 * R],
             slots=buf[3 * R : 4 * R], block_table=buf[4 * R : 4 * R + R * W].view(R, W), max_end=W * self.cache.B,

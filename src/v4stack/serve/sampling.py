@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from v4stack.ops import fused
+
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (1/T would overflow to inf/NaN)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 _M64 = (1 << 64) - 1
@@ -246,9 +248,17 @@ def sample_async(logits: torch.Tensor, rows: list[Row]) -> Sampled:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"sample: logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
     dev = logits.device
+    greedy = [r.params.greedy for r in rows]
+    if dev.type == "cuda" and all(greedy) and not any(r.params.logprobs or _touches(r) for r in rows):
+        # the common decode step: one kernel (ids and both log-probabilities), one read-back
+        tok, out = fused.greedy_draw(logits.detach())
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(dev))
+        return Sampled(tok, host, done, None, rows)
     raw = logits.detach().float()
     lp = _model_logprobs(raw)
-    greedy = [r.params.greedy for r in rows]
     prm = _row_params(rows, greedy, dev)
     x = raw
     if any(_touches(r) for r in rows):

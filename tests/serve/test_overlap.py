@@ -1,0 +1,79 @@
+"""Overlapped decode (``EngineConfig(overlap=True)``, ``serve/overlap.py``): each decode step is
+launched with the previous step's sampled ids as device inputs before the host reads them. In
+invariant mode every request's tokens, log-probabilities and finish reasons equal the plain
+engine's, through admissions, stop ids (rows computed for finished requests), max_tokens, block
+boundaries and penalties (which fall back to plain steps); ``drain`` leaves every cache holding
+exactly its request's tokens, with no token left unread."""
+
+import pytest
+import torch
+
+from v4stack.config import preset
+from v4stack.model import V4Model
+from v4stack.serve.engine import Engine, EngineConfig
+from v4stack.serve.graphs import DecodeGraphs
+from v4stack.serve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return V4Model(preset("tiny"), seed=3).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (21, 9, 30, 17, 5)]
+
+
+def _run(model, sps, overlap, prompts=None):
+    eng = Engine(model, EngineConfig(n_blocks=64, n_slots=4, max_running=4, ops_mode="invariant", overlap=overlap))
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts or _prompts(), sps)]
+    while eng.has_work():
+        eng.step()
+    return [(r.output, [d.logprob for d in r.draws], r.finish_reason) for r in reqs], eng
+
+
+def _until(out, stop):
+    """A plain run's request cut at its first ``stop`` id (invariant mode: the batch does not matter)."""
+    toks, lps, _ = out
+    k = toks.index(stop) + 1
+    return toks[:k], lps[:k], "stop"
+
+
+@torch.no_grad()
+def test_overlapped_decode_gives_the_plain_engines_tokens(model, monkeypatch):
+    sps = [SamplingParams(max_tokens=26, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(4)]
+    sps.append(SamplingParams(max_tokens=5, seed=4, presence_penalty=0.5))  # waits, then runs plain steps
+    plain, _ = _run(model, sps, False)
+    # stop on an id each of the first four produces mid-way (rows launched for finished requests)
+    stops = [plain[i][0][13 + 2 * i] for i in range(4)]
+    sps_stop = [SamplingParams(max_tokens=26, temperature=sp.temperature, seed=i, stop_token_ids=(s,))
+                for i, (sp, s) in enumerate(zip(sps, stops))] + sps[4:]
+    got, eng = _run(model, sps_stop, True)
+    assert got == [_until(plain[i], s) for i, s in enumerate(stops)] + plain[4:]
+    assert eng.stats.ahead >= 8 and eng.stats.wasted_rows >= 1
+    # inverse control: launched-ahead steps fed a wrong id -> other tokens
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None:
+                        run(self, runner, chunks, None if ids is None else torch.zeros_like(ids)))
+    bad, eng = _run(model, sps[:2], True, _prompts()[:2])
+    assert eng.stats.ahead > 0 and [r[0] for r in bad] != [r[0] for r in plain[:2]]
+
+
+@torch.no_grad()
+def test_drain_leaves_caches_with_their_requests_tokens(model):
+    eng = Engine(model, EngineConfig(n_blocks=64, n_slots=4, max_running=4, ops_mode="invariant", overlap=True))
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=14)) for p in _prompts()[:3]]
+    for _ in range(6):
+        eng.step()
+    assert eng._inflight is not None and eng.stats.ahead > 0
+    for r in reqs:  # every fed id is known: the cache holds exactly the request's tokens
+        assert r.cache.pos == len(r.all_tokens) and r.cache.tokens == r.all_tokens
+    n = [len(r.output) for r in reqs]
+    eng.drain()  # the step in flight sampled one more token each
+    assert eng._inflight is None and [len(r.output) for r in reqs] == [k + 1 for k in n]
+    eng.detach(reqs[0])  # drains (nothing left in flight) and releases
+    assert reqs[0].cache is None
+    while eng.has_work():
+        eng.step()
+    assert all(len(r.output) == 14 for r in reqs[1:])
