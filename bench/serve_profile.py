@@ -128,7 +128,7 @@ def _sync(dev: str) -> None:
 
 
 def profile_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, overlap: bool = True,
-                  warmup: int = 3) -> dict:
+                  warmup: int = 6) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
     per = -(-(ctx + steps + warmup + 16) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--overlap", type=int, default=1)
     ap.add_argument("--out", default="bench/results/serve_profile_h200.json")
     a = ap.parse_args(argv)

@@ -173,8 +173,8 @@ def test_greedy_draw_kernel_matches_float64_first_maximum_and_is_row_local():
     ts = pytest.importorskip("v4stack.kernels.triton_sample")
     from v4stack.ops import fused
 
-    x = _logits(5, v=2500, seed=9)  # not a multiple of the block: a masked tail
-    x[1, 2100] = x[1, 7] = x[1].max() + 1  # a tie across blocks: the first column wins
+    x = _logits(5, v=9000, seed=9)  # three chunks, the last one ragged: masked tails
+    x[1, 8500] = x[1, 2100] = x[1, 7] = x[1].max() + 1  # ties across blocks and chunks: the first column wins
     x[3, -1] = x[3].max() + 2  # the maximum in the masked block
     for xx in (x, x.bfloat16()):
         tok, out = ts.greedy_draw(xx)
