@@ -1,5 +1,6 @@
 """Decode through CUDA graphs on a GPU (tiny preset, bf16): the replayed steps give the eager
-engine's tokens in both ops modes, and in invariant mode a request's tokens do not depend on the
+engine's tokens in both ops modes, also with overlapped steps (each launched with the previous
+step's sampled ids as device inputs), and in invariant mode a request's tokens do not depend on the
 batch it decodes in."""
 
 import pytest
@@ -24,13 +25,16 @@ def test_graph_replays_give_the_eager_tokens(mode):
     model = V4Model(preset("tiny"), seed=3).cast(torch.bfloat16).eval().cuda()
     sp = SamplingParams(max_tokens=24)
     out = {}
-    for graphs in (False, True):
-        eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8, n_snapshots=0, ops_mode=mode, cuda_graphs=graphs))
-        out[graphs] = [r.output for r in eng.generate(_prompts(), sp)]
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
+        eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8, n_snapshots=0, ops_mode=mode, cuda_graphs=graphs,
+                                         overlap=overlap))
+        out[graphs, overlap] = [r.output for r in eng.generate(_prompts(), sp)]
         if graphs:
             assert eng.runner.graphs.error is None and eng.runner.graphs.replays >= 15
-    assert out[True] == out[False]
+        if overlap:  # steps launched with the sampled ids as device inputs
+            assert eng.stats.ahead >= 10
+    assert out[True, False] == out[False, False] == out[True, True]
     if mode == "invariant":
         eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8, n_snapshots=0, ops_mode=mode))
         alone = [eng.generate([p], sp)[0].output for p in _prompts()]
-        assert alone == out[True]
+        assert alone == out[True, False]

@@ -215,9 +215,9 @@ class Engine:
             return self.spec.step()
         done, self._carry = self._carry, []
         if self._inflight is not None:
-            ahead = launch_ahead(self)  # launched before this host reads the in-flight tokens
-            done += self._collect(self._inflight)
-            self._inflight = ahead
+            inf, self._inflight = self._inflight, None  # (an error below leaves nothing half-read in flight)
+            self._inflight = ahead = launch_ahead(self, inf)  # launched before the host reads ``inf``
+            done += self._collect(inf)
             if ahead is not None:
                 return done
         return done + self._step()

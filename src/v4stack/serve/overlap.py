@@ -51,9 +51,9 @@ def _needs_host_tokens(req: Request, index: int) -> bool:
                 or (index < p.min_tokens and req.stop_ids))
 
 
-def launch_ahead(eng) -> InFlight | None:
-    """Launch the decode step after ``eng``'s in-flight one, or None when it cannot be."""
-    inf, sch = eng._inflight, eng.scheduler
+def launch_ahead(eng, inf: InFlight) -> InFlight | None:
+    """Launch the decode step after ``inf`` (``eng``'s step in flight), or None when it cannot be."""
+    sch = eng.scheduler
     if sch.waiting and len(sch.running) < sch.max_running:
         return None  # an admission may be due: schedule normally
     live = [i for i, (r, rc) in enumerate(zip(inf.reqs, inf.caches)) if r.status is Status.RUNNING and r.cache is rc]
