@@ -100,16 +100,21 @@ class ChunkGrads:
         self.params = {n: p for n, p in params.items() if p.requires_grad}
         self.names = {id(p): n for n, p in self.params.items()}
         self.units = units
-        self.begin()
+        self.micro = 0
+        self.shards: dict[int, object] = {}  # micro-batch -> its shard, between forward and backward
+        self.filed: dict[tuple[int, str, int], list[tuple[int, torch.Tensor]]] = {}
+        self.uses: dict[tuple[int, str, int], int] = {}
 
-    def begin(self) -> None:
-        """Forget the last micro-batch's gradients and use counts."""
-        self.filed: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
-        self.uses: dict[tuple[str, int], int] = {}
+    def begin(self, micro: int = 0) -> None:
+        """Start micro-batch ``micro``'s forward (several may be in flight under a pipeline)."""
+        self.micro = micro
+        for d in (self.filed, self.uses):
+            for k in [k for k in d if k[0] == micro]:
+                del d[k]
 
     def file(self, tag, g: torch.Tensor) -> None:
-        name, unit, use = tag
-        self.filed.setdefault((name, unit), []).append((use, g))
+        micro, name, unit, use = tag
+        self.filed.setdefault((micro, name, unit), []).append((use, g))
 
     @staticmethod
     @contextlib.contextmanager
@@ -137,9 +142,9 @@ class ChunkGrads:
         tags = []
         for unit, _, _ in runs.runs:
             for name in names:
-                k = self.uses.get((name, unit), 0)
-                self.uses[(name, unit)] = k + 1
-                tags.append((name, unit, k))
+                k = self.uses.get((self.micro, name, unit), 0)
+                self.uses[(self.micro, name, unit)] = k + 1
+                tags.append((self.micro, name, unit, k))
         stand = _Fanout.apply(self, tuple(tags), *params)
         outs = []
         with rowwise.installed(None):
@@ -181,10 +186,10 @@ class ChunkGrads:
 
     # ---- the reduction ----------------------------------------------------------------------
 
-    def _unit_flat(self, unit: int, dtype, device) -> torch.Tensor:
+    def _unit_flat(self, micro: int, unit: int, dtype, device) -> torch.Tensor:
         parts = []
         for name, p in self.params.items():
-            got = sorted(self.filed.get((name, unit), []), key=lambda t: t[0])
+            got = sorted(self.filed.get((micro, name, unit), []), key=lambda t: t[0])
             if not got:
                 parts.append(torch.zeros(p.numel(), dtype=dtype, device=device))
                 continue
@@ -194,14 +199,14 @@ class ChunkGrads:
             parts.append(acc.reshape(-1).to(dtype))
         return torch.cat(parts)
 
-    def finish(self, batch: int, cp: int, cp_rank: int, group=None) -> dict[str, torch.Tensor] | None:
-        """This micro-batch's chunk-ordered gradients (on ``cp_rank`` 0; None elsewhere): this
+    def finish(self, batch: int, cp: int, cp_rank: int, group=None, micro: int = 0) -> dict[str, torch.Tensor] | None:
+        """Micro-batch ``micro``'s chunk-ordered gradients (on ``cp_rank`` 0; None elsewhere): this
         rank's subtree, gathered over the ``cp`` shards, the top of the tree added in order."""
         U = self.units
         m = U // (2 * cp)
         first = next(iter(self.params.values()))
         dtype, dev = first.dtype, first.device
-        known = {u for _, u in self.filed}
+        known = {u for mb, _, u in self.filed if mb == micro}
         mine = {b * U + v for b in range(batch) for p in range(cp_rank * m, (cp_rank + 1) * m) for v in (p, U - 1 - p)}
         if not known <= mine:
             raise RuntimeError(f"gradients filed for units {sorted(known - mine)} this shard does not hold")
@@ -209,11 +214,13 @@ class ChunkGrads:
         for p in range(cp_rank * m, (cp_rank + 1) * m):
             acc = None
             for b in range(batch):
-                pair = self._unit_flat(b * U + p, dtype, dev) + self._unit_flat(b * U + U - 1 - p, dtype, dev)
+                pair = (self._unit_flat(micro, b * U + p, dtype, dev)
+                        + self._unit_flat(micro, b * U + U - 1 - p, dtype, dev))
                 acc = pair if acc is None else acc + pair
             nodes.append(acc)
         sub = tree(nodes)
-        self.begin()
+        for k in [k for k in self.filed if k[0] == micro]:
+            del self.filed[k]
         if cp > 1:
             parts = [torch.empty_like(sub) for _ in range(cp)]
             dist.all_gather(parts, sub, group=group)

@@ -18,6 +18,10 @@ of the embedding; after the backwards the two copies' gradients are added (first
 last stage's sum) and both apply the same update. That sum groups the terms differently from one
 process (which adds the two uses per micro-batch), so with MTP on the result equals a single
 process to rounding, not to the bit.
+
+With ``--grad-chunks`` (``train/unit_shard.py``) a stage runs its blocks on unit pieces (any cp,
+1 included) and each micro-batch's backward lands chunk-ordered gradients (``chunk_backward``):
+pp x dp x cp equals one process bit for bit (without MTP).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from v4stack.model import V4Model
+from v4stack.model import V4Model, rowwise
 from v4stack.train.context import ContextShard, Layout, head_losses, logged_means, shard_means
 from v4stack.train.mesh import Mesh
+from v4stack.train.unit_shard import UnitShard, chunk_backward, chunk_forward
 
 
 def stage_bounds(n_layers: int, pp: int) -> list[range]:
@@ -80,6 +85,8 @@ class Stage:
     mtp: bool
     stream_dtype: torch.dtype
     logged: tuple | None = field(default=None, init=False)  # under context parallelism: the last forward's (main, MTP) loss values
+    chunk_grads: object = field(default=None, init=False)  # ChunkGrads under --grad-chunks (train/unit_shard.py)
+    micro: int = field(default=0, init=False)  # the micro-batch being run (chunk-ordered gradients file by it)
 
     @classmethod
     def build(cls, model: V4Model, mesh: Mesh, mtp: bool) -> "Stage":
@@ -116,7 +123,7 @@ class Stage:
         """The blocks ``layers``, after the embedding when ``first``, before the head when ``last``."""
         m = self.model
         B, T = tokens.shape
-        if self.mesh.cp > 1:
+        if self.mesh.cp > 1 or self.chunk_grads is not None:
             return self._forward_cp(tokens, x, layers, first, last)
         segs, positions = m._fresh_segments(B, T, tokens.device)
         ids = tokens.reshape(-1)
@@ -137,15 +144,19 @@ class Stage:
         B, T = tokens.shape
         lay = Layout(mesh.cp, mesh.cp_rank, T)
         positions = lay.positions(B, tokens.device)
-        shard = ContextShard(lay, B, mesh.cp_group)
+        if self.chunk_grads is None:
+            shard = ContextShard(lay, B, mesh.cp_group)
+        else:  # --grad-chunks: unit pieces, chunk-ordered gradients
+            shard = UnitShard(lay, B, self.chunk_grads.units, mesh.cp_group)
         ids = lay.local(tokens).reshape(-1)
-        if first:
-            x = m.embed(ids).unsqueeze(1).expand(-1, m.cfg.hc_mult, -1).contiguous()
-        for i in layers:
-            x = m.layers[i](x, positions, shard, ids)
-        if not last:
-            return x
-        res = head_losses(m, x, tokens, shard, positions, self.mtp)
+        with chunk_forward(self.chunk_grads, shard, self.micro):
+            if first:
+                x = rowwise.module_step(m.embed, m.embed, ids).unsqueeze(1).expand(-1, m.cfg.hc_mult, -1).contiguous()
+            for i in layers:
+                x = m.layers[i](x, positions, shard, ids)
+            if not last:
+                return x
+            res = head_losses(m, x, tokens, shard, positions, self.mtp)
         self.logged = logged_means(res, lay, mesh.cp_group)
         return shard_means(res, tokens)
 
@@ -171,6 +182,7 @@ def run_1f1b(stage: Stage, micro: list[torch.Tensor], mtp_weight: float, scale: 
             x_in = torch.empty(stage.stream_shape(micro[i]), dtype=stage.stream_dtype, device=device)
             dist.recv(x_in, mesh.peer(s - 1))
             x_in.requires_grad_(True)
+        stage.micro = i
         out = stage.forward(micro[i], x_in)
         if mesh.last:
             main, extra = out
@@ -187,11 +199,11 @@ def run_1f1b(stage: Stage, micro: list[torch.Tensor], mtp_weight: float, scale: 
 
     def bwd(i: int) -> None:
         x_in, out = saved.pop(i)
-        if mesh.last:
-            out.backward()
-        else:
+        g = None
+        if not mesh.last:
             g = torch.empty_like(out)
             dist.recv(g, mesh.peer(s + 1))
+        with chunk_backward(stage.chunk_grads, mesh, i):
             torch.autograd.backward(out, g)
         if not mesh.first:
             pending.append(dist.isend(x_in.grad, mesh.peer(s - 1)))

@@ -113,9 +113,11 @@ class TrainConfig:
              f"train field 'grad_chunks' must be an integer >= 0 (0 = off), got {self.grad_chunks!r}")
         if self.grad_chunks:
             check_units(self.grad_chunks, self.seq_len, self.cp)
-            need(self.pp == 1 and self.ep == 1 and self.ops == "invariant" and not self.recompute.startswith("plan:"),
-                 f"train field 'grad_chunks' ({self.grad_chunks}) runs with pp 1, ep 1, ops invariant and recompute "
-                 f"none, full or matmul")
+            need(self.ep == 1 and self.ops == "invariant" and not self.recompute.startswith("plan:")
+                 and self.pp_schedule == "1f1b" and (self.pp == 1 or self.mtp_weight == 0),
+                 f"train field 'grad_chunks' ({self.grad_chunks}) runs with ep 1, ops invariant, recompute none, "
+                 "full or matmul, pp_schedule 1f1b, and with pp > 1 without MTP (the stages' two embedding "
+                 "copies are summed after the step)")
         need(self.cp == 1 or self.pp_schedule == "1f1b",
              f"train field 'cp' ({self.cp}) runs with pp_schedule 1f1b, got {self.pp_schedule!r}")
         need(self.pp_schedule in SCHEDULES,
@@ -240,6 +242,8 @@ def _train(cfg: TrainConfig) -> dict:
         apply_recompute(model, cfg.recompute, (sample,), stage.layers if stage is not None else None)
     opt = _optimizer(cfg, params, mesh, ep)
     chunks = ChunkGrads(params, cfg.grad_chunks) if cfg.grad_chunks else None
+    if stage is not None and chunks is not None:
+        stage.chunk_grads, chunks = chunks, None  # the pipeline runs them per micro-batch
     if cmeta is not None:
         same = ((cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1), cmeta.get("pp_virtual", 1),
                  cmeta.get("ep", 1)) == (world, mesh.pp, mesh.cp, stage.virtual if stage is not None else 1, cfg.ep))

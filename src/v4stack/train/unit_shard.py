@@ -24,8 +24,10 @@ halo traffic of ``context.py``): this is the exact mode, not the fast one.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Iterator
 
 import torch
 
@@ -204,37 +206,59 @@ def unit_losses(model, tokens: torch.Tensor, layout: Layout, units: int, group=N
         return head_losses(model, h, tokens, shard, pos, mtp)
 
 
+@contextlib.contextmanager
+def chunk_forward(hook: ChunkGrads | None, shard: UnitShard, micro: int = 0) -> Iterator[None]:
+    """Micro-batch ``micro``'s forward with the hook installed and the trunk's rows told."""
+    if hook is None:
+        yield
+        return
+    hook.begin(micro)
+    hook.shards[micro] = shard
+    with rowwise.installed(hook), ChunkGrads.rows(shard.runs()):
+        yield
+
+
+@contextlib.contextmanager
+def chunk_backward(hook: ChunkGrads | None, mesh, micro: int = 0) -> Iterator[None]:
+    """Micro-batch ``micro``'s backward (a recompute re-runs row steps under the same hook); then
+    its chunk-ordered gradients land on the replica's first shard's ``.grad`` (the other shards'
+    stay zero, so the sharded step's sum over shards changes no bit)."""
+    if hook is None:
+        yield
+        return
+    shard = hook.shards.pop(micro)
+    held = {n: p.grad for n, p in hook.params.items()}
+    for p in hook.params.values():
+        p.grad = None
+    with rowwise.installed(hook), ChunkGrads.rows(shard.runs()):
+        yield
+    stray = [n for n, p in hook.params.items() if p.grad is not None]
+    if stray:
+        raise RuntimeError(f"parameters used outside a row step (their gradient skipped the chunk order): {stray}")
+    got = hook.finish(shard.batch, mesh.cp, mesh.cp_rank, mesh.cp_group, micro)
+    for n, p in hook.params.items():
+        g = held[n]
+        if got is None:
+            p.grad = torch.zeros_like(p) if g is None else g
+        else:
+            p.grad = got[n] if g is None else g + got[n]
+
+
 def chunked_accumulate(model, hook: ChunkGrads, micro: list[torch.Tensor], scale: float, mesh,
                        mtp_weight: float = 0.0) -> torch.Tensor:
-    """``context.cp_accumulate`` with chunk-ordered gradients: per micro-batch the row steps file
-    their unit gradients, the tree adds them, and the sum lands on the replica's first shard's
-    ``.grad`` (the other shards' stay zero, so the sharded step's sum over shards changes no bit).
-    One process is ``mesh.cp == 1``."""
+    """``context.cp_accumulate`` with chunk-ordered gradients (one process is ``mesh.cp == 1``)."""
     sums = torch.zeros(2, dtype=torch.float32, device=micro[0].device)
     for tokens in micro:
         B, T = tokens.shape
         lay = Layout(mesh.cp, mesh.cp_rank, T)
-        held = {n: p.grad for n, p in hook.params.items()}
-        for p in hook.params.values():
-            p.grad = None
-        hook.begin()
         shard = UnitShard(lay, B, hook.units, mesh.cp_group)
-        with rowwise.installed(hook), ChunkGrads.rows(shard.runs()):
+        with chunk_forward(hook, shard):
             res = unit_losses(model, tokens, lay, hook.units, mesh.cp_group, mtp=mtp_weight > 0)
             total, extra_part = shard_means(res, tokens)
             if extra_part is not None:
                 total = total + mtp_weight * extra_part
+        with chunk_backward(hook, mesh):
             (total * scale).backward()
-        stray = [n for n, p in hook.params.items() if p.grad is not None]
-        if stray:
-            raise RuntimeError(f"parameters used outside a row step (their gradient skipped the chunk order): {stray}")
-        got = hook.finish(B, mesh.cp, mesh.cp_rank, mesh.cp_group)
-        for n, p in hook.params.items():
-            g = held[n]
-            if got is None:
-                p.grad = torch.zeros_like(p) if g is None else g
-            else:
-                p.grad = got[n] if g is None else g + got[n]
         value, extra = logged_means(res, lay, mesh.cp_group)
         if mesh.cp_rank == 0:
             sums[0] += value.item()
