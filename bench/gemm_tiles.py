@@ -28,16 +28,18 @@ from v4stack.kernels import tiles as TL  # noqa: E402
 BF16_TILES, F32_TILES = list(TL.HALF_CANDIDATES), list(TL.F32_CANDIDATES)
 HC_TILES, GROUPED_TILES = list(TL.HC_CANDIDATES), list(TL.GROUPED_CANDIDATES)
 CUDA = torch.cuda.is_available()
+SLICE_MS = (1, 8, 64, 256, 4096)
 # (table, sweep section, M measured -> largest M of the bucket it picks for); the last bucket takes every M
-BUCKETS = {"HALF_TILES": ("linear_bf16", ((64, 64), (256, 256), (4096, 1 << 62))),
-           "F32_TILES": ("linear_fp32", ((1, 16), (64, 128), (4096, 1 << 62))),
-           "HC_TILES": ("hc_mix", ((64, 256), (4096, 1 << 62))),
+BUCKETS = {"HALF_TILES": ("linear_bf16", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
+           "F32_TILES": ("linear_fp32", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
+           "HC_TILES": ("hc_mix", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "GROUPED_TILES": ("grouped", ((1, 1024), (4096, 1 << 62)))}
 
 
-def choose(rec: dict, margin: float = 0.03) -> dict:
-    """Per bucket: the fastest bit-identical candidate at the bucket's measured M, if it beats the
-    shipped default by more than ``margin``; else the default."""
+def choose(rec: dict, margin: float = 0.03, key: str = "graph_s") -> dict:
+    """Per bucket: the fastest bit-identical candidate at the bucket's measured M (device time under
+    CUDA graphs where measured, else back to back), if it beats the shipped default by more than
+    ``margin``; else the default. Adjacent buckets with the same tile are merged."""
     tables = {}
     for table, (section, buckets) in BUCKETS.items():
         rows = {r["M"]: r for r in rec.get(section, [])}
@@ -46,11 +48,17 @@ def choose(rec: dict, margin: float = 0.03) -> dict:
         out = []
         for m, top in buckets:
             default = TL.pick(getattr(TL, table), m)
-            ok = [v for v in rows[m]["variants"] if v.get("bits_equal_alone") and "s" in v]
-            base = next((v["s"] for v in ok if v["tile"] == default), None)
-            best = min(ok, key=lambda v: v["s"]) if ok else None
-            keep = best is None or base is None or best["s"] > base * (1 - margin)
-            out.append([top, default if keep else best["tile"]])
+            ok = [v for v in rows[m]["variants"] if v.get("bits_equal_alone") and v.get("bits_equal_ref", True)
+                  and (key in v or "s" in v)]
+            t = lambda v: v.get(key, v.get("s"))  # noqa: E731
+            base = next((t(v) for v in ok if v["tile"] == default), None)
+            best = min(ok, key=t) if ok else None
+            keep = best is None or base is None or t(best) > base * (1 - margin)
+            tile = default if keep else best["tile"]
+            if out and out[-1][1] == tile:
+                out[-1][0] = top
+            else:
+                out.append([top, tile])
         tables[table] = out
     return tables
 
@@ -63,40 +71,122 @@ def _time(fn, target_s=0.02) -> float:
     return back_to_back(fn, target_s)
 
 
-def _graph_time(fn) -> float:
+def _graph_time(fn, target_s=0.02) -> float:
     """Device time per call: ``fn`` captured 20 times in one CUDA graph, replayed."""
-    return graph_time(fn, 20, 0.02) if CUDA else _time(fn)
+    return graph_time(fn, 20, target_s) if CUDA else _time(fn)
 
 
 def _host_p50(fn, batches=50, per=50) -> float:
     return host_per_call(fn, batches, per) if CUDA else _time(fn)
 
 
-def _variants(name, run, tiles, ms, make, framework, rec):
-    """For every tile: bits of rows 0..3 in a batch of M vs those rows alone (shipped kernel), time."""
+def _rel_err(y, want) -> float:
+    return float(((y.double() - want).abs().max() / want.abs().max().clamp(min=1e-300)).item())
+
+
+def _variants(name, run, tiles, ms, make, framework, rec, ref_tile, exact=None, target_s=0.02):
+    """For every tile at every M: all rows equal to the reference tile's (``bits_equal_ref``), rows
+    0..3 and M-1 equal to those rows computed alone by the reference tile (``bits_equal_alone``),
+    then time back to back (``s``) and under CUDA graphs (``graph_s``). ``exact``: a float64
+    reference of the batch, for the relative error of each variant and of the framework."""
     xs = make(max(ms))
-    alone = [run(None, *(t[i:i + 1] for t in xs)) for i in range(4)]
     for M in ms:
         args = tuple(t[:M] for t in xs)
-        row = {"M": M, "framework_s": _time(lambda: framework(*args)), "variants": []}
+        probe = sorted({i for i in (0, 1, 2, 3, M - 1) if 0 <= i < M})
+        alone = {i: run(ref_tile, *(t[i:i + 1] for t in args)) for i in probe}
+        ref = run(ref_tile, *args)
+        row = {"M": M, "framework_s": _time(lambda: framework(*args), target_s),
+               "framework_graph_s": _graph_time(lambda: framework(*args), target_s), "variants": []}
+        want = exact(*args) if exact is not None else None
+        if want is not None:
+            row["framework_rel_err"] = _rel_err(framework(*args), want)
+            row["rel_err"] = _rel_err(ref, want)
         for tile in tiles:
             v = {"tile": tile}
             try:
                 y = run(tile, *args)
-                v["bits_equal_alone"] = all(torch.equal(y[i:i + 1], alone[i]) for i in range(min(4, M)))
-                v["s"] = _time(lambda: run(tile, *args))
-                v["vs_framework"] = v["s"] / row["framework_s"]
+                v["bits_equal_ref"] = bool(torch.equal(y, ref))
+                v["bits_equal_alone"] = all(torch.equal(y[i:i + 1], alone[i]) for i in probe)
+                v["s"] = _time(lambda: run(tile, *args), target_s)
+                v["graph_s"] = _graph_time(lambda: run(tile, *args), target_s)
+                v["vs_framework"] = v["graph_s"] / row["framework_graph_s"]
             except Exception as e:  # a variant that does not build is recorded, the rest still run
                 v["error"] = repr(e)[:300]
             row["variants"].append(v)
-        ok = [v for v in row["variants"] if v.get("bits_equal_alone")]
-        best = min(ok, key=lambda v: v["s"]) if ok else None
+        ok = [v for v in row["variants"] if v.get("bits_equal_alone") and v.get("bits_equal_ref")]
+        best = min(ok, key=lambda v: v["graph_s"]) if ok else None
         row["best"] = best
-        print(f"{name:<14}{M:>6} fw {row['framework_s'] * 1e6:8.1f}us best "
-              f"{(best['s'] * 1e6 if best else float('nan')):8.1f}us {best['tile'] if best else None} "
-              f"bad={[v['tile'] for v in row['variants'] if v.get('bits_equal_alone') is False]} "
-              f"err={sum('error' in v for v in row['variants'])}", flush=True)
+        print(f"{name:<12}{M:>6} fw {row['framework_graph_s'] * 1e6:8.1f}us best "
+              f"{(best['graph_s'] * 1e6 if best else float('nan')):8.1f}us {best['tile'] if best else None} "
+              f"err {row.get('rel_err', 0):.2e} fw_err {row.get('framework_rel_err', 0):.2e} "
+              f"bad={[v['tile'] for v in row['variants'] if v.get('bits_equal_alone') is False or v.get('bits_equal_ref') is False]} "
+              f"err={[v['error'][:80] for v in row['variants'] if 'error' in v]}", flush=True)
         rec.setdefault(name, []).append(row)
+
+
+def slice_sections(small: bool, dev: str):
+    """(name, run(tile, x), candidates, make(M) -> (x,), framework(x), exact(x), reference tile) of
+    the fixed-slice GEMMs at V4-Flash widths (``small``: tiny widths for a CPU dry run)."""
+    from v4stack.kernels import triton_gemm as tg
+    from v4stack.ops import core
+
+    d, E = (256, 32) if small else (4096, 256)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*s, dt=torch.bfloat16, scale=1.0):
+        return (torch.randn(*s, device=dev, generator=g) * scale).to(dt)
+
+    wb = r(d, d, scale=d ** -0.5)
+    wf = r(E, d, dt=torch.float32, scale=d ** -0.5)
+    fn = r(24, 4 * d, dt=torch.float32, scale=(4 * d) ** -0.5)
+    f64 = lambda a, b: a.double() @ b.double().T  # noqa: E731
+
+    def hc_exact(x):
+        xd = x.double()
+        return (xd @ fn.double().T) / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6)
+
+    return (("linear_bf16", lambda t, x: tg.linear(x, wb, t), BF16_TILES, lambda m: (r(m, d),),
+             lambda x: F.linear(x, wb), None, TL.HALF_CANDIDATES[6]),
+            ("linear_fp32", lambda t, x: tg.linear(x, wf, t), F32_TILES, lambda m: (r(m, d, dt=torch.float32),),
+             lambda x: F.linear(x, wf), lambda x: f64(x, wf), TL.F32_CANDIDATES[4]),
+            ("hc_mix", lambda t, x: tg.hc_mix(x, fn, 1e-6, t), HC_TILES, lambda m: (r(m, 4 * d, dt=torch.float32),),
+             lambda x: core.hc_mix(x, fn, 1e-6), hc_exact, TL.HC_CANDIDATES[4]))
+
+
+def _warm(job):
+    """Compile one section's tiles (a worker process): each at M = 1, 8, 64 (the integer
+    specialisations the timed calls hit), at the timed widths; the kernels land in Triton's cache."""
+    name, idx, small = job
+    torch.manual_seed(0)
+    for sec in slice_sections(small, "cuda" if CUDA else "cpu"):
+        if sec[0] != name:
+            continue
+        tile = sec[2][idx]
+        x = sec[3](64)[0]
+        for m in (1, 8, 64):
+            try:
+                sec[1](tile, x[:m])
+            except Exception as e:  # recorded; the sweep times what built
+                return f"{name} {tile}: {e!r}"[:300]
+    if CUDA:
+        torch.cuda.synchronize()
+    return True
+
+
+def warm(names, workers: int, small: bool) -> float:
+    """Compile every candidate of ``names`` in ``workers`` processes before the sweep (the sweep then
+    loads them from Triton's cache instead of compiling ~30 kernels one after another)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    counts = {"linear_bf16": len(BF16_TILES), "linear_fp32": len(F32_TILES), "hc_mix": len(HC_TILES)}
+    jobs = [(n, i, small) for n in names if n in counts for i in range(counts[n])]
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        done = list(ex.map(_warm, jobs))
+    print("warm:", sum(d is True for d in done), "of", len(done), "compiled", [d for d in done if d is not True],
+          flush=True)
+    return time.time() - t0
 
 
 def main(argv=None) -> None:
@@ -105,6 +195,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", default="linear_bf16,grouped,linear_fp32,hc_mix,indexer_rows,host")
     p.add_argument("--choose", default="", help="write the pick of every tile bucket to this tiles_chosen.json")
     p.add_argument("--small", action="store_true", help="tiny widths (a CPU dry run under TRITON_INTERPRET)")
+    p.add_argument("--warm", type=int, default=0, help="compile the fixed-slice candidates in this many processes first")
     a = p.parse_args(argv)
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
@@ -123,6 +214,9 @@ def main(argv=None) -> None:
         return (torch.randn(*s, device=dev) * scale).to(dt)
 
     sections = []
+    if a.warm:
+        rec["warm_compile_s"] = round(warm(only, a.warm, a.small), 1)
+        print("warm compile", rec["warm_compile_s"], "s", flush=True)
     if "indexer_rows" in only:
         def indexer_rows():
             from v4stack import ops
@@ -151,23 +245,11 @@ def main(argv=None) -> None:
                 out.append(row)
             rec["indexer_rows"] = out
         sections.append(indexer_rows)
-    if "linear_bf16" in only:
-        sections.append(lambda: _variants("linear_bf16", lambda t, x: tg.linear(x, wb, t), BF16_TILES,
-                                          (64, 256, 4096) if not a.small else (64, 256, 4096), lambda m: (r(m, d),),
-                                          lambda x: F.linear(x, wb), rec))
-        wb = r(d, d, scale=d ** -0.5)
-    if "linear_fp32" in only:
-        wf = r(256 if not a.small else 32, d, dt=torch.float32, scale=d ** -0.5)
-        sections.append(lambda: _variants("linear_fp32", lambda t, x: tg.linear(x, wf, t), F32_TILES,
-                                          (1, 64, 4096), lambda m: (r(m, d, dt=torch.float32),),
-                                          lambda x: F.linear(x, wf), rec))
-    if "hc_mix" in only:
-        fn = r(24, 4 * d, dt=torch.float32, scale=(4 * d) ** -0.5)
-        from v4stack.ops import core
-
-        sections.append(lambda: _variants("hc_mix", lambda t, x: tg.hc_mix(x, fn, 1e-6, t), HC_TILES,
-                                          (64, 4096), lambda m: (r(m, 4 * d, dt=torch.float32),), lambda x: core.hc_mix(x, fn, 1e-6),
-                                          rec))
+    for name, run, tiles, make, framework, exact, ref_tile in slice_sections(a.small, dev):
+        if name in only:
+            sections.append((lambda *sec: lambda: _variants(sec[0], sec[1], sec[2], SLICE_MS, sec[3], sec[4], rec,
+                                                             sec[6], sec[5]))(name, run, tiles, make, framework,
+                                                                                  exact, ref_tile))
     if "grouped" in only:
         E, inter, k = (8, 64, 2) if a.small else (256, 2048, 6)
         wg = r(E, inter, d, scale=d ** -0.5)
@@ -257,7 +339,9 @@ def main(argv=None) -> None:
 
             from v4stack.atomic import atomic_write
 
-            atomic_write(a.choose, (json.dumps({"source": os.path.basename(a.out), "tables": rec["chosen"]}, indent=1)
+            kept = json.loads(open(a.choose).read()).get("tables", {}) if os.path.exists(a.choose) else {}
+            atomic_write(a.choose, (json.dumps({"source": os.path.basename(a.out),
+                                                "tables": {**kept, **rec["chosen"]}}, indent=1)
                                     + "\n").encode())
         save()
         if CUDA:

@@ -104,7 +104,7 @@ def test_a_chosen_tile_must_be_a_proved_candidate(tmp_path):
 
     from v4stack.kernels import tiles
 
-    ok = {"tables": {"HALF_TILES": [[64, tiles.HALF_CANDIDATES[1]], [1 << 62, tiles.HALF_CANDIDATES[6]]]}}
+    ok = {"tables": {"HALF_TILES": [[64, tiles.HALF_CANDIDATES[1]], [1 << 62, tiles.HALF_CANDIDATES[9]]]}}
     (tmp_path / "ok.json").write_text(json.dumps(ok))
     assert tiles.load_chosen(tmp_path / "ok.json")["HALF_TILES"][1][1]["tma"] is True
     bad = {"tables": {"HALF_TILES": [[1 << 62, dict(tiles.HALF_CANDIDATES[0], BK=32)]]}}
@@ -113,3 +113,25 @@ def test_a_chosen_tile_must_be_a_proved_candidate(tmp_path):
         tiles.load_chosen(tmp_path / "bad.json")
     # every tile in use has its contract among the proved specs
     assert all(n in specs.ALL for g in ("gemm_half", "gemm_grouped", "hc_mix") for n in specs.GROUPS[g])
+
+
+def test_fixed_slice_gemm_contracts_reject_broken_variants():
+    from v4stack.kernels import specs_more
+
+    # a slice that runs SPLIT past its start without the cut at K reads past the end of X and W
+    f = prove.prove(specs_more.slices(64, 64, 64, 128, grid=True, slice_end=False, name="no_cut"))
+    cex = {x["access"]: x["counterexample"] for x in f if x["property"] == "bounds"}
+    x = cex["load X"]
+    assert x["s"] * 128 + x["kb"] * 64 + x["kk"] >= x["K"]
+    # partials stored without their slice index: two slices of one tile write one element
+    f = prove.prove(specs_more.slices(64, 64, 64, 128, grid=True, slice_index=False, name="no_index"))
+    (d,) = [x for x in f if x["property"] == "disjoint"]
+    assert d["access"] == "store P" and d["counterexample"]["s"] != d["counterexample"]["s_b"]
+    # hc_mix's row sums of squares with two N tiles: both tiles store PSS[s, row]
+    good = specs_more.slices(64, 32, 32, 128, grid=True, rms=True, name="rms")
+    assert prove.prove(good) == []
+    two_tiles = prove.Spec(name="rms_two_tiles", dims=good.dims, grid=good.grid, lanes=good.lanes,
+                           accesses=good.accesses, data=good.data, relate=good.relate, divides=good.divides,
+                           requires=lambda n: [prove.cdiv(n.M, 64) * prove.cdiv(n.N, 32) <= 1 << 16])
+    (d,) = prove.prove(two_tiles)
+    assert d["access"] == "store PSS" and d["counterexample"]["pn"] != d["counterexample"]["pn_b"]

@@ -28,9 +28,8 @@ def test_hc_split_kernel_matches_float64_and_is_row_local():
     assert not torch.allclose(tm.hc_split(mix, scale, base, 4, 2, 1e-6)[2], comb, atol=1e-4)
 
 
-def test_hc_pre_kernel_matches_float64_and_is_row_local(monkeypatch):
-    monkeypatch.setattr(tm, "PRE_SPLIT", 64)  # 5 K slices (a masked tree) at a small width
-    x = torch.randn(9, 4, 80, generator=g).bfloat16()
+def test_hc_pre_kernel_matches_float64_and_is_row_local():
+    x = torch.randn(9, 4, 80, generator=g).bfloat16()  # K = 320: two fixed slices, the last one cut
     fn = torch.randn(24, 320, generator=g) * 0.05
     _, scale, base = _mix(1)
     got = tm.hc_pre(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
@@ -39,6 +38,11 @@ def test_hc_pre_kernel_matches_float64_and_is_row_local(monkeypatch):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
     alone = tm.hc_pre(x[6:7].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
     assert all(torch.equal(a[0], b[6]) for a, b in zip(alone, got))
+    # the bits of the projection then the split, called one after the other
+    from v4stack.kernels import triton_gemm as tg
+
+    two = tm.hc_split(tg.hc_mix(x.reshape(9, -1).float(), fn, 1e-6), scale, base, 4, 20, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, two))
 
 
 @pytest.mark.parametrize("limit", [0.0, 1.5])
@@ -105,6 +109,10 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
             assert ops.counters()["hc_pre"] == {"triton_hc_pre": 1}
             alone = fused.hc_pre(xs[33:34].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
             assert all(torch.equal(a[0], b[33]) for a, b in zip(alone, got))
+    from v4stack.kernels import triton_gemm as tg  # hc_pre's bits are hc_mix's then hc_split's
+
+    two = fused.hc_split(tg.hc_mix(xs.reshape(70, -1).float(), fn, 1e-6), scale, base, 4, 20, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, two))
     want = fused.hc_pre_reference(xs.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
 """Every Triton kernel compiles to an sm_90a cubin on the CPU (Triton's bundled ptxas), with the
-float semantics it declares: fp32 GEMMs use FMA (no TF32 MMA), and divisions / square roots
-are the correctly rounded PTX instructions."""
+float semantics it declares (``triton_slices.FLOAT_SEMANTICS``): the fp32 GEMM and hc_mix are
+3xTF32 on ``wgmma`` (TF32 MMAs fed with operands split in the kernel), no other kernel uses TF32,
+and divisions / square roots are the correctly rounded PTX instructions."""
 
 import os
 import subprocess
@@ -10,10 +11,13 @@ import pytest
 
 pytest.importorskip("triton")
 
-FAST = ("sparse_attention_fused", "gemm_fp32_ieee", "gemm_bf16_small")
-SLOW = ("sparse_attention_split", "sparse_attention_merge", "grouped_gemm_bf16", "hc_mix", "hc_finish",
+FAST = ("sparse_attention_fused", "gemm_fp32_tf32x3", "gemm_bf16_small")
+SLOW = ("sparse_attention_split", "sparse_attention_merge", "grouped_gemm_bf16", "hc_mix", "hc_mix_bf16_streams",
         "indexer_scores", "fp8_gemm", "weighted_pool", "moe_combine", "rms_norm", "softmax_row",
         "log_softmax_chunks", "gemm_bf16_mid", "gemm_bf16_large")
+
+
+TF32X3 = ("gemm_fp32_tf32x3", "hc_mix", "hc_mix_bf16_streams")
 
 
 def _ptx(names):
@@ -31,10 +35,12 @@ def _ptx(names):
 def _check(ptx: dict):
     for name, src in ptx.items():
         assert ".entry" in src, name
-        assert "tf32" not in src, name  # no TF32 tensor-core rounding anywhere
+        if name in TF32X3:  # 3xTF32: TF32 MMAs only, on operands split by integer masks (and.b32)
+            assert "wgmma.mma_async" in src and ".tf32" in src and "and.b32" in src, name
+            assert "cvt.rna.tf32" not in src, name  # no conversion of its own: the split is exact
+        else:
+            assert "tf32" not in src, name  # no TF32 tensor-core rounding anywhere else
         assert "div.approx" not in src and "div.full" not in src and "sqrt.approx" not in src, name
-    if "gemm_fp32_ieee" in ptx:
-        assert "fma.rn.f32" in ptx["gemm_fp32_ieee"] and "mma" not in ptx["gemm_fp32_ieee"]
     for name, src in ptx.items():  # every bf16 GEMM tile shape on the same instruction (wgmma)
         if name.startswith("gemm_bf16"):
             assert "wgmma.mma_async" in src, name

@@ -9,12 +9,16 @@ def _sig(names: str, types: list[str]) -> dict:
     return dict(zip(names.split(), types))
 
 
+SLICES_SIG = _sig("X W Y P PSS CNT M N K Kf eps s_xm s_wn s_ym", [P, P, P, P, P, "*i32", I, I, I, F, F, I, I, I])
+
+
 def kernels() -> dict:
     """name -> (jit function, signature, constexprs[, options]) at V4-Flash widths."""
     from v4stack.kernels import triton_attention as ta
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
     from v4stack.kernels import triton_rows as tr
+    from v4stack.kernels import triton_slices as ts
 
     attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 N0 P1 I1 s_i1 K1 N1 Sink"
     attn_types = [BF, I, I, BF, "*i64", I, I, I, BF, "*i64", I, I, I, P]
@@ -29,16 +33,21 @@ def kernels() -> dict:
         "grouped_gemm_bf16": (tgr.grouped_table_kernel, _sig("X W Y Off E N K s_xm s_we s_wn s_ym",
                                                              [BF, BF, BF, "*i64", I, I, I, I, I, I, I]),
                               dict(EB=256, BM=64, BN=128, BK=64, IEEE=False)),
-        "gemm_fp32_ieee": (tg.f32_slice_kernel, _sig("X W P M N K s_xm s_wn", [P, P, P, I, I, I, I, I]),
-                           dict(SPLIT=1024, BM=64, BN=64, BK=32)),
-        **{f"gemm_bf16_{size}": (tg.linear_kernel, _sig("X W Y M N K s_xm s_wn s_ym", [BF, BF, BF] + [I] * 6),
-                                 dict(BM=t["BM"], BN=t["BN"], BK=t["BK"], IEEE=False),
+        "gemm_fp32_tf32x3": (ts.slices_kernel, SLICES_SIG, dict(SPLIT=256, BM=64, BN=32, BK=32, TF32X3=True, RMS=False,
+                                                                GRID=True), dict(num_warps=4, num_stages=3)),
+        **{f"gemm_bf16_{size}": (ts.slices_kernel, {**SLICES_SIG, **_sig("X W Y", [BF, BF, BF])},
+                                 dict(SPLIT=2048, BM=t["BM"], BN=t["BN"], BK=t["BK"], TF32X3=False, RMS=False,
+                                      GRID=t.get("grid", False)),
                                  dict(num_warps=t["num_warps"], num_stages=t["num_stages"]))
-           for size, (_, t) in zip(("small", "mid", "large"), tg.HALF_TILES)},
-        "hc_mix": (tg.hc_mix_kernel, _sig("X W Pacc Pss M N K s_xm s_wn", [P, P, P, P, I, I, I, I, I]),
-                   dict(BM=16, BN=32, BK=32, SPLIT=1024)),
-        "hc_finish": (tg.hc_finish_kernel, _sig("Pacc Pss Y M N Kf S eps", [P, P, P, I, I, F, I, F]),
-                      dict(BM=16, BN=32)),
+           for size, (_, t) in zip(("small", "mid"), tg.HALF_TILES)},
+        "gemm_bf16_large": (ts.slices_kernel, {**SLICES_SIG, **_sig("X W Y", [BF, BF, BF])},
+                            dict(SPLIT=2048, BM=128, BN=128, BK=64, TF32X3=False, RMS=False, GRID=False),
+                            dict(num_warps=8, num_stages=4)),
+        "hc_mix": (ts.slices_kernel, SLICES_SIG, dict(SPLIT=256, BM=64, BN=32, BK=32, TF32X3=True, RMS=True, GRID=True),
+                   dict(num_warps=4, num_stages=3)),
+        "hc_mix_bf16_streams": (ts.slices_kernel, {**SLICES_SIG, **_sig("X", [BF])},
+                                dict(SPLIT=256, BM=64, BN=32, BK=32, TF32X3=True, RMS=True, GRID=False),
+                                dict(num_warps=4, num_stages=3)),
         "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
                                                    [BF, BF, BF, "*i64", BF] + [I] * 10),
                            dict(D=128, BH=64, BS=64, IEEE=False, INDEXED=True)),

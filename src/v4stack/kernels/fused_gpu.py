@@ -18,6 +18,7 @@ def hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
     return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() == 3
             and x.is_contiguous() and x.shape[1] == n and fn.dtype == torch.float32 and fn.is_contiguous()
             and tuple(fn.shape) == (n * n + 2 * n, x.shape[1] * x.shape[2]) and n >= 1 and n & (n - 1) == 0
+            and n * n + 2 * n <= 64  # hc_mix's projection: one N tile
             and 1 <= iters <= 64 and scale.dtype == torch.float32 and base.dtype == torch.float32
             and scale.is_contiguous() and base.is_contiguous()
             and fn.device == x.device and scale.device == x.device and base.device == x.device)

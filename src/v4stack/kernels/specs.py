@@ -142,92 +142,6 @@ def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention")
     )
 
 
-def hc_mix(BM=16, BN=32, BK=32, SPLIT=1024, fused=False, name="hc_mix") -> Spec:
-    """hc_mix's first kernel: K cut into SPLIT slices; partials [S, M, BN] and [S, M]. ``fused``:
-    program pm walks the slices itself (lane s) and stores Y [M, N] once."""
-    import z3
-
-    def row(n):
-        return n.pm * BM + n.i
-
-    def k(n):
-        return n.s * SPLIT + n.kb * BK + n.kk
-
-    loads = (Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
-                    lambda n: z3.And(row(n) < n.M, k(n) < n.K)),
-             Access("Fn", "load", lambda n: (n.j, k(n)), lambda n: (n.N, n.K), lambda n: z3.And(n.j < n.N, k(n) < n.K)))
-    if fused:
-        return Spec(
-            name=name, dims=("M", "N", "K"), requires=lambda n: [n.N <= BN],
-            grid=lambda n: {"pm": cdiv(n.M, BM)},
-            lanes=lambda n: {"i": BM, "j": BN, "s": cdiv(n.K, SPLIT), "kb": SPLIT // BK, "kk": BK},
-            accesses=loads + (Access("Y", "store", lambda n: (row(n), n.j), lambda n: (n.M, n.N),
-                                     lambda n: z3.And(row(n) < n.M, n.j < n.N), lanes=("i", "j")),),
-            divides=((f"{BK} | {SPLIT}", lambda n: SPLIT % BK == 0),),
-        )
-    return Spec(
-        name=name, dims=("M", "N", "K"), requires=lambda n: [n.N <= BN],
-        grid=lambda n: {"pm": cdiv(n.M, BM), "s": cdiv(n.K, SPLIT)},
-        lanes=lambda n: {"i": BM, "j": BN, "kb": SPLIT // BK, "kk": BK},
-        accesses=loads + (
-            Access("Pacc", "store", lambda n: (n.s, row(n), n.j), lambda n: (cdiv(n.K, SPLIT), n.M, BN),
-                   lambda n: row(n) < n.M, lanes=("i", "j")),
-        ),
-        divides=((f"{BK} | {SPLIT}", lambda n: SPLIT % BK == 0),),
-    )
-
-
-def f32_slices(BM=64, BN=64, BK=32, SPLIT=tiles.F32_SPLIT, name="f32_slices", fused=False) -> Spec:
-    """fp32 GEMM: program (pm, pn, s) reduces K slice s (``SPLIT`` wide, the last one cut at K) into
-    partial [s, M, N]; the slice-sum kernel then reads the S partials of each element in order.
-    ``fused``: program (pm, pn) walks the slices itself (lane s) and stores Y [M, N] once."""
-    import z3
-
-    def row(n):
-        return n.pm * BM + n.i
-
-    def col(n):
-        return n.pn * BN + n.j
-
-    def kend(n):
-        return z3.If(n.s * SPLIT + SPLIT < n.K, n.s * SPLIT + SPLIT, n.K)
-
-    def k(n):
-        return n.s * SPLIT + n.kb * BK + n.kk
-
-    S = lambda n: cdiv(n.K, SPLIT)  # noqa: E731
-    if fused:
-        return Spec(
-            name=name, dims=("M", "N", "K"),
-            grid=lambda n: {"pm": cdiv(n.M, BM), "pn": cdiv(n.N, BN)},
-            lanes=lambda n: {"i": BM, "j": BN, "s": S(n), "kb": cdiv(SPLIT, BK), "kk": BK},
-            accesses=(
-                Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
-                       lambda n: z3.And(row(n) < n.M, k(n) < kend(n))),
-                Access("W", "load", lambda n: (col(n), k(n)), lambda n: (n.N, n.K),
-                       lambda n: z3.And(col(n) < n.N, k(n) < kend(n))),
-                Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.M, n.N),
-                       lambda n: z3.And(row(n) < n.M, col(n) < n.N), lanes=("i", "j")),
-            ),
-            divides=((f"{BK} | {SPLIT}", lambda n: z3.IntVal(SPLIT) % BK == 0),),
-        )
-    return Spec(
-        name=name, dims=("M", "N", "K"),
-        grid=lambda n: {"pm": cdiv(n.M, BM), "pn": cdiv(n.N, BN), "s": S(n)},
-        lanes=lambda n: {"i": BM, "j": BN, "kb": cdiv(SPLIT, BK), "kk": BK, "e": n.M * n.N, "s2": S(n)},
-        accesses=(
-            Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K),
-                   lambda n: z3.And(row(n) < n.M, k(n) < kend(n))),
-            Access("W", "load", lambda n: (col(n), k(n)), lambda n: (n.N, n.K),
-                   lambda n: z3.And(col(n) < n.N, k(n) < kend(n))),
-            Access("P", "store", lambda n: (n.s, row(n), col(n)), lambda n: (S(n), n.M, n.N),
-                   lambda n: z3.And(row(n) < n.M, col(n) < n.N), lanes=("i", "j")),
-            Access("P", "load", lambda n: (n.s2, n.e), lambda n: (S(n), n.M * n.N)),
-        ),
-        divides=((f"{BK} | {SPLIT}", lambda n: z3.IntVal(SPLIT) % BK == 0),),
-    )
-
-
 def indexer(D=128, BH=64, BS=64) -> Spec:
     """Indexer scores: program (t, ps) scores keys ps*BS.. for query t over all heads; keys are
     shared [S, D], per row [T, S, D] (the larger index space of the two), or pool rows [NK, D]
@@ -287,24 +201,28 @@ ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer":
 
 def tile_spec(table: str, t: dict) -> str:
     """The spec name of tile ``t`` of ``table`` (one per distinct index arithmetic)."""
+    form = "grid" if t.get("grid") else "fused"
     if table == "HALF_TILES":
-        return f"gemm_half_{t['BM']}x{t['BN']}x{t['BK']}"
+        return f"half_{form}_{t['BM']}x{t['BN']}x{t['BK']}" + ("_tma" if t.get("tma") else "")
     if table == "F32_TILES":
-        return f"f32_{'fused' if t.get('fused') else 'slices'}_{t['BM']}x{t['BN']}x{t['BK']}"
+        return f"f32_{form}_{t['BM']}x{t['BN']}x{t['BK']}"
     if table == "HC_TILES":
-        return f"hc_{'fused' if t.get('fused') else 'mix'}_{t['BM']}x{t['BK']}"
+        return f"hc_{form}_{t['BM']}x{t['BK']}"
     if table == "GROUPED_TILES":
         return f"grouped_table_{t['BM']}x{t['BN']}x{t['BK']}"
     raise ValueError(table)
 
 
 def _tile_builder(table: str, t: dict, name: str):
+    g = t.get("grid", False)
     if table == "HALF_TILES":
-        return lambda: gemm(name, t["BM"], t["BN"], t["BK"])
+        if t.get("tma"):  # the TMA kernel's K steps within a slice: BK | SPLIT, as the slices kernel's
+            return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.HALF_SPLIT, name=name)
+        return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.HALF_SPLIT, grid=g, name=name)
     if table == "F32_TILES":
-        return lambda: f32_slices(t["BM"], t["BN"], t["BK"], name=name, fused=t.get("fused", False))
-    if table == "HC_TILES":
-        return lambda: hc_mix(t["BM"], 32, t["BK"], fused=t.get("fused", False), name=name)
+        return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.F32_SPLIT, grid=g, name=name)
+    if table == "HC_TILES":  # N <= 64: BN is the next power of two of N, at most 64
+        return lambda: specs_more.slices(t["BM"], 64, t["BK"], tiles.F32_SPLIT, grid=g, rms=True, name=name)
     return lambda: specs_more.grouped_table(t["BM"], t["BN"], t["BK"], name=name)
 
 

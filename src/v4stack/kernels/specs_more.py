@@ -169,3 +169,66 @@ def sparse_attention_cols(D=512, BH=64, DV=256, CH=64, name=None) -> Spec:
         ),
         divides=((f"DV = {DV} divides D = {D}", lambda n: z3.BoolVal(D % DV == 0)),),
     )
+
+
+def slices(BM=64, BN=64, BK=64, SPLIT=2048, grid=False, rms=False, counters=1 << 16, slice_end=True,
+           slice_index=True, name="slices") -> Spec:
+    """The fixed-K-slice GEMM (``triton_slices.slices_kernel``). Slice ``s`` covers K in
+    ``[s SPLIT, min(s SPLIT + SPLIT, K))``. Fused: program (pm, pn) walks the slices (lane s)
+    and stores Y once. Grid: program (pm, pn, s) stores its slice's partial at ``P[s, row, col]``
+    (``PSS[s, row]`` with ``rms``), counts its arrival at ``CNT[pm * ceil(N / BN) + pn]`` and, if
+    last (``s == last``: one value per tile, ``relate``), reads the S partials and stores Y.
+    ``rms`` needs one N tile (``N <= BN``: else two N tiles would store the same ``PSS``).
+    ``slice_end=False`` drops the slice end's cut at K, ``slice_index=False`` stores every slice's
+    partial at ``P[row, col]`` (broken variants the proof must reject)."""
+    import z3
+
+    S = lambda n: cdiv(n.K, SPLIT)  # noqa: E731
+    GN = lambda n: cdiv(n.N, BN)  # noqa: E731
+
+    def row(n):
+        return n.pm * BM + n.i
+
+    def col(n):
+        return n.pn * BN + n.j
+
+    def k(n):
+        return n.s * SPLIT + n.kb * BK + n.kk
+
+    def kend(n):
+        return z3.If(n.s * SPLIT + SPLIT < n.K, n.s * SPLIT + SPLIT, n.K) if slice_end else n.s * SPLIT + SPLIT
+
+    def out(n):
+        return z3.And(row(n) < n.M, col(n) < n.N)
+
+    loads = (Access("X", "load", lambda n: (row(n), k(n)), lambda n: (n.M, n.K), lambda n: z3.And(row(n) < n.M,
+                                                                                                  k(n) < kend(n))),
+             Access("W", "load", lambda n: (col(n), k(n)), lambda n: (n.N, n.K), lambda n: z3.And(col(n) < n.N,
+                                                                                                  k(n) < kend(n))))
+    req = (lambda n: [n.N <= BN]) if rms else (lambda n: [])
+    lanes = {"i": BM, "j": BN, "kb": cdiv(SPLIT, BK), "kk": BK}
+    divides = ((f"{BK} | {SPLIT}", lambda n: z3.IntVal(SPLIT) % BK == 0),)
+    if not grid:
+        acc = loads + (Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.M, n.N), out, lanes=("i", "j")),)
+        return Spec(name=name, dims=("M", "N", "K"), requires=req, grid=lambda n: {"pm": cdiv(n.M, BM), "pn": GN(n)},
+                    lanes=lambda n: {**lanes, "s": S(n)}, accesses=acc, divides=divides)
+    pidx = (lambda n: (n.s, row(n), col(n))) if slice_index else (lambda n: (row(n), col(n)))
+    pshape = (lambda n: (S(n), n.M, n.N)) if slice_index else (lambda n: (n.M, n.N))
+    acc = loads + (
+        Access("P", "store", pidx, pshape, out, lanes=("i", "j")),
+        Access("CNT", "load", lambda n: (n.pm * GN(n) + n.pn,), lambda n: (counters,)),
+        Access("P", "load", lambda n: (n.s2, row(n), col(n)), lambda n: (S(n), n.M, n.N), out),
+        Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.M, n.N),
+               lambda n: z3.And(out(n), n.s == n.last), lanes=("i", "j")),
+    )
+    if rms:
+        acc += (Access("PSS", "store", lambda n: (n.s, row(n)), lambda n: (S(n), n.M), lambda n: row(n) < n.M,
+                       lanes=("i",)),
+                Access("PSS", "load", lambda n: (n.s2, row(n)), lambda n: (S(n), n.M), lambda n: row(n) < n.M))
+    return Spec(
+        name=name, dims=("M", "N", "K"),
+        requires=lambda n: req(n) + [cdiv(n.M, BM) * GN(n) <= counters],
+        grid=lambda n: {"pm": cdiv(n.M, BM), "pn": GN(n), "s": S(n)},
+        lanes=lambda n: {**lanes, "s2": S(n)}, data=lambda n: {"last": (0, S(n))},
+        relate=lambda a, b: [z3.Implies(z3.And(a.pm == b.pm, a.pn == b.pn), a.last == b.last)],
+        accesses=acc, divides=divides)

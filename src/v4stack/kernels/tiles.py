@@ -16,23 +16,32 @@ def _t(BM, BN, BK, w=4, s=4, **kw):
     return dict(BM=BM, BN=BN, BK=BK, num_warps=w, num_stages=s, **kw)
 
 
-# bf16 / fp16 stay on wgmma (BM >= 64, 4+ warps) in every bucket; ``tma``: the persistent TMA kernel
-HALF_CANDIDATES = (_t(64, 32, 128), _t(64, 16, 128, s=6), _t(64, 64, 64), _t(64, 128, 64), _t(128, 128, 64, w=8),
-                   _t(128, 256, 64, w=8, s=3), _t(128, 256, 64, w=8, s=3, tma=True), _t(128, 256, 64, w=8, tma=True),
-                   _t(128, 128, 64, w=8, tma=True), _t(128, 256, 64, w=8, s=3, tma=True, WS=True),
-                   _t(64, 128, 64, tma=True))
-HALF_TILES = ((64, HALF_CANDIDATES[0]), (256, HALF_CANDIDATES[2]), (1 << 62, HALF_CANDIDATES[5]))
-# fp32: IEEE FMA in fixed 256-wide K slices; ``fused``: the slices summed in the program
-F32_CANDIDATES = (_t(16, 32, 32, s=3), _t(64, 64, 32, s=3), _t(16, 32, 32, s=3, fused=True),
-                  _t(32, 32, 32, s=3, fused=True), _t(64, 64, 32, s=3, fused=True), _t(64, 64, 16, s=3, fused=True),
-                  _t(128, 64, 16, w=8, s=3, fused=True), _t(128, 128, 16, w=8, s=3, fused=True), _t(32, 64, 32, s=3))
+# The K rule of the fixed-slice GEMMs (``triton_slices``): constants, so a row's sum order depends
+# on K alone. bf16 / fp16: slices of HALF_SPLIT. fp32 (3xTF32) and hc_mix: slices of F32_SPLIT in
+# K steps of F32_BK (the 3xTF32 chain interleaves its three products per step, so the step is fixed).
+HALF_SPLIT = 2048
+F32_SPLIT = 256
+F32_BK = 32
+# bf16 / fp16 stay on wgmma (BM >= 64, 4+ warps) in every tile; ``grid``: a tile's K slices run in
+# separate programs (few rows still fill the SMs); ``tma``: the persistent TMA kernel
+HALF_CANDIDATES = (_t(64, 32, 128, grid=True), _t(64, 64, 64, grid=True), _t(64, 128, 64, grid=True),
+                   _t(64, 32, 64, s=6, grid=True), _t(128, 64, 64, grid=True), _t(128, 128, 64, w=8, grid=True),
+                   _t(64, 64, 64), _t(64, 128, 64), _t(128, 128, 64, w=8), _t(128, 128, 64, w=8, tma=True),
+                   _t(128, 256, 64, w=8, s=3, tma=True), _t(128, 128, 64, w=8, s=3, tma=True, WS=True),
+                   _t(128, 128, 64, w=4, s=4, tma=True))
+HALF_TILES = ((64, HALF_CANDIDATES[1]), (256, HALF_CANDIDATES[2]), (1 << 62, HALF_CANDIDATES[9]))
+# fp32 (3xTF32 on wgmma: BM >= 64, BK = F32_BK)
+F32_CANDIDATES = (_t(64, 32, F32_BK, s=3, grid=True), _t(64, 64, F32_BK, s=3, grid=True),
+                  _t(64, 16, F32_BK, s=4, grid=True), _t(128, 64, F32_BK, w=8, s=3, grid=True),
+                  _t(64, 64, F32_BK, s=3), _t(128, 64, F32_BK, w=8, s=3), _t(128, 128, F32_BK, w=8, s=3))
 F32_TILES = ((64, F32_CANDIDATES[0]), (1 << 62, F32_CANDIDATES[1]))
-F32_SPLIT = 256  # K per fp32 slice: a constant, so the slice sums depend on K alone
-# hc_mix (fp32, N <= 32): rows per program and K step; ``fused``: slices summed in the program
-HC_CANDIDATES = (dict(BM=16, BK=32, num_warps=4), dict(BM=64, BK=32, num_warps=4), dict(BM=32, BK=32, num_warps=4),
-                 dict(BM=128, BK=16, num_warps=8), dict(BM=16, BK=32, num_warps=4, fused=True),
-                 dict(BM=32, BK=32, num_warps=4, fused=True), dict(BM=64, BK=32, num_warps=4, fused=True))
-HC_TILES = ((256, HC_CANDIDATES[0]), (1 << 62, HC_CANDIDATES[1]))
+# hc_mix (fp32 3xTF32, N <= 64 in one N tile): rows per program, K step F32_BK
+HC_CANDIDATES = (dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
+                 dict(BM=128, BK=F32_BK, num_warps=8, num_stages=3, grid=True),
+                 dict(BM=128, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
+                 dict(BM=64, BK=F32_BK, num_warps=4, num_stages=4, grid=True),
+                 dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3), dict(BM=128, BK=F32_BK, num_warps=8, num_stages=3))
+HC_TILES = ((1 << 62, HC_CANDIDATES[0]),)
 # grouped expert GEMM, by total rows T (decode-sized calls spread over more N tiles)
 GROUPED_CANDIDATES = (_t(64, 32, 128), _t(64, 128, 64, s=3), _t(64, 64, 64), _t(64, 256, 64, w=8, s=3))
 GROUPED_TILES = ((1024, GROUPED_CANDIDATES[0]), (1 << 62, GROUPED_CANDIDATES[1]))

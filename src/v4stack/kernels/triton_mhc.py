@@ -4,8 +4,8 @@
   Sinkhorn-projected ``comb [N, n, n]`` in one kernel. The torch composition launches ~130
   kernels per call site (20 Sinkhorn rounds of row and column sums and divisions); here one
   program holds ``ROWS`` rows' ``n x n`` matrices in registers for every round.
-- ``hc_pre``: the projection ``hc_mix`` and ``hc_split`` together, from the streams themselves
-  (no fp32 copy of them): fixed-K-slice partials, then one kernel sums them in order and splits.
+- ``hc_pre``: the projection ``hc_mix`` (``triton_gemm``, read from the streams themselves: no
+  fp32 copy of them) then ``hc_split``: the bits of the two ops called one after the other.
 - ``rope``: the interleaved rotation of the last ``r`` channels for every row in one kernel
   (angles in fp64 as ``Rotary.cos_sin`` computes them, rotation in fp32), instead of ~8.
 
@@ -75,75 +75,17 @@ def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
     return pre, post, comb
 
 
-PRE_SPLIT = 128  # K per partial of hc_pre's projection: a constant, so a row's sum order depends on K alone
-_BM, _BK = 4, 64  # rows and K per tile of the partial kernel (fixed: the order must not follow the batch)
-
-
-@triton.jit
-def hc_pre_partial_kernel(X, W, P, SS, M, K, s_x, NW, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                          SPLIT: tl.constexpr):
-    """Rows ``[BM * program 0, ...)``, K slice ``program 1``: partial ``x . w_n`` for every output
-    ``n`` and partial ``sum x^2`` (fp32 FMA on the CUDA cores)."""
-    m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    s = tl.program_id(1)
-    mm = m < M
-    n = tl.arange(0, BN)
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
-    ss = tl.zeros([BM], tl.float32)
-    for k0 in range(s * SPLIT, s * SPLIT + SPLIT, BK):
-        km = (k0 + kk) < K
-        x = tl.load(X + m[:, None] * s_x + (k0 + kk)[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        w = tl.load(W + n[:, None] * K + (k0 + kk)[None, :], mask=(n < NW)[:, None] & km[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
-        ss += tl.sum(x * x, 1)
-    tl.store(P + (s * M + m)[:, None] * BN + n[None, :], acc, mask=mm[:, None])
-    tl.store(SS + s * M + m, ss, mask=mm)
-
-
-@triton.jit
-def hc_pre_finish_kernel(P, SS, SCALE, BASE, PRE, POST, COMB, M, S, Kf, norm_eps, eps, BN: tl.constexpr,
-                         NH: tl.constexpr, ITERS: tl.constexpr, SB: tl.constexpr):
-    """Row ``program 0``: its ``S`` partials loaded at once and summed (one fixed tree over the
-    slices), times ``1 / sqrt(mean x^2 + eps)``, then the coefficients."""
-    r = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    ok = r < M
-    h = tl.arange(0, NH)
-    jk = h[:, None] * NH + h[None, :]
-    s = tl.arange(0, SB)
-    sm = s < S
-    row = P + (s * M + r) * BN  # [SB]
-    pre = tl.sum(tl.load(row[:, None] + h[None, :], mask=sm[:, None], other=0.0), 0)
-    post = tl.sum(tl.load(row[:, None] + NH + h[None, :], mask=sm[:, None], other=0.0), 0)
-    c = tl.sum(tl.load(row[:, None, None] + 2 * NH + jk[None, :, :], mask=sm[:, None, None], other=0.0), 0)
-    ss = tl.sum(tl.load(SS + s * M + r, mask=sm, other=0.0), 0)
-    rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, Kf) + norm_eps))
-    pre = (pre * rs * tl.load(SCALE) + tl.load(BASE + h))[None, :]
-    post = (post * rs * tl.load(SCALE + 1) + tl.load(BASE + NH + h))[None, :]
-    c = (c * rs * tl.load(SCALE + 2) + tl.load(BASE + 2 * NH + jk))[None, :, :]
-    _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH, ITERS)
-
-
 def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
-    """mHC coefficients straight from the streams ``x [M, n, d]`` (any float dtype): the projection
-    ``fn [n^2 + 2n, n d]`` in fixed K slices of ``PRE_SPLIT`` (many short programs: a decode step
-    has few rows), the slices summed in one fixed tree, the RMS factor, and the Sinkhorn split -
-    two kernels instead of a cast, the projection's two and the split's one."""
+    """mHC coefficients straight from the streams ``x [M, n, d]`` (any float dtype, widened in the
+    kernel: no fp32 copy of them): the projection is ``triton_gemm.hc_mix`` itself (its fixed K
+    slices, 3xTF32, the RMS factor) and the split ``hc_split`` - so the coefficients are those of
+    ``hc_split(hc_mix(x))`` bit for bit. Two kernels: the projection's one and the split's one."""
+    from v4stack.kernels.triton_gemm import hc_mix
+
     M = x.shape[0]
-    K, NW = fn.shape[1], fn.shape[0]
-    pre, post, comb = _outputs(M, n, x.device)
     if M == 0:
-        return pre, post, comb
-    S = triton.cdiv(K, PRE_SPLIT)
-    bn = triton.next_power_of_2(NW)
-    p = torch.empty(S, M, bn, dtype=torch.float32, device=x.device)
-    ss = torch.empty(S, M, dtype=torch.float32, device=x.device)
-    xf = x.reshape(M, K)
-    launch(hc_pre_partial_kernel, (triton.cdiv(M, _BM), S), xf, fn, p, ss, M, K, xf.stride(0), NW, BN=bn, BM=_BM,
-           BK=_BK, SPLIT=PRE_SPLIT, num_warps=4)
-    launch(hc_pre_finish_kernel, (M,), p, ss, scale, base, pre, post, comb, M, S, float(K), float(norm_eps),
-           float(eps), BN=bn, NH=n, ITERS=iters, SB=triton.next_power_of_2(S), num_warps=2)
-    return pre, post, comb
+        return _outputs(M, n, x.device)
+    return hc_split(hc_mix(x.reshape(M, -1), fn, norm_eps), scale, base, n, iters, eps)
 
 
 @triton.jit

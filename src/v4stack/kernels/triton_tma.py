@@ -2,10 +2,12 @@
 
 ``Y = X @ W.T`` with X, W and Y read and written through TMA descriptors, one persistent program
 per SM walking output tiles (grouped along M for L2 reuse). Each output tile's K-sum is the same
-fixed chain as ``triton_gemm.linear_kernel``'s: the 16-wide ``wgmma`` steps in K order into fp32
-registers from a zero start, with K past the end read as zeros (TMA pads, the other kernel
-masks). Only which program computes a tile, and when, differs - never an element's chain - so
-a row's bits are those of the small-M tiles (checked on the GPU, ``bench/gemm_tiles.py``).
+fixed chain as ``triton_slices.slices_kernel``'s: K in slices of ``SPLIT`` (``tiles.HALF_SPLIT``),
+each the 16-wide ``wgmma`` steps in K order into fp32 registers from a zero start, the slices
+added in order into a second accumulator (``((0 + P0) + P1) + ...``), with K past the end read
+as zeros (TMA pads, the other kernel masks). Only which program computes a tile, and when,
+differs - never an element's chain - so a row's bits are those of the small-M tiles (checked on
+the GPU, ``bench/gemm_tiles.py``).
 """
 
 import triton
@@ -27,18 +29,23 @@ def _tile_of(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def linear_tma_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr):
+                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, KPS: tl.constexpr):
+    """KPS: K steps of BK per slice (``SPLIT // BK``)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     for t in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True, warp_specialize=WS):
         pm, pn = _tile_of(t, num_m, num_n, GROUP_M)
         acc = tl.zeros([BM, BN], tl.float32)
+        total = tl.zeros([BM, BN], tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([pm * BM, ki * BK])
             b = b_desc.load([pn * BN, ki * BK])
             acc = tl.dot(a, b.T, acc)
-        c_desc.store([pm * BM, pn * BN], acc.to(c_desc.dtype))
+            if (ki % KPS == KPS - 1) | (ki == k_tiles - 1):  # a slice ends: add it, start the next from zero
+                total += acc
+                acc = tl.zeros([BM, BN], tl.float32)
+        c_desc.store([pm * BM, pn * BN], total.to(c_desc.dtype))
 
 
 _sms = None
@@ -53,8 +60,9 @@ def num_sms() -> int:
     return _sms
 
 
-def linear_tma(a, w, y, BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3, WS=False):
-    """``y[M, N] = a[M, K] @ w[N, K].T`` (row-major, 16-byte aligned rows)."""
+def linear_tma(a, w, y, BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3, WS=False, SPLIT=2048):
+    """``y[M, N] = a[M, K] @ w[N, K].T`` (row-major, 16-byte aligned rows), K in ``SPLIT`` slices
+    (``BK`` divides ``SPLIT``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = a.shape
@@ -65,5 +73,5 @@ def linear_tma(a, w, y, BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stage
     nsm = num_sms()
     grid = (min(nsm, cdiv(M, BM) * cdiv(N, BN)),)
     linear_tma_kernel[grid](ad, bd, cd, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, NUM_SMS=nsm, WS=WS,
-                            num_warps=num_warps, num_stages=num_stages)
+                            KPS=SPLIT // BK, num_warps=num_warps, num_stages=num_stages)
     return y

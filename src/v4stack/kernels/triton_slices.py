@@ -1,0 +1,170 @@
+"""The fixed-K-slice GEMM of the invariant kernels (Triton): bf16 / fp16 linear, fp32 linear and
+the mHC projection ``hc_mix`` are one kernel, ``slices_kernel``.
+
+The K rule (a function of K alone, never of M or of the tile): K is cut into slices of
+``SPLIT`` (``tiles.HALF_SPLIT`` for bf16 / fp16, ``tiles.F32_SPLIT`` for fp32); each slice is
+one tensor-core MMA chain from a zero start, in K order, into fp32 registers; an output element
+is ``((0 + P0) + P1) + ...`` over its slices in order, rounded once to the output dtype. Which
+program computes a slice, and whether the slices of a tile are summed in registers (``fused``) or
+spread over the grid (``grid``: program ``(m, n, s)`` stores slice ``s`` as an fp32 partial; the
+tile's last program to arrive sums the partials in slice order), changes no bit of the result.
+
+Float semantics (``FLOAT_SEMANTICS``, checked in the PTX by ``tests/ops/test_triton_builds.py``):
+
+- bf16 / fp16: ``wgmma`` 16-wide steps, fp32 accumulation, one rounding at the end.
+- fp32: **3xTF32** on the tensor cores: each operand is split as ``x = hi + lo`` with ``hi`` the
+  TF32 truncation of ``x`` and ``lo`` the TF32 rounding of the rest, and the products
+  ``lo*hi_w + hi*lo_w + hi*hi_w`` are chained (per BK step, in that order) into fp32 - the dropped
+  ``lo*lo`` term and ``lo``'s rounding leave a relative error near 2^-21 per product, measured
+  against cuBLAS SGEMM's on the GPU (``bench/gemm_tiles.py``) and against float64 on the CPU
+  (``tests/ops/test_slices.py``). The split is done in the kernel with integer masks, so the
+  tensor cores see TF32-exact inputs (no hardware rounding choice enters). The chain depends on
+  the K step, so fp32 uses one fixed ``tiles.F32_BK``. ``rms`` (hc_mix) also sums ``x^2`` per
+  row: each BK step's lanes reduced by ``tl.sum``, the steps and slices in order.
+
+The grid form counts arrivals per output tile in ``counters(device)`` (int32, zero between
+launches: the last program resets its tile's count), so kernels of this form must not run
+concurrently on two streams of one device; the library launches them on the current stream only.
+"""
+
+import triton
+import triton.language as tl
+
+FLOAT_SEMANTICS = {
+    "linear_half": "wgmma bf16/fp16 products, fp32 accumulation in fixed K slices (tiles.HALF_SPLIT), one rounding",
+    "linear_fp32": "3xTF32 (hi*hi + hi*lo + lo*hi, TF32-exact operands split in the kernel) in fixed K slices "
+                   "(tiles.F32_SPLIT, K step tiles.F32_BK), fp32 accumulation; no fast math",
+    "hc_mix": "as linear_fp32; sum of squares per BK step by tl.sum, steps in order; 1/sqrt correctly rounded",
+}
+
+COUNTERS = 1 << 16  # output tiles one grid-form launch may count; more tiles take the fused form
+_counters: dict = {}
+
+
+def counters(device):
+    """The per-device arrival counters of the grid form (allocated zeroed once, reset by the kernel)."""
+    c = _counters.get(device)
+    if c is None:
+        import torch
+
+        c = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return c
+
+
+@triton.jit
+def _tf32_split(x):
+    """``x = hi + lo`` (to about 2^-22 relative): ``hi`` the TF32 truncation, ``lo`` the rest rounded
+    to TF32 (half away from zero); both exact in TF32."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    lo = (((x - hi).to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+    return hi, lo
+
+
+@triton.jit
+def _mma(a, b, acc, TF32X3: tl.constexpr):
+    if TF32X3:
+        ah, al = _tf32_split(a.to(tl.float32))
+        bh, bl = _tf32_split(b)
+        acc = tl.dot(al, bh, acc, input_precision="tf32")
+        acc = tl.dot(ah, bl, acc, input_precision="tf32")
+        acc = tl.dot(ah, bh, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _slice(X, W, rows, rmask, cols, cmask, k0, kend, s_xm, s_wn, BM: tl.constexpr, BN: tl.constexpr,
+           BK: tl.constexpr, TF32X3: tl.constexpr, RMS: tl.constexpr):
+    """One K slice ``[k0, kend)`` of the tile: the MMA chain from zero (and ``sum x^2`` if RMS)."""
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for k in range(k0, kend, BK):
+        km = (k + kk) < kend
+        a = tl.load(X + rows[:, None] * s_xm + (k + kk)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        b = tl.load(W + cols[None, :] * s_wn + (k + kk)[:, None], mask=cmask[None, :] & km[:, None], other=0.0)
+        acc = _mma(a, b, acc, TF32X3)
+        if RMS:
+            af = a.to(tl.float32)
+            ss += tl.sum(af * af, 1)
+    return acc, ss
+
+
+@triton.jit
+def _finish(total, tss, Kf, eps, RMS: tl.constexpr):
+    if RMS:
+        total = total * tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tss, Kf) + eps))[:, None]
+    return total
+
+
+@triton.jit
+def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLIT: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, TF32X3: tl.constexpr, RMS: tl.constexpr, GRID: tl.constexpr):
+    """``Y[M, N] = X[M, K] @ W[N, K]^T`` (times ``1 / sqrt(mean x^2 + eps)`` per row if RMS).
+    GRID: program (m, n, s) computes slice s into ``P[s, M, N]`` (``PSS[s, M]``), the tile's last
+    arrival sums them in slice order; else program (m, n) sums its slices in registers."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = pn * BN + tl.arange(0, BN)
+    rmask = rows < M
+    cmask = cols < N
+    omask = rmask[:, None] & cmask[None, :]
+    total = tl.zeros([BM, BN], tl.float32)
+    tss = tl.zeros([BM], tl.float32)
+    if GRID:
+        s = tl.program_id(2)
+        S = tl.num_programs(2)
+        k0 = s * SPLIT
+        acc, ss = _slice(X, W, rows, rmask, cols, cmask, k0, tl.minimum(k0 + SPLIT, K), s_xm, s_wn, BM, BN, BK,
+                         TF32X3, RMS)
+        tl.store(P + (s * M + rows)[:, None] * N + cols[None, :], acc, mask=omask)
+        if RMS:
+            tl.store(PSS + s * M + rows, ss, mask=rmask)  # RMS: one N tile (N <= BN), one writer
+        tl.debug_barrier()  # every thread's partial is written before the arrival is released
+        tile = CNT + pm * tl.num_programs(1) + pn
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == S - 1:  # the last of the S slices
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+            for j in range(0, S):
+                total += tl.load(P + (j * M + rows)[:, None] * N + cols[None, :], mask=omask, other=0.0,
+                                 cache_modifier=".cg")
+                if RMS:
+                    tss += tl.load(PSS + j * M + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            total = _finish(total, tss, Kf, eps, RMS)
+            tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
+    else:
+        for k0 in range(0, K, SPLIT):
+            acc, ss = _slice(X, W, rows, rmask, cols, cmask, k0, tl.minimum(k0 + SPLIT, K), s_xm, s_wn, BM, BN, BK,
+                             TF32X3, RMS)
+            total += acc
+            if RMS:
+                tss += ss
+        total = _finish(total, tss, Kf, eps, RMS)
+        tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
+
+
+def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
+    """Launch ``slices_kernel`` for ``y = a @ w.T`` (``a [M, K]``, ``w [N, K]`` rows contiguous,
+    ``y [M, N]``); ``rms_eps``: hc_mix's RMS factor with that eps. The grid form is used when the
+    tile asks for it, K has more than one slice and the tiles fit the counters."""
+    import torch
+
+    from v4stack.kernels.launch import cdiv, launch
+
+    M, K = a.shape
+    N = w.shape[0]
+    gm, gn, S = cdiv(M, tile["BM"]), cdiv(N, tile["BN"]), cdiv(K, split)
+    grid = tile.get("grid", False) and S > 1 and gm * gn <= COUNTERS
+    rms = rms_eps is not None
+    if grid:
+        p = torch.empty(S, M, N, dtype=torch.float32, device=a.device)
+        pss = torch.empty(S, M, dtype=torch.float32, device=a.device) if rms else p
+        cnt = counters(a.device)
+    else:
+        p = pss = cnt = y
+    launch(slices_kernel, (gm, gn, S) if grid else (gm, gn), a, w, y, p, pss, cnt, M, N, K, float(K),
+           float(rms_eps or 0.0), a.stride(0), w.stride(0), y.stride(0), SPLIT=split, BM=tile["BM"], BN=tile["BN"],
+           BK=tile["BK"], TF32X3=tf32x3, RMS=rms, GRID=grid, num_warps=tile["num_warps"],
+           num_stages=tile["num_stages"])
+    return y

@@ -1,0 +1,126 @@
+"""The fixed-K-slice GEMM (``kernels/triton_slices.py``): bf16 linear, fp32 linear (3xTF32) and
+hc_mix under Triton's interpreter on the CPU, and the same checks on the GPU (marker ``gpu``).
+
+On the CPU the interpreter multiplies a BK block with NumPy (its own order inside the block), so
+the bit comparisons across tiles hold the K step fixed; on the GPU the MMA chain is the same for
+every K step of a 16-wide instruction and every candidate of ``tiles.py`` is compared.
+"""
+
+import pytest
+import torch
+
+ts = pytest.importorskip("v4stack.kernels.triton_slices")
+from v4stack.kernels import tiles  # noqa: E402
+from v4stack.kernels import triton_gemm as tg  # noqa: E402
+
+g = torch.Generator().manual_seed(3)
+
+
+def r(*s, scale=1.0):
+    return torch.randn(*s, generator=g) * scale
+
+
+def _run(x, w, tile, split, tf32x3, dtype):
+    return ts.run(x, w, torch.empty(x.shape[0], w.shape[0], dtype=dtype), tile, split, tf32x3)
+
+
+def _same_step(cands, bk):
+    return [t for t in cands if t["BK"] == bk and not t.get("tma")]
+
+
+def test_bf16_every_form_and_tile_gives_the_same_bits_alone_or_in_a_batch():
+    x, w = r(70, 300).bfloat16(), r(40, 300).bfloat16()
+    split = 128  # three slices, the last one cut at K = 300
+    cands = _same_step(tiles.HALF_CANDIDATES, 64)
+    assert {t.get("grid", False) for t in cands} == {True, False}  # both forms are compared
+    ys = [_run(x, w, t, split, False, torch.bfloat16) for t in cands]
+    assert all(torch.equal(y, ys[0]) for y in ys)
+    for i in (0, 33, 69):
+        assert torch.equal(_run(x[i:i + 1], w, cands[0], split, False, torch.bfloat16)[0], ys[0][i])
+    want = (x.double() @ w.double().T)
+    torch.testing.assert_close(ys[0].double(), want, atol=0.3, rtol=1e-2)
+    # the order is the slices': a row summed in other slices is rounded differently (inverse control)
+    other = _run(x, w, cands[0], 64, False, torch.bfloat16)
+    assert not torch.equal(other, ys[0])
+    assert ts.counters("cpu").abs().sum() == 0  # every grid-form launch leaves its counters at zero
+
+
+def test_fp32_is_3xtf32_accurate_and_the_same_in_every_form():
+    x, w = r(65, 600), r(33, 600)
+    want = x.double() @ w.double().T
+    cands = _same_step(tiles.F32_CANDIDATES, tiles.F32_BK)
+    assert len(cands) == len(tiles.F32_CANDIDATES)  # fp32 candidates all use the fixed K step
+    ys = [_run(x, w, t, tiles.F32_SPLIT, True, torch.float32) for t in cands]
+    assert all(torch.equal(y, ys[0]) for y in ys)
+    assert torch.equal(_run(x[7:8], w, cands[0], tiles.F32_SPLIT, True, torch.float32)[0], ys[0][7])
+    scale = want.abs().max()
+    err = ((ys[0].double() - want).abs().max() / scale).item()
+    sgemm = (((x @ w.T).double() - want).abs().max() / scale).item()  # fp32 GEMM on the CPU
+    assert err <= 8 * sgemm, (err, sgemm)
+    # inverse control: one TF32 product (hi * hi, no correction terms) is far less accurate
+    hi = lambda t: (t.view(torch.int32) & -8192).view(torch.float32)  # noqa: E731
+    one = (((hi(x).double() @ hi(w).double().T) - want).abs().max() / scale).item()
+    assert one > 50 * err, (one, err)
+
+
+def test_tf32_split_is_exact_in_tf32_and_close_to_the_input():
+    x = torch.cat([r(4000), torch.tensor([0.0, -0.0, 1e-30, -3e30, 1.0, -1.0])])
+    hi = (x.view(torch.int32) & -8192).view(torch.float32)
+    lo = (((x - hi).view(torch.int32) + 4096) & -8192).view(torch.float32)
+    assert torch.equal(hi.view(torch.int32) & 8191, torch.zeros_like(x, dtype=torch.int32))
+    assert torch.equal(lo.view(torch.int32) & 8191, torch.zeros_like(x, dtype=torch.int32))
+    rel = ((hi.double() + lo.double() - x.double()).abs() / x.double().abs().clamp(min=1e-300))
+    assert rel.max() <= 2.0 ** -21
+
+
+def test_hc_mix_tiles_agree_and_match_float64():
+    f, fn = r(9, 600), r(24, 600, scale=0.05)
+    want = (f.double() @ fn.double().T) / torch.sqrt((f.double() ** 2).mean(-1, keepdim=True) + 1e-6)
+    ys = [tg.hc_mix(f, fn, 1e-6, t) for t in tiles.HC_CANDIDATES]
+    assert all(torch.equal(y, ys[0]) for y in ys)
+    assert torch.equal(tg.hc_mix(f[4:5], fn, 1e-6)[0], ys[0][4])
+    torch.testing.assert_close(ys[0].double(), want, atol=1e-5, rtol=1e-5)
+    # bf16 streams read and widened in the kernel: the bits of their fp32 copy
+    fb = f.bfloat16()
+    assert torch.equal(tg.hc_mix(fb, fn, 1e-6), tg.hc_mix(fb.float(), fn, 1e-6))
+
+
+def test_the_wrapper_serves_every_bucket():
+    x, w = r(3, 600), r(20, 600)
+    for m in (1, 70):
+        xm = r(m, 600)
+        torch.testing.assert_close(tg.linear(xm, w).double(), xm.double() @ w.double().T, atol=1e-4, rtol=1e-4)
+    y = tg.linear(x.bfloat16().view(3, 1, 600), w.bfloat16())
+    assert y.shape == (3, 1, 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_every_candidate_gives_the_rows_computed_alone():
+    import torch.nn.functional as F
+
+    gd = torch.Generator(device="cuda").manual_seed(0)
+
+    def rc(*s, dt=torch.float32, scale=1.0):
+        return (torch.randn(*s, generator=gd, device="cuda") * scale).to(dt)
+
+    wb, wf, fn = rc(512, 4096, dt=torch.bfloat16, scale=1 / 64), rc(256, 4096, scale=1 / 64), rc(24, 16384, scale=1 / 128)
+    xb, xf, xh = rc(300, 4096, dt=torch.bfloat16), rc(300, 4096), rc(300, 16384)
+    cases = ((lambda t, x: tg.linear(x, wb, t), tiles.HALF_CANDIDATES, xb),
+             (lambda t, x: tg.linear(x, wf, t), tiles.F32_CANDIDATES, xf),
+             (lambda t, x: tg.hc_mix(x, fn, 1e-6, t), tiles.HC_CANDIDATES, xh))
+    for run, cands, x in cases:
+        alone = [run(cands[0], x[i:i + 1]) for i in (0, 5, 299)]
+        for t in cands:
+            for m in (1, 7, 64, 300):
+                y = run(t, x[:m])
+                for a, i in zip(alone, (0, 5, 299)):
+                    if i < m:
+                        assert torch.equal(y[i:i + 1], a), (t, m, i)
+    # 3xTF32 within 8x of cuBLAS SGEMM's error (TF32 off) against float64
+    assert not torch.backends.cuda.matmul.allow_tf32
+    want = xf.double() @ wf.double().T
+    err = ((tg.linear(xf, wf).double() - want).abs().max() / want.abs().max()).item()
+    sgemm = ((F.linear(xf, wf).double() - want).abs().max() / want.abs().max()).item()
+    assert err <= 8 * sgemm, (err, sgemm)
+    assert ts.counters(xf.device).abs().sum() == 0
