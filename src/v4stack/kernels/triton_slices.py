@@ -13,14 +13,16 @@ Float semantics (``FLOAT_SEMANTICS``, checked in the PTX by ``tests/ops/test_tri
 
 - bf16 / fp16: ``wgmma`` 16-wide steps, fp32 accumulation, one rounding at the end.
 - fp32: **3xTF32** on the tensor cores: each operand is split as ``x = hi + lo`` with ``hi`` the
-  TF32 truncation of ``x`` and ``lo`` the TF32 rounding of the rest, and the products
-  ``lo*hi_w + hi*lo_w + hi*hi_w`` are chained (per BK step, in that order) into fp32 - the dropped
-  ``lo*lo`` term and ``lo``'s rounding leave a relative error near 2^-21 per product, measured
-  against cuBLAS SGEMM's on the GPU (``bench/gemm_tiles.py``) and against float64 on the CPU
-  (``tests/ops/test_slices.py``). The split is done in the kernel with integer masks, so the
-  tensor cores see TF32-exact inputs (no hardware rounding choice enters). The chain depends on
-  the K step, so fp32 uses one fixed ``tiles.F32_BK``. ``rms`` (hc_mix) also sums ``x^2`` per
-  row: each BK step's lanes reduced by ``tl.sum``, the steps and slices in order.
+  TF32 truncation of ``x`` and ``lo`` the TF32 rounding of the rest; per K step of ``tiles.F32_BK``
+  the products ``lo*hi_w``, ``hi*lo_w``, ``hi*hi_w`` are chained from zero on the tensor cores and
+  the step is added to the slice's sum in IEEE fp32 (so the tensor cores' truncating accumulation
+  spans one step only). The dropped ``lo*lo`` term and ``lo``'s rounding leave about 2^-21 per
+  product; the error is measured against cuBLAS SGEMM's on the GPU (``bench/gemm_tiles.py``) and
+  against float64 on the CPU (``tests/ops/test_slices.py``). The split is done in the kernel with
+  integer masks, so the tensor cores see TF32-exact inputs (no hardware rounding choice enters).
+  ``rms`` (hc_mix) also sums ``x^2`` per row: per lane ``k mod F32_BK`` an fp32 chain over the
+  slice's steps, then the lanes summed by an MMA with ones (an order the hardware fixes, the same
+  for fp32 and bf16 inputs), the slices in order.
 
 The grid form counts arrivals per output tile in ``counters(device)`` (int32, zero between
 launches: the last program resets its tile's count), so kernels of this form must not run
@@ -32,13 +34,35 @@ import triton.language as tl
 
 FLOAT_SEMANTICS = {
     "linear_half": "wgmma bf16/fp16 products, fp32 accumulation in fixed K slices (tiles.HALF_SPLIT), one rounding",
-    "linear_fp32": "3xTF32 (hi*hi + hi*lo + lo*hi, TF32-exact operands split in the kernel) in fixed K slices "
-                   "(tiles.F32_SPLIT, K step tiles.F32_BK), fp32 accumulation; no fast math",
-    "hc_mix": "as linear_fp32; sum of squares per BK step by tl.sum, steps in order; 1/sqrt correctly rounded",
+    "linear_fp32": "3xTF32 (lo*hi + hi*lo + hi*hi per K step of tiles.F32_BK on the tensor cores, TF32-exact "
+                   "operands split in the kernel), steps and slices (tiles.F32_SPLIT) added in IEEE fp32; no fast math",
+    "hc_mix": "as linear_fp32; sum of squares: per-lane fp32 chains over a slice, lanes summed by a 2xTF32 MMA "
+              "with ones, slices in order; 1/sqrt correctly rounded",
 }
 
+UNROLL = tl.constexpr(8)  # partials the grid form's last program loads at once before adding them in order
 COUNTERS = 1 << 16  # output tiles one grid-form launch may count; more tiles take the fused form
+WORKSPACE = 1 << 23  # fp32 partials kept per device between calls (32 MiB); larger ones are allocated per call
 _counters: dict = {}
+_workspace: dict = {}
+_retired: list = []
+
+
+def workspace(device, n: int):
+    """``n`` fp32 of scratch for the grid form's partials. Up to ``WORKSPACE`` one buffer per device
+    is reused (calls on one stream run one after another); a grown buffer keeps the old one alive,
+    so a CUDA graph captured with it never points at freed memory."""
+    import torch
+
+    if n > WORKSPACE:
+        return torch.empty(n, dtype=torch.float32, device=device)
+    w = _workspace.get(device)
+    if w is None or w.numel() < n:
+        if w is not None:
+            _retired.append(w)
+        w = _workspace[device] = torch.empty(min(WORKSPACE, max(n, 2 * (w.numel() if w is not None else 0), 1 << 16)),
+                                             dtype=torch.float32, device=device)
+    return w
 
 
 def counters(device):
@@ -62,24 +86,41 @@ def _tf32_split(x):
 
 @triton.jit
 def _mma(a, b, acc, TF32X3: tl.constexpr):
+    """One K step. bf16 / fp16: the MMA chain continues in ``acc``. fp32: the step's three TF32
+    products (``lo*hi``, ``hi*lo``, ``hi*hi``) chained from zero, then added to ``acc`` in IEEE fp32
+    (the tensor cores' own accumulation then spans one step only)."""
     if TF32X3:
         ah, al = _tf32_split(a.to(tl.float32))
         bh, bl = _tf32_split(b)
-        acc = tl.dot(al, bh, acc, input_precision="tf32")
-        acc = tl.dot(ah, bl, acc, input_precision="tf32")
-        acc = tl.dot(ah, bh, acc, input_precision="tf32")
+        step = tl.dot(al, bh, input_precision="tf32")
+        step = tl.dot(ah, bl, step, input_precision="tf32")
+        step = tl.dot(ah, bh, step, input_precision="tf32")
+        acc = acc + step
     else:
         acc = tl.dot(a, b, acc)
     return acc
 
 
 @triton.jit
+def _row_sum(sq, BM: tl.constexpr, BK: tl.constexpr):
+    """``sum_k sq[m, k]`` as an MMA with a column of ones (``sq`` split as in 3xTF32: ``hi`` then
+    ``lo``, both exact in TF32): the hardware fixes the order, whatever register layout ``sq`` has
+    (a ``tl.sum`` tree follows the layout, which differs between an fp32 and a bf16 load)."""
+    hi, lo = _tf32_split(sq)
+    ones = tl.full([BK, 16], 1.0, tl.float32)
+    d = tl.dot(lo, ones, input_precision="tf32")
+    d = tl.dot(hi, ones, d, input_precision="tf32")
+    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, d, 0.0), 1)  # column 0 (+ exact zeros)
+
+
+@triton.jit
 def _slice(X, W, rows, rmask, cols, cmask, k0, kend, s_xm, s_wn, BM: tl.constexpr, BN: tl.constexpr,
            BK: tl.constexpr, TF32X3: tl.constexpr, RMS: tl.constexpr):
-    """One K slice ``[k0, kend)`` of the tile: the MMA chain from zero (and ``sum x^2`` if RMS)."""
+    """One K slice ``[k0, kend)`` of the tile from zero: its MMA chain, and if RMS ``sum x^2`` of
+    its rows (per lane ``k mod BK`` an fp32 chain over the steps, then ``_row_sum``)."""
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
-    ss = tl.zeros([BM], tl.float32)
+    sq = tl.zeros([BM, BK], tl.float32)
     for k in range(k0, kend, BK):
         km = (k + kk) < kend
         a = tl.load(X + rows[:, None] * s_xm + (k + kk)[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
@@ -87,7 +128,11 @@ def _slice(X, W, rows, rmask, cols, cmask, k0, kend, s_xm, s_wn, BM: tl.constexp
         acc = _mma(a, b, acc, TF32X3)
         if RMS:
             af = a.to(tl.float32)
-            ss += tl.sum(af * af, 1)
+            sq = sq + af * af
+    if RMS:
+        ss = _row_sum(sq, BM, BK)
+    else:
+        ss = tl.zeros([BM], tl.float32)
     return acc, ss
 
 
@@ -126,11 +171,16 @@ def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLI
         tile = CNT + pm * tl.num_programs(1) + pn
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == S - 1:  # the last of the S slices
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-            for j in range(0, S):
-                total += tl.load(P + (j * M + rows)[:, None] * N + cols[None, :], mask=omask, other=0.0,
-                                 cache_modifier=".cg")
-                if RMS:
-                    tss += tl.load(PSS + j * M + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+            for j0 in range(0, S, UNROLL):  # UNROLL partials' loads in flight at once, added in order
+                for u in tl.static_range(UNROLL):
+                    j = j0 + u
+                    live = j < S
+                    part = tl.load(P + (j * M + rows)[:, None] * N + cols[None, :], mask=omask & live, other=0.0,
+                                   cache_modifier=".cg")
+                    total = tl.where(live, total + part, total)
+                    if RMS:
+                        pss = tl.load(PSS + j * M + rows, mask=rmask & live, other=0.0, cache_modifier=".cg")
+                        tss = tl.where(live, tss + pss, tss)
             total = _finish(total, tss, Kf, eps, RMS)
             tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
     else:
@@ -148,8 +198,6 @@ def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
     """Launch ``slices_kernel`` for ``y = a @ w.T`` (``a [M, K]``, ``w [N, K]`` rows contiguous,
     ``y [M, N]``); ``rms_eps``: hc_mix's RMS factor with that eps. The grid form is used when the
     tile asks for it, K has more than one slice and the tiles fit the counters."""
-    import torch
-
     from v4stack.kernels.launch import cdiv, launch
 
     M, K = a.shape
@@ -158,9 +206,9 @@ def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
     grid = tile.get("grid", False) and S > 1 and gm * gn <= COUNTERS
     rms = rms_eps is not None
     if grid:
-        p = torch.empty(S, M, N, dtype=torch.float32, device=a.device)
-        pss = torch.empty(S, M, dtype=torch.float32, device=a.device) if rms else p
-        cnt = counters(a.device)
+        dev = a.device
+        ws = workspace(dev, S * M * (N + 1))
+        p, pss, cnt = ws, ws[S * M * N:], counters(dev)
     else:
         p = pss = cnt = y
     launch(slices_kernel, (gm, gn, S) if grid else (gm, gn), a, w, y, p, pss, cnt, M, N, K, float(K),

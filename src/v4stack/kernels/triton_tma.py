@@ -29,22 +29,22 @@ def _tile_of(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def linear_tma_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, KPS: tl.constexpr):
+                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, KPS: tl.constexpr,
+                      FLAT: tl.constexpr):
     """KPS: K steps of BK per slice (``SPLIT // BK``)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    for t in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True, warp_specialize=WS):
+    for t in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLAT, warp_specialize=WS):
         pm, pn = _tile_of(t, num_m, num_n, GROUP_M)
-        acc = tl.zeros([BM, BN], tl.float32)
         total = tl.zeros([BM, BN], tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([pm * BM, ki * BK])
-            b = b_desc.load([pn * BN, ki * BK])
-            acc = tl.dot(a, b.T, acc)
-            if (ki % KPS == KPS - 1) | (ki == k_tiles - 1):  # a slice ends: add it, start the next from zero
-                total += acc
-                acc = tl.zeros([BM, BN], tl.float32)
+        for s0 in range(0, k_tiles, KPS):  # the slices, each from zero, added in order
+            acc = tl.zeros([BM, BN], tl.float32)
+            for ki in range(s0, tl.minimum(s0 + KPS, k_tiles)):
+                a = a_desc.load([pm * BM, ki * BK])
+                b = b_desc.load([pn * BN, ki * BK])
+                acc = tl.dot(a, b.T, acc)
+            total += acc
         c_desc.store([pm * BM, pn * BN], total.to(c_desc.dtype))
 
 
@@ -60,7 +60,8 @@ def num_sms() -> int:
     return _sms
 
 
-def linear_tma(a, w, y, BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3, WS=False, SPLIT=2048):
+def linear_tma(a, w, y, BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3, WS=False, SPLIT=2048,
+               FLAT=False):
     """``y[M, N] = a[M, K] @ w[N, K].T`` (row-major, 16-byte aligned rows), K in ``SPLIT`` slices
     (``BK`` divides ``SPLIT``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -73,5 +74,5 @@ def linear_tma(a, w, y, BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stage
     nsm = num_sms()
     grid = (min(nsm, cdiv(M, BM) * cdiv(N, BN)),)
     linear_tma_kernel[grid](ad, bd, cd, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, NUM_SMS=nsm, WS=WS,
-                            KPS=SPLIT // BK, num_warps=num_warps, num_stages=num_stages)
+                            KPS=SPLIT // BK, FLAT=FLAT, num_warps=num_warps, num_stages=num_stages)
     return y
