@@ -2,10 +2,10 @@
 
 ``python -m bench.fast_picks [--source bench/results/ops_h200.json] [--out src/v4stack/kernels/fast_picks.json]``
 
-For every op and measured batch M where the ops bench's fast mode ran the framework and its
-invariant mode ran a project kernel, the pick is the one with the lower device time (20 calls in
-one CUDA graph, ``fast_graph_s`` vs ``invariant_graph_s``): such a project kernel is row-local and
-usable in either mode. Each bucket keeps both times and the source's commit, so the table says
+For every op and measured batch M where the ops bench's invariant mode ran a project kernel, the
+pick is the one with the lower device time (20 calls in one CUDA graph): ``invariant_graph_s``
+against the framework's own ``framework_graph_s`` (or, in measurements without it, ``fast_graph_s``
+where fast mode ran the framework); such a project kernel is row-local and usable in either mode. Each bucket keeps both times and the source's commit, so the table says
 which measurement it came from. Buckets are by the rows the op's call sees (the grouped GEMM's
 rows are tokens x routed experts per token).
 """
@@ -29,6 +29,10 @@ CASES = {
     "hc_mix": ("hc_mix", "triton_hc_mix", 1),
     "attention_with_sink": ("attention_with_sink", "triton_sparse_attention", 1),
 }
+# cases of one dispatch op told apart by dtype: their table key (``gpu.py`` looks ``linear.<dtype>`` up)
+CASES.update({"linear_bf16": ("linear", "triton_gemm", 1), "linear_fp32": ("linear", "triton_fp32_gemm", 1)})
+TABLE_KEY = {"linear_bf16": "linear.bfloat16", "linear_fp32": "linear.float32"}
+OWN_FRAMEWORK = {"grouped_linear"}  # cases whose ``framework`` is not fast mode's (a torch loop, not _grouped_mm)
 ROUTED_PER_TOKEN = {"flash": 6, "quarter": 6}  # bench/ops.py WIDTHS[...]["k"]
 
 
@@ -42,13 +46,17 @@ def derive(result: dict, source: str) -> dict:
         op, kernel, unit = case
         fast_by = set(r["fast_served"].get(op, {}))
         inv_by = set(r["invariant_served"].get(op, {}))
-        if not (fast_by <= FRAMEWORK and fast_by) or inv_by != {kernel}:
+        if fast_by <= FRAMEWORK and fast_by:
+            fw_s = r["fast_graph_s"]  # fast mode ran the framework
+        else:  # fast mode ran the kernel (an earlier pick): the framework timed by itself, where it is fast's
+            fw_s = r.get("framework_graph_s") if r["op"] not in OWN_FRAMEWORK else None
+        if fw_s is None or inv_by != {kernel}:
             continue  # this bucket did not time the framework against the kernel
-        entry = ops.setdefault(op, {"kernel": kernel, "buckets": []})
-        pick = "project" if r["invariant_graph_s"] < r["fast_graph_s"] else "framework"
+        entry = ops.setdefault(TABLE_KEY.get(r["op"], op), {"kernel": kernel, "buckets": []})
+        pick = "project" if r["invariant_graph_s"] < fw_s else "framework"
         entry["buckets"].append({"M": r["M"], "rows": r["M"] * (k if unit == "k" else 1), "pick": pick,
-                                 "project_graph_s": r["invariant_graph_s"], "framework_graph_s": r["fast_graph_s"],
-                                 "framework": sorted(fast_by)[0]})
+                                 "project_graph_s": r["invariant_graph_s"], "framework_graph_s": fw_s,
+                                 "framework": sorted(fast_by)[0] if fast_by <= FRAMEWORK and fast_by else "torch"})
     for e in ops.values():
         e["buckets"].sort(key=lambda b: b["rows"])
     stamp = result.get("stamp", {})

@@ -105,10 +105,13 @@ def graph_timings(name: str, rows: list[dict]) -> None:
         for row in rows:
             M = row["M"]
             args = _rows(case.rows, 0, M)
-            call = case.timing(M)[0] if case.timing is not None else (lambda: case.call(*args))
+            call, fw = case.timing(M) if case.timing is not None else ((lambda: case.call(*args)),
+                                                                       (lambda: case.framework(*args)))
             for mode in ("fast", "invariant"):
                 with ops.mode(mode):
                     row[f"{mode}_graph_s"] = _graph_time(call)
+            if case.framework is not None:  # the framework itself, whichever implementation fast mode picked
+                row["framework_graph_s"] = _graph_time(fw)
             row["graph_ratio"] = row["invariant_graph_s"] / row["fast_graph_s"]
             print(f"{name:<20}{M:>6} graph fast {row['fast_graph_s'] * 1e6:9.1f}us inv "
                   f"{row['invariant_graph_s'] * 1e6:9.1f}us ratio {row['graph_ratio']:.2f}", flush=True)

@@ -32,6 +32,9 @@ def test_committed_table_is_derived_from_the_committed_measurement():
     g = derived["ops"]["grouped_linear"]["buckets"]
     assert [b["pick"] for b in g] == ["project"] * 4 + ["framework"]
     assert {b["pick"] for b in derived["ops"]["log_softmax"]["buckets"]} == {"project"}
+    # one dispatch op, two dtypes: linear's picks are kept per dtype (the key gpu.py looks up)
+    assert {"linear.bfloat16", "linear.float32"} <= set(derived["ops"])
+    assert derived["ops"]["linear.float32"]["kernel"] == "triton_fp32_gemm"
 
 
 def test_swapped_times_flip_the_picks(tmp_path):

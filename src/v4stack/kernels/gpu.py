@@ -191,6 +191,10 @@ def register_all(register) -> None:
     for op, name, fn, check, when in fast_picks:
         ok = check if when is None else (lambda c, w: lambda *a: c(*a) and w(*a))(check, when)
         register(op, name, fn, mode=fast, device="cuda", accepts=trit(ok))
+    for dt, name in (("float32", "triton_fp32_gemm"), ("bfloat16", "triton_gemm")):  # fast linear: measured picks only
+        when = measured(f"linear.{dt}", lambda x, w: rows(x))
+        register("linear", name, _lazy("triton_gemm", "linear", "gemm_half"), mode=fast, fmt=dt, device="cuda",
+                 accepts=trit((lambda w: lambda x, weight: C.linear(x, weight) and w(x, weight))(when)))
     register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=_grouped_mm_ok)
     register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=inv, device="cuda",
              accepts=_with("triton", C.grouped_linear))
