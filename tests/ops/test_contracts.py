@@ -104,7 +104,7 @@ def test_a_chosen_tile_must_be_a_proved_candidate(tmp_path):
 
     from v4stack.kernels import tiles
 
-    ok = {"tables": {"HALF_TILES": [[64, tiles.HALF_CANDIDATES[1]], [1 << 62, tiles.HALF_CANDIDATES[9]]]}}
+    ok = {"tables": {"HALF_TILES": [[64, tiles.HALF_CANDIDATES[1]], [1 << 62, tiles.HALF_CANDIDATES[6]]]}}
     (tmp_path / "ok.json").write_text(json.dumps(ok))
     assert tiles.load_chosen(tmp_path / "ok.json")["HALF_TILES"][1][1]["tma"] is True
     bad = {"tables": {"HALF_TILES": [[1 << 62, dict(tiles.HALF_CANDIDATES[0], BK=32)]]}}

@@ -100,6 +100,9 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
     want = fused.hc_split_reference(mix.double(), scale.double(), base.double(), 4, 20, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=2e-6, rtol=2e-6)
+    from v4stack.kernels import fused_gpu
+
+    assert not fused_gpu.refused, fused_gpu.refused  # no kernel fell back to its reference
     xs = torch.randn(70, 4, 4096, device="cuda").bfloat16()
     fn = torch.randn(24, 4 * 4096, device="cuda") * 0.01
     for m in ("fast", "invariant"):
@@ -108,6 +111,7 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
             got = fused.hc_pre(xs, fn, scale, base, 4, 20, 1e-6, 1e-6)
             assert ops.counters()["hc_pre"] == {"triton_hc_pre": 1}
             alone = fused.hc_pre(xs[33:34].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
+            assert not fused_gpu.refused, fused_gpu.refused
             assert all(torch.equal(a[0], b[33]) for a, b in zip(alone, got))
     from v4stack.kernels import triton_gemm as tg  # hc_pre's bits are hc_mix's then hc_split's
 
