@@ -1,13 +1,19 @@
 """Tile and schedule sweep of the invariant GPU kernels (one H200 call), writing stamped JSON.
 
-Each variant of a kernel (tile shape, warps, stages, TMA persistent schedule, fused K slices,
-in-kernel tile table) is first checked bit for bit: the first rows it computes in a batch of M
-must equal those rows computed alone by the kernel as shipped (so a variant that changes an
-element's K chain is rejected, never timed into use). Then it is timed (CUDA events, back to back)
-next to the framework's implementation. Also: the host cost of one small op call split into its
-parts (dispatch, wrapper, launch) and its device time under CUDA graph replay.
+The fixed-slice GEMMs (bf16 / fp32 linear, hc_mix): every candidate of ``kernels/tiles.py`` is
+first checked bit for bit at M = 1, 8, 64, 256, 4096 - its whole output against the reference
+tile's, rows 0-3 and M-1 against those rows computed alone, and for hc_mix the same on bf16 streams
+(``hc_pre``'s input) - so a tile that changes an element's K chain is never chosen; then timed back
+to back and under CUDA graphs next to the framework, with the relative error against float64 of
+the kernel and of the framework (fp32: cuBLAS SGEMM). ``--warm N`` compiles the candidates in N
+processes first; ``--choose`` writes the pick per size bucket (``choose``); ``--choose-from``
+re-derives it from a committed result without a GPU. Also: the grouped GEMM, indexer rows, and
+the host cost of one small op call split into its parts.
 
-    python -m bench.gemm_tiles --out bench/results/gemm_tiles_h200.json [--only linear_bf16,...]
+    python -m bench.gemm_tiles --only linear_bf16,linear_fp32,hc_mix --warm 14 \
+        --out bench/results/gemm_tiles_h200.json --choose src/v4stack/kernels/tiles_chosen.json
+    python -m bench.gemm_tiles --choose src/v4stack/kernels/tiles_chosen.json \
+        --choose-from bench/results/gemm_tiles_h200.json
 """
 
 from __future__ import annotations
@@ -41,15 +47,17 @@ def _bits_ok(v: dict) -> bool:
 
 
 def _cost(v: dict) -> float:
-    """The larger of the device time under CUDA graphs and the time back to back: a tile whose host
-    launch outlasts its kernel (the TMA kernel's descriptors) pays for it where calls are eager."""
-    return max(v.get("graph_s", 0.0), v["s"])
+    """Device time under CUDA graphs plus time back to back: both count (decode runs in graphs,
+    other calls eagerly), and a tile whose host launch outlasts its kernel (the TMA kernel's
+    descriptors at small M) pays for it."""
+    return v.get("graph_s", 0.0) + v["s"]
 
 
-def choose(rec: dict, margin: float = 0.03) -> dict:
+def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dict:
     """Per bucket: the cheapest bit-identical candidate at the bucket's measured M (``_cost``), if it
-    beats the shipped default by more than ``margin``; else the default. Adjacent buckets with the
-    same tile are merged."""
+    beats the shipped default by more than ``margin`` or the default is not bit-identical; else the
+    default. Adjacent buckets with the same tile are merged. ``defaults``: tables in place of the
+    shipped ones."""
     tables = {}
     for table, (section, buckets) in BUCKETS.items():
         rows = {r["M"]: r for r in rec.get(section, [])}
@@ -57,12 +65,13 @@ def choose(rec: dict, margin: float = 0.03) -> dict:
             continue
         out = []
         for m, top in buckets:
-            default = TL.pick(getattr(TL, table), m)
+            default = TL.pick((defaults or {}).get(table) or getattr(TL, table), m)
             ok = [v for v in rows[m]["variants"] if _bits_ok(v) and "s" in v]
             t = _cost
             base = next((t(v) for v in ok if v["tile"] == default), None)
             best = min(ok, key=t) if ok else None
-            keep = best is None or base is None or t(best) > base * (1 - margin)
+            keep = best is None or (base is not None and t(best) > base * (1 - margin))  # a default whose
+            # bits differ (or that did not run) is never kept
             tile = default if keep else best["tile"]
             if out and out[-1][1] == tile:
                 out[-1][0] = top
@@ -217,7 +226,19 @@ def main(argv=None) -> None:
     p.add_argument("--choose", default="", help="write the pick of every tile bucket to this tiles_chosen.json")
     p.add_argument("--small", action="store_true", help="tiny widths (a CPU dry run under TRITON_INTERPRET)")
     p.add_argument("--warm", type=int, default=0, help="compile the fixed-slice candidates in this many processes first")
+    p.add_argument("--choose-from", default="", help="only re-derive --choose from this sweep result (no GPU)")
     a = p.parse_args(argv)
+    if a.choose_from:
+        import json
+
+        from v4stack.atomic import atomic_write
+
+        kept = json.loads(open(a.choose).read()).get("tables", {}) if os.path.exists(a.choose) else {}
+        chosen = choose(json.loads(open(a.choose_from).read()))
+        atomic_write(a.choose, (json.dumps({"source": os.path.basename(a.choose_from), "tables": {**kept, **chosen}},
+                                           indent=1) + "\n").encode())
+        print(chosen)
+        return
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
 

@@ -128,3 +128,25 @@ def test_on_the_gpu_every_candidate_gives_the_rows_computed_alone():
     # reduced by an MMA, so the load's register layout does not enter)
     hb = xh[:70].bfloat16()
     assert torch.equal(tg.hc_mix(hb, fn, 1e-6), tg.hc_mix(hb.float(), fn, 1e-6))
+
+
+def test_the_sweep_choice_keeps_only_bit_identical_tiles():
+    from bench import gemm_tiles as G
+
+    fast, slow = dict(tiles.HC_CANDIDATES[6]), dict(tiles.HC_CANDIDATES[0])
+
+    def rec(fast_bits_ok: bool):
+        rows = []
+        for m, _ in G.BUCKETS["HC_TILES"][1]:
+            rows.append({"M": m, "variants": [
+                {"tile": fast, "bits_equal_ref": True, "bits_equal_alone": True, "bits_equal_also": fast_bits_ok,
+                 "s": 1e-5, "graph_s": 1e-5},
+                {"tile": slow, "bits_equal_ref": True, "bits_equal_alone": True, "bits_equal_also": True,
+                 "s": 3e-5, "graph_s": 3e-5}]})
+        return {"hc_mix": rows}
+
+    assert G.choose(rec(True))["HC_TILES"] == [[1 << 62, fast]]
+    # the faster tile differs on bf16 streams: never chosen, even where it is the shipped default
+    assert G.choose(rec(False))["HC_TILES"] == [[1 << 62, slow]]
+    assert G.choose(rec(False), defaults={"HC_TILES": ((1 << 62, fast),)})["HC_TILES"] == [[1 << 62, slow]]
+    assert G.choose(rec(True), defaults={"HC_TILES": ((1 << 62, slow),)})["HC_TILES"] == [[1 << 62, fast]]
