@@ -20,6 +20,7 @@ BENCHES = {
     "megamoe": "megamoe", "megamoe-compute": "megamoe_compute", "dsec": "dsec", "wal": "rollout_wal",
     "prefix": "prefix", "train-tiny": "train_tiny", "muon-vs-adamw": "muon_vs_adamw",
     "muon-plan-table": "muon_plan_table", "journal-ab": "journal_ab", "pp-bubble": "pp_bubble",
+    "grad-chunks": "grad_chunks",
 }
 
 app = typer.Typer(help="Benchmarks that write stamped JSON under bench/results/ (run from a source checkout).",
