@@ -39,11 +39,16 @@ SLICE_MS = (1, 8, 64, 256, 4096)
 BUCKETS = {"HALF_TILES": ("linear_bf16", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "F32_TILES": ("linear_fp32", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "HC_TILES": ("hc_mix", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
+           "HC_HALF_TILES": ("hc_mix", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "GROUPED_TILES": ("grouped", ((1, 1024), (4096, 1 << 62)))}
 
 
-def _bits_ok(v: dict) -> bool:
-    return bool(v.get("bits_equal_alone") and v.get("bits_equal_ref", True) and v.get("bits_equal_also", True))
+SOLE_TABLES = {"HC_TILES"}  # served with the section's own inputs only (fp32): the ``also`` bits do not bind it
+
+
+def _bits_ok(v: dict, also: bool = True) -> bool:
+    return bool(v.get("bits_equal_alone") and v.get("bits_equal_ref", True)
+                and (not also or v.get("bits_equal_also", True)))
 
 
 def _cost(v: dict) -> float:
@@ -66,7 +71,7 @@ def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dic
         out = []
         for m, top in buckets:
             default = TL.pick((defaults or {}).get(table) or getattr(TL, table), m)
-            ok = [v for v in rows[m]["variants"] if _bits_ok(v) and "s" in v]
+            ok = [v for v in rows[m]["variants"] if _bits_ok(v, table not in SOLE_TABLES) and "s" in v]
             t = _cost
             base = next((t(v) for v in ok if v["tile"] == default), None)
             best = min(ok, key=t) if ok else None

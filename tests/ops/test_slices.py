@@ -145,8 +145,27 @@ def test_the_sweep_choice_keeps_only_bit_identical_tiles():
                  "s": 3e-5, "graph_s": 3e-5}]})
         return {"hc_mix": rows}
 
-    assert G.choose(rec(True))["HC_TILES"] == [[1 << 62, fast]]
-    # the faster tile differs on bf16 streams: never chosen, even where it is the shipped default
-    assert G.choose(rec(False))["HC_TILES"] == [[1 << 62, slow]]
-    assert G.choose(rec(False), defaults={"HC_TILES": ((1 << 62, fast),)})["HC_TILES"] == [[1 << 62, slow]]
-    assert G.choose(rec(True), defaults={"HC_TILES": ((1 << 62, slow),)})["HC_TILES"] == [[1 << 62, fast]]
+    both = G.choose(rec(True))
+    assert both["HC_TILES"] == both["HC_HALF_TILES"] == [[1 << 62, fast]]
+    # the faster tile differs on bf16 streams: never chosen for them, even where it is the shipped
+    # default; fp32 inputs (where its bits agree) keep it
+    half = {"HC_HALF_TILES": ((1 << 62, fast),)}
+    assert G.choose(rec(False))["HC_HALF_TILES"] == [[1 << 62, slow]]
+    assert G.choose(rec(False), defaults=half)["HC_HALF_TILES"] == [[1 << 62, slow]]
+    assert G.choose(rec(False))["HC_TILES"] == [[1 << 62, fast]]
+    assert G.choose(rec(True), defaults={"HC_HALF_TILES": ((1 << 62, slow),)})["HC_HALF_TILES"] == [[1 << 62, fast]]
+
+
+def test_bf16_streams_take_only_tiles_whose_bits_agree_there():
+    # the committed pick: hc_mix on bf16 / fp16 streams (hc_pre) keeps to wgmma tiles (BM >= 64); the
+    # H200 sweep found the mma.sync tiles' bits differ on such streams (gemm_tiles_h200.json)
+    assert all(t["BM"] >= 64 for _, t in tiles.HC_HALF_TILES)
+    import json
+    from pathlib import Path
+
+    sweep = json.loads((Path(__file__).resolve().parents[2] / "bench/results/gemm_tiles_h200.json").read_text())
+    also = {(r["M"], json.dumps(v["tile"], sort_keys=True)): v.get("bits_equal_also")
+            for r in sweep["hc_mix"] for v in r["variants"]}
+    assert all(also[(m, json.dumps(t, sort_keys=True))] for m in (1, 8, 64, 256, 4096) for _, t in tiles.HC_HALF_TILES)
+    assert all(v.get("bits_equal_ref") for r in sweep["hc_mix"] for v in r["variants"]
+               if v["tile"] in [t for _, t in tiles.HC_TILES])

@@ -206,7 +206,7 @@ def tile_spec(table: str, t: dict) -> str:
         return f"half_{form}_{t['BM']}x{t['BN']}x{t['BK']}" + ("_tma" if t.get("tma") else "")
     if table == "F32_TILES":
         return f"f32_{form}_{t['BM']}x{t['BN']}x{t['BK']}"
-    if table == "HC_TILES":
+    if table in ("HC_TILES", "HC_HALF_TILES"):
         return f"hc_{form}_{t['BM']}x{t['BK']}"
     if table == "GROUPED_TILES":
         return f"grouped_table_{t['BM']}x{t['BN']}x{t['BK']}"
@@ -221,7 +221,7 @@ def _tile_builder(table: str, t: dict, name: str):
         return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.HALF_SPLIT, grid=g, name=name)
     if table == "F32_TILES":
         return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.F32_SPLIT, grid=g, name=name)
-    if table == "HC_TILES":  # N <= 64: BN is the next power of two of N, at most 64
+    if table in ("HC_TILES", "HC_HALF_TILES"):  # N <= 64: BN is the next power of two of N, at most 64
         return lambda: specs_more.slices(t["BM"], 64, t["BK"], tiles.F32_SPLIT, grid=g, rms=True, name=name)
     return lambda: specs_more.grouped_table(t["BM"], t["BN"], t["BK"], name=name)
 
@@ -249,7 +249,7 @@ def _active(*tables: str) -> list[str]:
 
 
 GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES"), "gemm_grouped": _active("GROUPED_TILES"),
-          "hc_mix": _active("HC_TILES"), "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
+          "hc_mix": _active("HC_TILES", "HC_HALF_TILES"), "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION}
 
 

@@ -46,6 +46,9 @@ HC_CANDIDATES = (dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
                  dict(BM=16, BK=F32_BK, num_warps=4, num_stages=4, grid=True),
                  dict(BM=32, BK=F32_BK, num_warps=4, num_stages=4, grid=True))
 HC_TILES = ((1 << 62, HC_CANDIDATES[0]),)
+# hc_mix on bf16 / fp16 streams (``hc_pre``): only tiles whose bits on such streams equal the fp32
+# tiles' (the sweep found ``mma.sync`` tiles, BM < 64, differ there while they agree on fp32 input)
+HC_HALF_TILES = ((1 << 62, HC_CANDIDATES[0]),)
 # grouped expert GEMM, by total rows T (decode-sized calls spread over more N tiles)
 GROUPED_CANDIDATES = (_t(64, 32, 128), _t(64, 128, 64, s=3), _t(64, 64, 64), _t(64, 256, 64, w=8, s=3))
 GROUPED_TILES = ((1024, GROUPED_CANDIDATES[0]), (1 << 62, GROUPED_CANDIDATES[1]))
@@ -53,6 +56,7 @@ FP8_BLOCK = 128  # weight scale block (rows x columns), V4's checkpoint format
 FP8_TILES = ((64, dict(BM=64, BN=32)), (1 << 62, dict(BM=64, BN=128)))
 
 CANDIDATES = {"HALF_TILES": HALF_CANDIDATES, "F32_TILES": F32_CANDIDATES, "HC_TILES": HC_CANDIDATES,
+              "HC_HALF_TILES": HC_CANDIDATES,
               "GROUPED_TILES": GROUPED_CANDIDATES}
 CHOSEN = Path(__file__).with_name("tiles_chosen.json")
 

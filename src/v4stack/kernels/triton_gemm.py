@@ -15,7 +15,8 @@ import triton.language as tl
 
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 
-from v4stack.kernels.tiles import F32_SPLIT, F32_TILES, FP8_BLOCK, FP8_TILES, HALF_SPLIT, HALF_TILES, HC_TILES, pick
+from v4stack.kernels.tiles import (F32_SPLIT, F32_TILES, FP8_BLOCK, FP8_TILES, HALF_SPLIT, HALF_TILES, HC_HALF_TILES,
+                                   HC_TILES, pick)
 from v4stack.kernels.triton_slices import run
 
 
@@ -80,7 +81,7 @@ def hc_mix(flat, fn, eps, tile=None):
     M = x.shape[0]
     y = torch.empty(M, N, dtype=torch.float32, device=flat.device)
     if M:
-        t = dict(tile or pick(HC_TILES, M), BN=max(16, next_pow2(N)))
+        t = dict(tile or pick(HC_TILES if x.dtype == torch.float32 else HC_HALF_TILES, M), BN=max(16, next_pow2(N)))
         run(x, fn.contiguous(), y, t, F32_SPLIT, True, rms_eps=eps)
     return y.view(*flat.shape[:-1], N)
 
