@@ -176,7 +176,11 @@ class UnitShard:
                     keys.append(e_b.unsqueeze(0).expand(piece.length, S, e_b.shape[-1]))
                     mask.append(visible)
             cands.append((torch.cat(keys, 1), torch.cat(mask, 1)))
-        return attn._attend(q, self.pieces, cands)
+        outs = []  # one attention call per piece: its rows are one unit, whatever the model's budget
+        for piece, cand, run in zip(self.pieces, cands, self.runs().runs):
+            with ChunkGrads.rows(Runs(((run[0], 0, u),), u)):
+                outs.append(attn._attend(q, [piece], [cand]))
+        return torch.cat(outs)
 
     def _pool(self, comp, span, part: int, dtype) -> torch.Tensor:
         """Entries ``[n, cap, B, w]`` of ``comp`` for the local units (zero padding past each
