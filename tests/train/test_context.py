@@ -5,7 +5,7 @@ process's; two backwards of the same shard give identical gradients. What is not
 gradient is each shard's partial sum added across shards, a different summation order from one
 process's single reduction over all rows, so it is checked against the fp64 gradient: the CP
 gradient's error must stay within the error one process's fp32 gradient itself has (times a
-small factor). Inverse controls: a halo never exchanged, halos delivered to the wrong chunk, and
+small factor; with `--grad-chunks` they are bitwise, tests/train/test_context_chunks.py). Inverse controls: a halo never exchanged, halos delivered to the wrong chunk, and
 entries gathered in rank order instead of sequence order each change the losses.
 
 The trainer (`--cp 2` with the MTP loss and `--recompute full`, one process per shard, the

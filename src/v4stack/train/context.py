@@ -25,7 +25,9 @@ Per attention layer (``ContextShard.attention``, reached through ``Attention.for
 
 With the ops in invariant mode every row's forward is computed as in one process, so logits and
 per-token losses are bitwise equal to the single-process run. The backward sends halo and entry
-gradients back to their owners in fixed order (``cp_comm``).
+gradients back to their owners in fixed order (``cp_comm``); the sums over tokens are grouped by the
+split, so gradients equal one process's to rounding. ``train/unit_shard.py`` (``--grad-chunks``) is
+the exact variant: every such sum in an order the sequence fixes, bitwise equal across layouts.
 """
 
 from __future__ import annotations
