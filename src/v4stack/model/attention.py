@@ -108,8 +108,10 @@ class Attention(nn.Module):
         g = self.groups
         o = o.reshape(N, g, H * c // g)
         wa = grouped_weight(self.wo_a, g, self.group_rank)  # row slices once its dense copy is dropped
-        o = rowwise.step(_group_out, o, self.wo_a.weight, g, self.group_rank, params=(1,)) if isinstance(wa, torch.Tensor) else torch.cat(
-            [ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
+        if isinstance(wa, torch.Tensor):
+            o = rowwise.step(_group_out, o, self.wo_a.weight, g, self.group_rank, params=(1,))
+        else:
+            o = torch.cat([ops.linear(o[:, i], wa[i]) for i in range(g)], dim=-1)
         return self.wo_b(o)
 
     def _segments(self, x, qr, q, kv, positions, segments: list[Segment], layer: int):

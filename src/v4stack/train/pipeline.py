@@ -86,7 +86,7 @@ class Stage:
     stream_dtype: torch.dtype
     logged: tuple | None = field(default=None, init=False)  # under context parallelism: the last forward's (main, MTP) loss values
     chunk_grads: object = field(default=None, init=False)  # ChunkGrads under --grad-chunks (train/unit_shard.py)
-    micro: int = field(default=0, init=False)  # the micro-batch being run (chunk-ordered gradients file by it)
+    micro: int = field(default=0, init=False)  # the micro-batch running (chunk-ordered gradients file by it)
 
     @classmethod
     def build(cls, model: V4Model, mesh: Mesh, mtp: bool) -> "Stage":
