@@ -4,7 +4,7 @@ Gloo, tiny preset, fp32, invariant ops, sequences of 32 tokens in 8 units of 4. 
 `--cp 2` and `--cp 4` (MTP loss on) gives, after 3 steps, every weight and every logged loss
 bit for bit equal to the one-process run with the same switch. Inverse control: the one-process
 run with 4 units instead of 8 (another order) differs. Slow: the gradients of one micro-batch
-under cp 2 equal one process's, and the controls that the same unit pieces with the parameter
+of two sequences under cp 2 equal one process's, and the controls that the same unit pieces with the parameter
 gradients left to autograd (each shard sums its rows, shards added in rank order) and the
 trainer with the switch off both differ from one process.
 """
@@ -41,8 +41,8 @@ def test_tree_and_unit_checks():
     TrainConfig(seq_len=32, grad_chunks=8, cp=4, ops="invariant").validate()
 
 
-def _grads(world: int, rank: int = 0):
-    tokens = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(1))
+def _grads(world: int, rank: int = 0, batch: int = B):
+    tokens = torch.randint(0, 256, (batch, T), generator=torch.Generator().manual_seed(1))
     with ops.mode("invariant"):
         m = V4Model(preset("tiny"), seed=0)
         hook = ChunkGrads(dict(m.named_parameters()), U)
@@ -76,14 +76,14 @@ def _plain_grads(world: int, rank: int = 0):
 
 
 def _worker(rank, world, out):
-    g, plain = _grads(world, rank), _plain_grads(world, rank)
+    g, plain = _grads(world, rank, batch=2), _plain_grads(world, rank)
     if rank == 0:
         torch.save((g, plain), out)
 
 
 @pytest.mark.slow
 def test_cp2_gradients_bitwise_and_order_control(tmp_path):
-    one = _grads(1)
+    one = _grads(1, batch=2)  # two sequences: units ordered sequence-major inside each pair
     run_world(_worker, 2, str(tmp_path / "g.pt"))
     g, plain = torch.load(tmp_path / "g.pt")
     assert all(torch.equal(a, b) for a, b in zip(g, one))
