@@ -160,10 +160,11 @@ def test_resume_cp_run_on_other_layouts(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_times_cp_times_dp_bitwise(tmp_path):
-    """`--grad-chunks` under 1F1B (no MTP: the stages' embedding copies are summed after the step):
-    pp 2 x cp 2 (two micro-batches a step) and pp 2 x dp 2 x cp 2 (world 8, one micro-batch a
-    replica) give one process's weights and losses, bit for bit."""
-    args = dict(grad_chunks=U, grad_accum=2)
+    """`--grad-chunks` under 1F1B with MTP (the first and last stages' embedding copies add their
+    unit gradients per unit after the step): pp 2 x cp 2 (two micro-batches a step) and pp 2 x
+    dp 2 x cp 2 (world 8, one micro-batch a replica) give one process's weights and losses, bit
+    for bit."""
+    args = dict(grad_chunks=U, grad_accum=2, mtp_weight=0.3)
     one = _train_run(tmp_path / "one", **args)
     pc = _train_run(tmp_path / "pc", world=4, pp=2, cp=2, **args)
     _assert_same_run(pc, one, 3)

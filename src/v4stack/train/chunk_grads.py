@@ -102,6 +102,8 @@ class ChunkGrads:
         self.units = units
         self.micro = 0
         self.shards: dict[int, object] = {}  # micro-batch -> its shard, between forward and backward
+        self.deferred: tuple[str, ...] = ()  # reduced after the step (``finish_deferred``)
+        self.kept: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
         self.filed: dict[tuple[int, str, int], list[tuple[int, torch.Tensor]]] = {}
         self.uses: dict[tuple[int, str, int], int] = {}
 
@@ -186,12 +188,12 @@ class ChunkGrads:
 
     # ---- the reduction ----------------------------------------------------------------------
 
-    def _unit_flat(self, micro: int, unit: int, dtype, device) -> torch.Tensor:
+    def _unit_flat(self, micro: int, unit: int, names, dtype, device) -> torch.Tensor:
         parts = []
-        for name, p in self.params.items():
+        for name in names:
             got = sorted(self.filed.get((micro, name, unit), []), key=lambda t: t[0])
             if not got:
-                parts.append(torch.zeros(p.numel(), dtype=dtype, device=device))
+                parts.append(torch.zeros(self.params[name].numel(), dtype=dtype, device=device))
                 continue
             acc = got[0][1]
             for _, g in got[1:]:
@@ -199,36 +201,59 @@ class ChunkGrads:
             parts.append(acc.reshape(-1).to(dtype))
         return torch.cat(parts)
 
+    def _reduce(self, unit_flat, batch: int, cp: int, cp_rank: int, group) -> torch.Tensor | None:
+        """The tree over this rank's pairs, gathered over the shards, the top added in order."""
+        U, m = self.units, self.units // (2 * cp)
+        nodes = []
+        for p in range(cp_rank * m, (cp_rank + 1) * m):
+            acc = None
+            for b in range(batch):
+                pair = unit_flat(b * U + p) + unit_flat(b * U + U - 1 - p)
+                acc = pair if acc is None else acc + pair
+            nodes.append(acc)
+        sub = tree(nodes)
+        if cp > 1:
+            parts = [torch.empty_like(sub) for _ in range(cp)]
+            dist.all_gather(parts, sub, group=group)
+            sub = tree(parts)
+        return None if cp_rank else sub
+
+    def _unflat(self, sub: torch.Tensor, names) -> dict[str, torch.Tensor]:
+        out, o = {}, 0
+        for name in names:
+            p = self.params[name]
+            out[name] = sub[o:o + p.numel()].view_as(p).clone()
+            o += p.numel()
+        return out
+
     def finish(self, batch: int, cp: int, cp_rank: int, group=None, micro: int = 0) -> dict[str, torch.Tensor] | None:
-        """Micro-batch ``micro``'s chunk-ordered gradients (on ``cp_rank`` 0; None elsewhere): this
-        rank's subtree, gathered over the ``cp`` shards, the top of the tree added in order."""
-        U = self.units
-        m = U // (2 * cp)
+        """Micro-batch ``micro``'s chunk-ordered gradients (on ``cp_rank`` 0; None elsewhere) of
+        every parameter not ``deferred`` (those keep their unit gradients for ``finish_deferred``)."""
+        U, m = self.units, self.units // (2 * cp)
         first = next(iter(self.params.values()))
         dtype, dev = first.dtype, first.device
         known = {u for mb, _, u in self.filed if mb == micro}
         mine = {b * U + v for b in range(batch) for p in range(cp_rank * m, (cp_rank + 1) * m) for v in (p, U - 1 - p)}
         if not known <= mine:
             raise RuntimeError(f"gradients filed for units {sorted(known - mine)} this shard does not hold")
-        nodes = []
-        for p in range(cp_rank * m, (cp_rank + 1) * m):
-            acc = None
-            for b in range(batch):
-                pair = (self._unit_flat(micro, b * U + p, dtype, dev)
-                        + self._unit_flat(micro, b * U + U - 1 - p, dtype, dev))
-                acc = pair if acc is None else acc + pair
-            nodes.append(acc)
-        sub = tree(nodes)
+        names = [n for n in self.params if n not in self.deferred]
+        if self.deferred:
+            self.kept[micro] = (batch, {u: self._unit_flat(micro, u, self.deferred, dtype, dev) for u in sorted(mine)})
+        sub = self._reduce(lambda u: self._unit_flat(micro, u, names, dtype, dev), batch, cp, cp_rank, group)
         for k in [k for k in self.filed if k[0] == micro]:
             del self.filed[k]
-        if cp > 1:
-            parts = [torch.empty_like(sub) for _ in range(cp)]
-            dist.all_gather(parts, sub, group=group)
-            sub = tree(parts)
-        if cp_rank:
-            return None
-        out, o = {}, 0
-        for name, p in self.params.items():
-            out[name] = sub[o:o + p.numel()].view_as(p).clone()
-            o += p.numel()
-        return out
+        return None if sub is None else self._unflat(sub, names)
+
+    def finish_deferred(self, cp: int, cp_rank: int, group, exchange) -> dict[str, torch.Tensor] | None:
+        """The deferred parameters' gradients over the kept micro-batches (added in micro-batch
+        order, on ``cp_rank`` 0). ``exchange(units [n, size]) -> [n, size]`` combines each unit's
+        gradient with another rank's first (a pipeline's two embedding copies: first + last)."""
+        total = None
+        for micro in sorted(self.kept):
+            batch, units = self.kept.pop(micro)
+            keys = sorted(units)
+            merged = dict(zip(keys, exchange(torch.stack([units[u] for u in keys]))))
+            sub = self._reduce(lambda u: merged[u], batch, cp, cp_rank, group)
+            if sub is not None:
+                total = sub if total is None else total + sub
+        return None if total is None else self._unflat(total, self.deferred)

@@ -20,8 +20,10 @@ process (which adds the two uses per micro-batch), so with MTP on the result equ
 process to rounding, not to the bit.
 
 With ``--grad-chunks`` (``train/unit_shard.py``) a stage runs its blocks on unit pieces (any cp,
-1 included) and each micro-batch's backward lands chunk-ordered gradients (``chunk_backward``):
-pp x dp x cp equals one process bit for bit (without MTP).
+1 included) and each micro-batch's backward lands chunk-ordered gradients (``chunk_backward``);
+the embedding's unit gradients wait for the step's end, where the two copies add them per unit
+(first + last, as one process adds the trunk's and the MTP block's use) before the units' tree:
+pp x dp x cp equals one process bit for bit, MTP included.
 """
 
 from __future__ import annotations
@@ -227,6 +229,16 @@ def tie_embedding_grads(stage: Stage, group_first_last) -> None:
     if not stage.mtp or stage.mesh.pp == 1 or not (stage.mesh.first or stage.mesh.last):
         return
     w = stage.model.embed.weight
+    hook = stage.chunk_grads
+    if hook is not None:  # --grad-chunks: per unit first + last, then the units' tree as one process
+        def exchange(units: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(units) for _ in range(2)]
+            dist.all_gather(parts, units.contiguous(), group=group_first_last)
+            return parts[0] + parts[1]
+
+        got = hook.finish_deferred(stage.mesh.cp, stage.mesh.cp_rank, stage.mesh.cp_group, exchange)
+        w.grad = torch.zeros_like(w) if got is None else got["embed.weight"]
+        return
     g = w.grad if w.grad is not None else torch.zeros_like(w)
     parts = [torch.empty_like(g) for _ in range(2)]
     dist.all_gather(parts, g.contiguous(), group=group_first_last)

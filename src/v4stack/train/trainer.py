@@ -114,10 +114,9 @@ class TrainConfig:
         if self.grad_chunks:
             check_units(self.grad_chunks, self.seq_len, self.cp)
             need(self.ep == 1 and self.ops == "invariant" and not self.recompute.startswith("plan:")
-                 and self.pp_schedule == "1f1b" and (self.pp == 1 or self.mtp_weight == 0),
+                 and self.pp_schedule == "1f1b",
                  f"train field 'grad_chunks' ({self.grad_chunks}) runs with ep 1, ops invariant, recompute none, "
-                 "full or matmul, pp_schedule 1f1b, and with pp > 1 without MTP (the stages' two embedding "
-                 "copies are summed after the step)")
+                 "full or matmul, and pp_schedule 1f1b")
         need(self.cp == 1 or self.pp_schedule == "1f1b",
              f"train field 'cp' ({self.cp}) runs with pp_schedule 1f1b, got {self.pp_schedule!r}")
         need(self.pp_schedule in SCHEDULES,
@@ -244,6 +243,8 @@ def _train(cfg: TrainConfig) -> dict:
     chunks = ChunkGrads(params, cfg.grad_chunks) if cfg.grad_chunks else None
     if stage is not None and chunks is not None:
         stage.chunk_grads, chunks = chunks, None  # the pipeline runs them per micro-batch
+        if stage.mtp and (mesh.first or mesh.last) and "embed.weight" in params:
+            stage.chunk_grads.deferred = ("embed.weight",)  # two copies: tied after the step
     if cmeta is not None:
         same = ((cmeta["world"], cmeta.get("pp", 1), cmeta.get("cp", 1), cmeta.get("pp_virtual", 1),
                  cmeta.get("ep", 1)) == (world, mesh.pp, mesh.cp, stage.virtual if stage is not None else 1, cfg.ep))

@@ -242,7 +242,9 @@ def chunk_backward(hook: ChunkGrads | None, mesh, micro: int = 0) -> Iterator[No
     got = hook.finish(shard.batch, mesh.cp, mesh.cp_rank, mesh.cp_group, micro)
     for n, p in hook.params.items():
         g = held[n]
-        if got is None:
+        if n in hook.deferred:
+            p.grad = g
+        elif got is None:
             p.grad = torch.zeros_like(p) if g is None else g
         else:
             p.grad = got[n] if g is None else g + got[n]
