@@ -1,5 +1,5 @@
 """CUDA registrations of the fused decode-path ops (``ops/fused.py``): their contracts and the
-Triton kernels of ``triton_mhc.py`` and ``triton_sample.py``, in both modes (the kernels are row-local); and the existing
+Triton kernels of ``triton_mhc.py``, ``triton_route.py`` and ``triton_sample.py``, in both modes (the kernels are row-local); and the existing
 row-local mHC read / write kernels for fast mode as well."""
 
 import importlib
@@ -45,6 +45,28 @@ def greedy_draw_ok(logits) -> bool:
             and logits.stride(1) == 1 and 0 < logits.shape[1] < 2**31)
 
 
+def moe_gate_ok(logits, bias, table, token_ids, k, scale) -> bool:
+    T = logits.shape[0] if logits.dim() == 2 else 0
+    E = logits.shape[1] if logits.dim() == 2 else 0
+    dev = logits.device
+    return (logits.is_cuda and logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and 1 <= E <= 1024 and 1 <= k <= min(E, 64)
+            and (table is None) != (bias is None)
+            and (bias is None or (bias.dtype == torch.float32 and bias.shape == (E,) and bias.is_contiguous()
+                                  and bias.device == dev))
+            and (table is None or (table.dtype in (torch.int32, torch.int64) and table.dim() == 2
+                                   and table.shape[1] == k and table.is_contiguous() and table.device == dev
+                                   and token_ids is not None and token_ids.dtype == torch.int64
+                                   and token_ids.shape == (T,) and token_ids.is_contiguous()
+                                   and token_ids.device == dev)))
+
+
+def moe_route_ok(indices, weights, n_experts) -> bool:
+    return (indices.is_cuda and indices.dtype == torch.int64 and indices.dim() == 2 and indices.is_contiguous()
+            and weights.dtype == torch.float32 and weights.shape == indices.shape and weights.is_contiguous()
+            and weights.device == indices.device and 1 <= n_experts <= 1024 and indices.numel() < 2**31)
+
+
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
 
 
@@ -86,5 +108,9 @@ def register_all(register) -> None:
              ref("swiglu_act_reference")), device="cuda", accepts=_with("triton", swiglu_act_ok))
     register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
              device="cuda", accepts=_with("triton", rope_ok))
+    register("moe_gate", "triton_moe_gate", _guarded("moe_gate", _lazy("triton_route", "moe_gate"),
+             ref("moe_gate_reference")), device="cuda", accepts=_with("triton", moe_gate_ok))
+    register("moe_route", "triton_moe_route", _guarded("moe_route", _lazy("triton_route", "moe_route"),
+             ref("moe_route_reference")), device="cuda", accepts=_with("triton", moe_route_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
              ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

@@ -27,7 +27,7 @@ from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import swiglu_act
+from v4stack.ops.fused import moe_gate, moe_route, swiglu_act
 
 
 class Expert(nn.Module):
@@ -80,14 +80,10 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """-> (expert indices ``[N, k]``, routing weights ``[N, k]`` in the compute dtype)."""
         cd = compute_dtype(x.dtype)
-        scores = ops.softplus(ops.linear(x.to(cd), self.weight.to(cd))).sqrt()
+        logits = ops.linear(x.to(cd), self.weight.to(cd))
         if self.hashed:
-            idx = self.tid2eid[token_ids].long()
-        else:
-            idx = ops.topk(scores + self.bias.to(cd), self.topk)[1]
-        w = scores.gather(1, idx)
-        w = w / ops.sum(w, -1, keepdim=True) * self.scale
-        return idx, w
+            return moe_gate(logits, None, self.tid2eid, token_ids, self.topk, self.scale)
+        return moe_gate(logits, self.bias.to(cd), None, None, self.topk, self.scale)
 
 
 class ExpertBackend(Protocol):
@@ -108,14 +104,12 @@ class LocalGrouped:
     def __call__(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         T, k = indices.shape
         w1, w2, w3 = moe.stacked_weights()
-        flat = indices.reshape(-1)
-        ids, order = torch.sort(flat, stable=True)  # by expert, then pair id (token * k + slot)
-        # row offsets without a host sync (bincount would read the max on the host)
-        offsets = torch.searchsorted(ids, torch.arange(moe.n_experts + 1, device=x.device))
-        rows = x[order // k].to(w1.dtype)
+        # by expert, then pair id (token * k + slot)
+        offsets, order, tok, ws = moe_route(indices, weights, moe.n_experts)
+        rows = x[tok].to(w1.dtype)
         cd = compute_dtype(x.dtype)
         act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
-                         weights.reshape(-1)[order], w2.dtype)
+                         ws, w2.dtype)
         out = ops.grouped_linear(act, w2, offsets).to(cd)
         y = torch.empty(T * k, x.shape[1], dtype=cd, device=x.device)
         y[order] = out

@@ -11,6 +11,12 @@
   (times the routing weight) between their GEMMs, one kernel on CUDA.
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
   len(freqs)`` channels by ``positions * freqs`` (``model/rope.py``).
+- ``moe_gate(logits, bias, table, token_ids, k, scale)``: the router after its projection:
+  ``sqrt(softplus)`` scores, top-k of ``score + bias`` (or a hash layer's table), normalised
+  weights (``triton_route.py``: one kernel instead of ~8).
+- ``moe_route(indices, weights, n_experts)``: the (token, slot) pairs stably sorted by expert:
+  the grouped GEMM's row offsets, the pair order, each sorted pair's token and weight (one
+  counting-sort kernel instead of a radix sort and ~5 index kernels).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -98,7 +104,27 @@ def greedy_draw_reference(logits: torch.Tensor):
     return tok, torch.stack([tok.double(), lp.double(), lp.clamp(max=0.0).double()], 1)
 
 
+def moe_gate_reference(logits, bias, table, token_ids, k: int, scale: float):
+    scores = ops.softplus(logits).sqrt()
+    if table is not None:
+        idx = table[token_ids].long()
+    else:
+        idx = ops.topk(scores + bias.to(scores.dtype), k)[1]
+    w = scores.gather(1, idx)
+    return idx, w / ops.sum(w, -1, keepdim=True) * scale
+
+
+def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+    k = indices.shape[1]
+    ids, order = torch.sort(indices.reshape(-1), stable=True)  # by expert, then pair id (token * k + slot)
+    # row offsets without a host sync (bincount would read the max on the host)
+    offsets = torch.searchsorted(ids, torch.arange(n_experts + 1, device=indices.device))
+    return offsets, order, order // k, weights.reshape(-1)[order]
+
+
 register("greedy_draw", "torch_composite", greedy_draw_reference)
+register("moe_gate", "torch_composite", moe_gate_reference)
+register("moe_route", "torch_composite", moe_route_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
@@ -150,3 +176,21 @@ def greedy_draw(logits: torch.Tensor):
     rows: id, its log-probability under ``log_softmax(logits.float())``, and that clamped at 0
     (the policy log-probability at temperature 1)."""
     return call("greedy_draw", ops.get_mode(), str(logits.dtype)[6:], logits.device.type, logits)
+
+
+def moe_gate(logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None, token_ids, k: int,
+             scale: float):
+    """The router from its logits ``[T, E]`` (compute dtype): scores ``sqrt(softplus(logits))``;
+    experts = the top ``k`` of ``scores + bias`` (descending), or ``table[token_ids]`` for a hash
+    layer (``bias`` None); weights = the chosen unbiased scores over their sum, times ``scale``.
+    -> (expert ids ``[T, k]`` int64, weights ``[T, k]`` in the logits' dtype)."""
+    return call("moe_gate", ops.get_mode(), str(logits.dtype)[6:], logits.device.type, logits, bias, table, token_ids,
+                k, scale)
+
+
+def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+    """``indices [T, k]`` (int64, in ``[0, n_experts)``), ``weights [T, k]`` -> the pairs ``p = t k
+    + j`` stably sorted by expert: row offsets ``[n_experts + 1]`` (int64), the order ``[T k]``,
+    each sorted pair's token ``order // k`` and weight ``weights.flat[order]``."""
+    return call("moe_route", ops.get_mode(), str(weights.dtype)[6:], indices.device.type, indices, weights,
+                n_experts)

@@ -1,0 +1,127 @@
+"""MoE routing kernels (Triton): the gate's scores to top-k, then (token, slot) pairs by expert.
+
+- ``moe_gate``: from the gate's logits ``[T, E]`` (fp32) per row: ``s = sqrt(softplus(l))``, the
+  top-k experts of ``s + bias`` (ties to the lower expert id, descending; or the fixed
+  ``tid2eid[token]`` table of a hash layer), their unbiased scores normalised to sum 1 and scaled.
+  One program per row, so a row's result does not depend on its batch. The torch composition
+  launches ~8 kernels (softplus, sqrt, bias add, topk, gather, sum, division, scaling).
+- ``moe_route``: a counting sort of the ``P = T * k`` pairs by expert id in one program: the
+  per-expert counts (the grouped GEMM's row offsets ``[E + 1]``), then each pair's rank in
+  pair order within its expert, so the order equals a stable sort's. It also writes each sorted
+  pair's token (``pair // k``) and routing weight. It replaces a radix sort (27 us a call on an
+  H200 at 384 pairs), ``searchsorted``, ``arange``, a division and a gather.
+
+Integer results are exact (equal to the torch reference's); ``softplus`` is
+``log1p(exp(x))`` (``x`` above 20 kept) with ``log1p`` computed as ``log(u) * e / (u - 1)``,
+divisions and square roots correctly rounded.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from v4stack.kernels.launch import launch, next_pow2
+
+
+@triton.jit
+def gate_kernel(L, B, TAB, TOK, IDX, WO, E, s_l, scale, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                HASHED: tl.constexpr, HAS_B: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BE)
+    ok = c < E
+    x = tl.load(L + t * s_l + c, mask=ok, other=0.0).to(tl.float32)
+    e = tl.exp(x)
+    u = 1.0 + e
+    lp = tl.where(u == 1.0, e, tl.div_rn(tl.log(u) * e, u - 1.0))
+    sp = tl.where(x > 20.0, x, lp)
+    s = tl.sqrt_rn(sp)
+    ks = tl.arange(0, KP)
+    kok = ks < K
+    sel = tl.full([KP], -1, tl.int32)
+    if HASHED:
+        tok = tl.load(TOK + t)
+        sel = tl.load(TAB + tok * K + ks, mask=kok, other=-1).to(tl.int32)
+    else:
+        v = s
+        if HAS_B:
+            v = s + tl.load(B + c, mask=ok, other=0.0)
+        v = tl.where(ok, v, float("-inf"))
+        for j in tl.static_range(K):
+            m = tl.max(v, axis=0)
+            pick = tl.min(tl.where(v == m, c, BE), axis=0)
+            sel = tl.where(ks == j, pick, sel)
+            v = tl.where(c == pick, float("-inf"), v)
+    # the chosen experts' unbiased scores, in slot order
+    w = tl.sum(tl.where(c[None, :] == sel[:, None], s[None, :], 0.0), axis=1)
+    tot = tl.sum(w, axis=0)
+    w = tl.div_rn(w, tot) * scale
+    tl.store(IDX + t * K + ks, sel.to(tl.int64), mask=kok)
+    tl.store(WO + t * K + ks, w, mask=kok)
+
+
+def moe_gate(logits: torch.Tensor, bias, table, token_ids, k: int, scale: float):
+    """-> expert ids ``[T, k]`` (int64) and routing weights ``[T, k]`` (fp32)."""
+    T, E = logits.shape
+    idx = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    if T:
+        hashed = table is not None
+        launch(gate_kernel, (T,), logits, bias if bias is not None else logits, table if hashed else idx,
+               token_ids if hashed else idx, idx, w, E, logits.stride(0), float(scale), K=k, KP=next_pow2(k), BE=next_pow2(E),
+               HASHED=hashed, HAS_B=bias is not None, num_warps=1)
+    return idx, w
+
+
+@triton.jit
+def route_kernel(IDX, W, OFF, ORDER, TOK, WS, P, E, K: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    ec = tl.arange(0, BE)
+    cnt = tl.zeros([BE], tl.int32)
+    for start in range(0, P, BP):
+        p = start + tl.arange(0, BP)
+        e = tl.load(IDX + p, mask=p < P, other=-1).to(tl.int32)
+        cnt += tl.sum((e[:, None] == ec[None, :]).to(tl.int32), axis=0)
+    ends = tl.cumsum(cnt, axis=0)
+    tl.store(OFF + 1 + ec, ends.to(tl.int64), mask=ec < E)
+    tl.store(OFF + ec, tl.zeros([BE], tl.int64), mask=ec == 0)
+    run = ends - cnt  # the next free row of each expert
+    for start in range(0, P, BP):
+        p = start + tl.arange(0, BP)
+        m = p < P
+        e = tl.load(IDX + p, mask=m, other=-1).to(tl.int32)
+        hit = (e[:, None] == ec[None, :]).to(tl.int32)
+        within = tl.cumsum(hit, axis=0)  # inclusive rank of each pair among its expert's in this block
+        pos = tl.sum(hit * (run[None, :] + within - 1), axis=1)
+        placed = m & (e >= 0) & (e < E)
+        tl.store(ORDER + pos, p.to(tl.int64), mask=placed)
+        tl.store(TOK + pos, (p // K).to(tl.int64), mask=placed)
+        tl.store(WS + pos, tl.load(W + p, mask=m, other=0.0), mask=placed)
+        run += tl.sum(hit, axis=0)
+
+
+def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+    """``indices [T, k]`` expert ids in ``[0, E)``, ``weights [T, k]`` -> row offsets ``[E + 1]``,
+    pair order ``[T k]`` (stable by expert), each sorted pair's token ``[T k]`` (int64) and weight
+    ``[T k]`` (``weights``' dtype)."""
+    T, k = indices.shape
+    P = T * k
+    dev = indices.device
+    off = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
+    order = torch.empty(P, dtype=torch.int64, device=dev)
+    tok = torch.empty(P, dtype=torch.int64, device=dev)
+    ws = torch.empty(P, dtype=weights.dtype, device=dev)
+    be = next_pow2(max(n_experts, 2))
+    bp = max(16, min(256, 8192 // be))
+    launch(route_kernel, (1,), indices, weights, off, order, tok, ws, P, n_experts, K=k, BP=bp, BE=be, num_warps=4)
+    return off, order, tok, ws
+
+
+def builds() -> dict:
+    """name -> (jit function, signature, constexprs) at V4-Flash widths (256 experts, top 6), for
+    the ahead-of-time Hopper build check."""
+    gate = dict(L="*fp32", B="*fp32", TAB="*i32", TOK="*i64", IDX="*i64", WO="*fp32", E="i32", s_l="i32", scale="fp32")
+    route = dict(IDX="*i64", W="*fp32", OFF="*i64", ORDER="*i64", TOK="*i64", WS="*fp32", P="i32", E="i32")
+    return {
+        "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True)),
+        "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False)),
+        "moe_route": (route_kernel, route, dict(K=6, BP=32, BE=256)),
+    }
