@@ -67,6 +67,17 @@ def moe_route_ok(indices, weights, n_experts) -> bool:
             and weights.device == indices.device and 1 <= n_experts <= 1024 and indices.numel() < 2**31)
 
 
+def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype) -> bool:
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    P = indices.numel()
+    return (out.is_cuda and out.dim() == 2 and out.dtype in fl and out.stride(1) == 1 and out.shape[0] == P
+            and rank.dtype == torch.int64 and rank.shape == (P,) and rank.is_contiguous() and rank.device == out.device
+            and indices.dtype == torch.int64 and indices.dim() == 2 and indices.is_contiguous()
+            and indices.device == out.device and 1 <= indices.shape[1] <= 64 and out_dtype in fl
+            and (shared is None or (shared.dtype in fl and shared.shape == (indices.shape[0], out.shape[1])
+                                    and shared.stride(1) == 1 and shared.device == out.device)))
+
+
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
 
 
@@ -112,5 +123,8 @@ def register_all(register) -> None:
              ref("moe_gate_reference")), device="cuda", accepts=_with("triton", moe_gate_ok))
     register("moe_route", "triton_moe_route", _guarded("moe_route", _lazy("triton_route", "moe_route"),
              ref("moe_route_reference")), device="cuda", accepts=_with("triton", moe_route_ok))
+    register("moe_unsort_combine", "triton_moe_unsort_combine", _guarded("moe_unsort_combine",
+             _lazy("triton_route", "moe_unsort_combine"), ref("moe_unsort_combine_reference")), device="cuda",
+             accepts=_with("triton", moe_unsort_combine_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
              ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

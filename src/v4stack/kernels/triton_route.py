@@ -10,6 +10,9 @@
   pair order within its expert, so the order equals a stable sort's. It also writes each sorted
   pair's token (``pair // k``) and routing weight. It replaces a radix sort (27 us a call on an
   H200 at 384 pairs), ``searchsorted``, ``arange``, a division and a gather.
+- ``moe_unsort_combine``: the grouped GEMM's sorted outputs back per token, summed in
+  ``ops.moe_combine``'s order (ascending expert id, fp32), plus the shared expert, cast to the
+  model's dtype: one kernel for a cast, a scatter, the combine, the add and the last cast.
 
 Integer results are exact (equal to the torch reference's); ``softplus`` is
 ``log1p(exp(x))`` (``x`` above 20 kept) with ``log1p`` computed as ``log(u) * e / (u - 1)``,
@@ -32,7 +35,8 @@ def gate_kernel(L, B, TAB, TOK, IDX, WO, E, s_l, scale, K: tl.constexpr, KP: tl.
     x = tl.load(L + t * s_l + c, mask=ok, other=0.0).to(tl.float32)
     e = tl.exp(x)
     u = 1.0 + e
-    lp = tl.where(u == 1.0, e, tl.div_rn(tl.log(u) * e, u - 1.0))
+    one = u == 1.0
+    lp = tl.where(one, e, tl.div_rn(tl.log(u) * e, tl.where(one, 1.0, u - 1.0)))
     sp = tl.where(x > 20.0, x, lp)
     s = tl.sqrt_rn(sp)
     ks = tl.arange(0, KP)
@@ -73,7 +77,7 @@ def moe_gate(logits: torch.Tensor, bias, table, token_ids, k: int, scale: float)
 
 
 @triton.jit
-def route_kernel(IDX, W, OFF, ORDER, TOK, WS, P, E, K: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
     ec = tl.arange(0, BE)
     cnt = tl.zeros([BE], tl.int32)
     for start in range(0, P, BP):
@@ -93,6 +97,7 @@ def route_kernel(IDX, W, OFF, ORDER, TOK, WS, P, E, K: tl.constexpr, BP: tl.cons
         pos = tl.sum(hit * (run[None, :] + within - 1), axis=1)
         placed = m & (e >= 0) & (e < E)
         tl.store(ORDER + pos, p.to(tl.int64), mask=placed)
+        tl.store(RANK + p, pos.to(tl.int64), mask=placed)
         tl.store(TOK + pos, (p // K).to(tl.int64), mask=placed)
         tl.store(WS + pos, tl.load(W + p, mask=m, other=0.0), mask=placed)
         run += tl.sum(hit, axis=0)
@@ -100,28 +105,68 @@ def route_kernel(IDX, W, OFF, ORDER, TOK, WS, P, E, K: tl.constexpr, BP: tl.cons
 
 def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
     """``indices [T, k]`` expert ids in ``[0, E)``, ``weights [T, k]`` -> row offsets ``[E + 1]``,
-    pair order ``[T k]`` (stable by expert), each sorted pair's token ``[T k]`` (int64) and weight
-    ``[T k]`` (``weights``' dtype)."""
+    pair order ``[T k]`` (stable by expert), each pair's position in it ``[T k]``, each sorted
+    pair's token ``[T k]`` (int64) and weight ``[T k]`` (``weights``' dtype)."""
     T, k = indices.shape
     P = T * k
     dev = indices.device
     off = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     order = torch.empty(P, dtype=torch.int64, device=dev)
+    rank = torch.empty(P, dtype=torch.int64, device=dev)
     tok = torch.empty(P, dtype=torch.int64, device=dev)
     ws = torch.empty(P, dtype=weights.dtype, device=dev)
     be = next_pow2(max(n_experts, 2))
     bp = max(16, min(256, 8192 // be))
-    launch(route_kernel, (1,), indices, weights, off, order, tok, ws, P, n_experts, K=k, BP=bp, BE=be, num_warps=4)
-    return off, order, tok, ws
+    launch(route_kernel, (1,), indices, weights, off, order, rank, tok, ws, P, n_experts, K=k, BP=bp, BE=be, num_warps=4)
+    return off, order, rank, tok, ws
+
+
+@triton.jit
+def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD: tl.constexpr, HAS_S: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = d < D
+    j = tl.arange(0, BK)
+    ids = tl.load(IDX + n * k + j, mask=j < k, other=0)
+    # ``ops.moe_combine``'s order: slot j's rank in (expert id, slot) order
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))
+    srt = tl.sum((before & (j < k)[None, :]).to(tl.int32), 1)
+    acc = tl.zeros([BD], tl.float32)
+    for r in range(0, k):
+        slot = tl.sum(tl.where((srt == r) & (j < k), j, 0), 0)
+        row = tl.load(RANK + n * k + slot)
+        acc += tl.load(O + row * s_o + d, mask=dm, other=0.0).to(tl.float32)
+    if HAS_S:
+        acc = acc + tl.load(S + n * s_s + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(Y + n * s_y + d, acc.to(Y.dtype.element_ty, fp_downcast_rounding="rtne"), mask=dm)
+
+
+def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, shared, out_dtype):
+    """Per token ``t``: the sorted outputs ``out[rank[t k + j]]`` summed in fp32 in ascending
+    expert id (ties in slot order), plus ``shared [T, d]`` (widened to fp32) if given, written in
+    ``out_dtype``."""
+    T, k = indices.shape
+    D = out.shape[1]
+    y = torch.empty(T, D, dtype=out_dtype, device=out.device)
+    if T and D:
+        bd = min(1024, next_pow2(D))
+        launch(unsort_kernel, (T, -(-D // bd)), out, rank, indices, shared if shared is not None else out, y, k, D,
+               out.stride(0), shared.stride(0) if shared is not None else 0, y.stride(0), BK=max(2, next_pow2(k)),
+               BD=bd, HAS_S=shared is not None, num_warps=4)
+    return y
 
 
 def builds() -> dict:
     """name -> (jit function, signature, constexprs) at V4-Flash widths (256 experts, top 6), for
     the ahead-of-time Hopper build check."""
     gate = dict(L="*fp32", B="*fp32", TAB="*i32", TOK="*i64", IDX="*i64", WO="*fp32", E="i32", s_l="i32", scale="fp32")
-    route = dict(IDX="*i64", W="*fp32", OFF="*i64", ORDER="*i64", TOK="*i64", WS="*fp32", P="i32", E="i32")
+    route = dict(IDX="*i64", W="*fp32", OFF="*i64", ORDER="*i64", RANK="*i64", TOK="*i64", WS="*fp32", P="i32",
+                 E="i32")
+    unsort = dict(O="*bf16", RANK="*i64", IDX="*i64", S="*fp32", Y="*bf16", k="i32", D="i32", s_o="i32", s_s="i32",
+                  s_y="i32")
     return {
         "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True)),
         "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False)),
         "moe_route": (route_kernel, route, dict(K=6, BP=32, BE=256)),
+        "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True)),
     }

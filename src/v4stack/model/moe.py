@@ -27,7 +27,7 @@ from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import moe_gate, moe_route, swiglu_act
+from v4stack.ops.fused import moe_gate, moe_route, moe_unsort_combine, swiglu_act
 
 
 class Expert(nn.Module):
@@ -57,13 +57,16 @@ def swiglu(x, w1, w2, w3, limit: float, weight: torch.Tensor | None = None) -> t
     return ops.linear(act, w2.to(cd))
 
 
-def swiglu_in_weight_dtype(x, w1, w2, w3, limit: float) -> torch.Tensor:
+def swiglu_in_weight_dtype(x, w1, w2, w3, limit: float, cast: bool = True) -> torch.Tensor:
     """The shared expert as ``LocalGrouped`` runs the routed ones: GEMMs in the weight dtype (fp32
     accumulation; no per-call cast of a weight to fp32), clamps and activation in the compute
-    dtype. The same arithmetic as ``swiglu`` when the weights are in the compute dtype."""
+    dtype. The same arithmetic as ``swiglu`` when the weights are in the compute dtype. Returned
+    in the compute dtype, or with ``cast`` False in the weight dtype (for a consumer that widens
+    it itself: the same values)."""
     xw = x.to(w1.dtype)
     act = swiglu_act(ops.linear(xw, w1), ops.linear(xw, w3), limit, None, w2.dtype)
-    return ops.linear(act, w2).to(compute_dtype(x.dtype))
+    y = ops.linear(act, w2)
+    return y.to(compute_dtype(x.dtype)) if cast else y
 
 
 class Gate(nn.Module):
@@ -102,18 +105,19 @@ class LocalGrouped:
     id, ties in slot order, fp32)."""
 
     def __call__(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        T, k = indices.shape
+        return self.run(moe, x, weights, indices, None, compute_dtype(x.dtype))
+
+    def run(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+            shared: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """The combined routed output plus ``shared`` (the shared expert's output, widened to the
+        compute dtype; or None), in ``out_dtype``."""
         w1, w2, w3 = moe.stacked_weights()
         # by expert, then pair id (token * k + slot)
-        offsets, order, tok, ws = moe_route(indices, weights, moe.n_experts)
+        offsets, order, rank, tok, ws = moe_route(indices, weights, moe.n_experts)
         rows = x[tok].to(w1.dtype)
-        cd = compute_dtype(x.dtype)
         act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
                          ws, w2.dtype)
-        out = ops.grouped_linear(act, w2, offsets).to(cd)
-        y = torch.empty(T * k, x.shape[1], dtype=cd, device=x.device)
-        y[order] = out
-        return ops.moe_combine(y.view(T, k, -1), indices)
+        return moe_unsort_combine(ops.grouped_linear(act, w2, offsets), rank, indices, shared, out_dtype)
 
 
 class MoE(nn.Module):
@@ -142,10 +146,15 @@ class MoE(nn.Module):
 
     def combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Routed experts through the backend, then the shared expert (in the compute dtype)."""
-        out = self.backend(self, x, w, idx)
         se = self.shared_experts
-        if se is not None:
-            out = out + swiglu_in_weight_dtype(x, se.w1.weight, se.w2.weight, se.w3.weight, se.limit)
+        local = isinstance(self.backend, LocalGrouped)  # it widens, adds and casts in its last kernel
+        shared = None if se is None else swiglu_in_weight_dtype(x, se.w1.weight, se.w2.weight, se.w3.weight, se.limit,
+                                                                cast=not local)
+        if local:
+            return self.backend.run(self, x, w, idx, shared, x.dtype)
+        out = self.backend(self, x, w, idx)
+        if shared is not None:
+            out = out + shared
         return out.to(x.dtype)
 
     # ---- stacked expert weights --------------------------------------------------------

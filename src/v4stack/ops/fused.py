@@ -17,6 +17,8 @@
 - ``moe_route(indices, weights, n_experts)``: the (token, slot) pairs stably sorted by expert:
   the grouped GEMM's row offsets, the pair order, each sorted pair's token and weight (one
   counting-sort kernel instead of a radix sort and ~5 index kernels).
+- ``moe_unsort_combine(out, rank, indices, shared, out_dtype)``: the sorted expert outputs back
+  per token, ``moe_combine``'d, plus the shared expert, in the model's dtype (one kernel on CUDA).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -119,12 +121,24 @@ def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts:
     ids, order = torch.sort(indices.reshape(-1), stable=True)  # by expert, then pair id (token * k + slot)
     # row offsets without a host sync (bincount would read the max on the host)
     offsets = torch.searchsorted(ids, torch.arange(n_experts + 1, device=indices.device))
-    return offsets, order, order // k, weights.reshape(-1)[order]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0], device=order.device)
+    return offsets, order, rank, order // k, weights.reshape(-1)[order]
+
+
+def moe_unsort_combine_reference(out, rank, indices, shared, out_dtype):
+    T, k = indices.shape
+    cd = torch.float64 if out.dtype == torch.float64 else torch.float32
+    r = ops.moe_combine(out.to(cd)[rank].view(T, k, -1), indices)
+    if shared is not None:
+        r = r + shared.to(r.dtype)
+    return r.to(out_dtype)
 
 
 register("greedy_draw", "torch_composite", greedy_draw_reference)
 register("moe_gate", "torch_composite", moe_gate_reference)
 register("moe_route", "torch_composite", moe_route_reference)
+register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
@@ -191,6 +205,16 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tenso
 def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
     """``indices [T, k]`` (int64, in ``[0, n_experts)``), ``weights [T, k]`` -> the pairs ``p = t k
     + j`` stably sorted by expert: row offsets ``[n_experts + 1]`` (int64), the order ``[T k]``,
-    each sorted pair's token ``order // k`` and weight ``weights.flat[order]``."""
+    its inverse ``rank`` (``order[rank[p]] == p``), each sorted pair's token ``order // k`` and
+    weight ``weights.flat[order]``."""
     return call("moe_route", ops.get_mode(), str(weights.dtype)[6:], indices.device.type, indices, weights,
                 n_experts)
+
+
+def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor | None,
+                       out_dtype):
+    """The routed experts' sorted outputs ``out [T k, d]`` back per token and combined:
+    ``ops.moe_combine(out.to(cd)[rank].view(T, k, d), indices)`` (``cd`` fp32, or fp64), plus
+    ``shared [T, d]`` widened to that dtype when given, returned in ``out_dtype``."""
+    return call("moe_unsort_combine", ops.get_mode(), str(out.dtype)[6:], out.device.type, out, rank, indices, shared,
+                out_dtype)

@@ -1,0 +1,155 @@
+"""The MoE routing kernels (``kernels/triton_route.py``) under Triton's interpreter: the gate's
+top-k and weights against float64 and the invariant-mode reference (ties to the lower expert id),
+row-locality, the counting sort equal to the stable sort, the Hopper build, and the CUDA dispatch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from v4stack import ops
+from v4stack.ops import fused
+
+tr = pytest.importorskip("v4stack.kernels.triton_route")
+
+
+def _routing(T, k, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k).long()
+    return idx, torch.rand(T, k, generator=g)
+
+
+@pytest.mark.parametrize("T,k,E", [(37, 6, 8), (90, 6, 256), (3, 2, 3), (0, 6, 8)])
+def test_route_kernel_is_the_stable_sort(T, k, E):
+    idx, w = _routing(T, k, E, seed=T + E)
+    got = tr.moe_route(idx, w, E)
+    want = fused.moe_route_reference(idx, w, E)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    off, order, rank, tok, ws = got
+    assert off[0] == 0 and off[-1] == T * k and torch.equal(order[rank], torch.arange(T * k))
+    if T > 1:  # inverse control: the pairs of an expert in reverse order are not what the kernel wrote
+        e = int(torch.bincount(idx.reshape(-1)).argmax())
+        seg = order[off[e]:off[e + 1]]
+        assert len(seg) > 1 and not torch.equal(seg.flip(0), seg)
+
+
+def test_gate_kernel_matches_float64_ties_to_the_lower_id_and_is_row_local():
+    g = torch.Generator().manual_seed(3)
+    T, k, E = 12, 6, 256
+    lg = torch.randn(T, E, generator=g) * 3
+    lg[4, :3] = 30.0  # softplus's linear branch, and a three-way tie: ids 0, 1, 2 in that order
+    lg[5] = -40.0  # softplus ~ exp(x): log1p's small branch
+    lg[5, 200] = -39.0
+    bias = torch.randn(E, generator=g) * 0.1
+    bias[:3] = 0.0
+    idx, w = tr.moe_gate(lg, bias, None, None, k, 2.5)
+    with ops.mode("invariant"):
+        ri, rw = fused.moe_gate_reference(lg.double(), bias.double(), None, None, k, 2.5)
+        ri32, _ = fused.moe_gate_reference(lg, bias, None, None, k, 2.5)
+    assert torch.equal(idx, ri) and torch.equal(idx, ri32)
+    assert idx[4, :3].tolist() == [0, 1, 2]
+    torch.testing.assert_close(w.double(), rw, atol=1e-6, rtol=1e-6)
+    ai, aw = tr.moe_gate(lg[9:10].clone(), bias, None, None, k, 2.5)
+    assert torch.equal(ai[0], idx[9]) and torch.equal(aw[0], w[9])
+    # inverse control: without the bias another choice is made
+    assert not torch.equal(tr.moe_gate(lg, torch.zeros_like(bias), None, None, k, 2.5)[0], idx)
+
+
+def test_gate_kernel_hash_layer_uses_the_table():
+    g = torch.Generator().manual_seed(4)
+    T, k, E, V = 17, 6, 8, 50
+    lg = torch.randn(T, E, generator=g)
+    tab = torch.randint(0, E, (V, k), generator=g, dtype=torch.int32)
+    tok = torch.randint(0, V, (T,), generator=g)
+    idx, w = tr.moe_gate(lg, None, tab, tok, k, 1.5)
+    ri, rw = fused.moe_gate_reference(lg.double(), None, tab, tok, k, 1.5)
+    assert torch.equal(idx, ri)
+    torch.testing.assert_close(w.double(), rw, atol=1e-6, rtol=1e-6)
+
+
+def test_unsort_combine_kernel_equals_the_invariant_reference_bits():
+    T, k, E, D = 4, 6, 8, 1100  # two column blocks, the last one cut
+    idx, w = _routing(T, k, E, seed=5)
+    idx[2, 3] = idx[2, 1]  # a repeated expert (a hash table may have one): ties in slot order
+    _, _, rank, _, _ = fused.moe_route_reference(idx, w, E)
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(T * k, D, generator=g).bfloat16()
+    sh = torch.randn(T, D, generator=g)
+    got = tr.moe_unsort_combine(out, rank, idx, sh, torch.float32)
+    with ops.mode("invariant"):
+        want = fused.moe_unsort_combine_reference(out, rank, idx, sh, torch.float32)
+        plain = fused.moe_unsort_combine_reference(out, rank, idx, sh.bfloat16(), torch.bfloat16)
+    assert torch.equal(got, want)
+    ref = fused.moe_unsort_combine_reference(out.double(), rank, idx, sh.double(), torch.float64)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    # the interpreter truncates to bfloat16 (the GPU rounds to nearest even: the CUDA test checks those bits)
+    b16 = tr.moe_unsort_combine(out, rank, idx, sh.bfloat16(), torch.bfloat16)  # the shared expert's dtype too
+    assert b16.dtype == torch.bfloat16
+    torch.testing.assert_close(b16.float(), plain.float(), atol=0, rtol=2 ** -7)
+    # inverse control: the pairs read in pair order instead of through the rank give other sums
+    assert not torch.equal(tr.moe_unsort_combine(out, torch.arange(T * k), idx, sh, torch.float32), got)
+
+
+def test_cpu_calls_run_the_composite_reference_in_both_modes():
+    idx, w = _routing(5, 2, 4, seed=1)
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            ops.reset_counters()
+            fused.moe_route(idx, w, 4)
+            fused.moe_gate(torch.randn(5, 4), torch.zeros(4), None, None, 2, 1.0)
+            c = ops.counters()
+            assert c["moe_route"] == {"torch_composite": 1} and c["moe_gate"] == {"torch_composite": 1}
+    from v4stack.kernels.fused_gpu import moe_gate_ok, moe_route_ok
+
+    assert not moe_route_ok(idx, w, 4) and not moe_gate_ok(torch.randn(5, 4), torch.zeros(4), None, None, 2, 1.0)
+
+
+def test_route_kernels_build_for_hopper():
+    code = ("import sys, triton; from triton.backends.compiler import GPUTarget; from triton.compiler import ASTSource; "
+            "from v4stack.kernels import triton_route as tr\n"
+            "for n, (fn, sig, cx) in tr.builds().items():\n"
+            "    k = triton.compile(ASTSource(fn=fn, signature={**sig, **{c: 'constexpr' for c in cx}}, constexprs=cx),"
+            " target=GPUTarget('cuda', 90, 32))\n"
+            "    p = k.asm['ptx']; assert '.entry' in p and 'div.approx' not in p and 'sqrt.approx' not in p, n\n"
+            "print('built', len(tr.builds()))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "built 4" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_route_kernels_on_cuda_match_the_reference_in_both_modes():
+    from v4stack.kernels import fused_gpu
+
+    idx, w = (t.cuda() for t in _routing(300, 6, 256, seed=7))
+    lg = (torch.randn(300, 256) * 3).cuda()
+    bias = (torch.randn(256) * 0.1).cuda()
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            ops.reset_counters()
+            got = fused.moe_route(idx, w, 256)
+            gi, gw = fused.moe_gate(lg, bias, None, None, 6, 2.5)
+            assert ops.counters()["moe_route"] == {"triton_moe_route": 1}
+            assert ops.counters()["moe_gate"] == {"triton_moe_gate": 1}
+            assert not fused_gpu.refused, fused_gpu.refused
+            assert all(torch.equal(a, b) for a, b in zip(got, fused.moe_route_reference(idx, w, 256)))
+            ai, aw = fused.moe_gate(lg[77:78].clone(), bias, None, None, 6, 2.5)
+            assert torch.equal(ai[0], gi[77]) and torch.equal(aw[0], gw[77])
+    with ops.mode("invariant"):
+        ri, rw = fused.moe_gate_reference(lg.double(), bias.double(), None, None, 6, 2.5)
+    assert torch.equal(gi, ri)
+    torch.testing.assert_close(gw.double(), rw, atol=1e-5, rtol=1e-5)  # exp / log: the approximate PTX ones
+    rank = got[2]
+    out = torch.randn(300 * 6, 4096, device="cuda").bfloat16()
+    sh = torch.randn(300, 4096, device="cuda")
+    with ops.mode("invariant"):
+        ops.reset_counters()
+        y = fused.moe_unsort_combine(out, rank, idx, sh, torch.bfloat16)
+        assert ops.counters()["moe_unsort_combine"] == {"triton_moe_unsort_combine": 1}
+        assert torch.equal(y, fused.moe_unsort_combine_reference(out, rank, idx, sh, torch.bfloat16))
+        ya = fused.moe_unsort_combine(out, rank[6 * 40:6 * 41].clone(), idx[40:41].clone(), sh[40:41], torch.bfloat16)
+        assert torch.equal(ya[0], y[40])
+    assert not fused_gpu.refused, fused_gpu.refused
