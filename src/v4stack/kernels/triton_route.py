@@ -157,16 +157,18 @@ def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Ten
 
 
 def builds() -> dict:
-    """name -> (jit function, signature, constexprs) at V4-Flash widths (256 experts, top 6), for
-    the ahead-of-time Hopper build check."""
+    """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check: at
+    V4-Flash widths (256 experts, top 6) and at 8 experts (the 4-layer serving bench)."""
     gate = dict(L="*fp32", B="*fp32", TAB="*i32", TOK="*i64", IDX="*i64", WO="*fp32", E="i32", s_l="i32", scale="fp32")
     route = dict(IDX="*i64", W="*fp32", OFF="*i64", ORDER="*i64", RANK="*i64", TOK="*i64", WS="*fp32", P="i32",
                  E="i32")
-    unsort = dict(O="*bf16", RANK="*i64", IDX="*i64", S="*fp32", Y="*bf16", k="i32", D="i32", s_o="i32", s_s="i32",
+    unsort = dict(O="*bf16", RANK="*i64", IDX="*i64", S="*bf16", Y="*bf16", k="i32", D="i32", s_o="i32", s_s="i32",
                   s_y="i32")
     return {
         "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True)),
+        "moe_gate_e8": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True)),
         "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False)),
         "moe_route": (route_kernel, route, dict(K=6, BP=32, BE=256)),
+        "moe_route_e8": (route_kernel, route, dict(K=6, BP=256, BE=8)),
         "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True)),
     }
