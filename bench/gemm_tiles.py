@@ -61,16 +61,22 @@ def _cost(v: dict) -> float:
 def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dict:
     """Per bucket: the cheapest bit-identical candidate at the bucket's measured M (``_cost``), if it
     beats the shipped default by more than ``margin`` or the default is not bit-identical; else the
-    default. Adjacent buckets with the same tile are merged. ``defaults``: tables in place of the
-    shipped ones."""
+    default. A bucket whose M the sweep did not measure (``--ms``) keeps the shipped tile. Adjacent
+    buckets with the same tile are merged. ``defaults``: tables in place of the shipped ones."""
     tables = {}
     for table, (section, buckets) in BUCKETS.items():
         rows = {r["M"]: r for r in rec.get(section, [])}
-        if not all(m in rows for m, _ in buckets):
+        if not any(m in rows for m, _ in buckets):
             continue
         out = []
         for m, top in buckets:
             default = TL.pick((defaults or {}).get(table) or getattr(TL, table), m)
+            if m not in rows:  # not measured: the shipped tile stays
+                if out and out[-1][1] == default:
+                    out[-1][0] = top
+                else:
+                    out.append([top, default])
+                continue
             ok = [v for v in rows[m]["variants"] if _bits_ok(v, table not in SOLE_TABLES) and "s" in v]
             t = _cost
             base = next((t(v) for v in ok if v["tile"] == default), None)
@@ -231,6 +237,10 @@ def main(argv=None) -> None:
     p.add_argument("--choose", default="", help="write the pick of every tile bucket to this tiles_chosen.json")
     p.add_argument("--small", action="store_true", help="tiny widths (a CPU dry run under TRITON_INTERPRET)")
     p.add_argument("--warm", type=int, default=0, help="compile the fixed-slice candidates in this many processes first")
+    p.add_argument("--target-s", type=float, default=0.02, help="seconds of calls per timed batch")
+    p.add_argument("--warm-also", default="", help="sections compiled by --warm but not swept (the GPU tests use them)")
+    p.add_argument("--ms", action="append", default=[], metavar="SECTION=M,M",
+                   help="measure these M only for a fixed-slice section (the other buckets keep their tiles)")
     p.add_argument("--choose-from", default="", help="only re-derive --choose from this sweep result (no GPU)")
     a = p.parse_args(argv)
     if a.choose_from:
@@ -262,7 +272,7 @@ def main(argv=None) -> None:
 
     sections = []
     if a.warm:
-        rec["warm_compile_s"] = round(warm(only, a.warm, a.small), 1)
+        rec["warm_compile_s"] = round(warm(only | set(filter(None, a.warm_also.split(","))), a.warm, a.small), 1)
         print("warm compile", rec["warm_compile_s"], "s", flush=True)
     if "indexer_rows" in only:
         def indexer_rows():
@@ -292,10 +302,12 @@ def main(argv=None) -> None:
                 out.append(row)
             rec["indexer_rows"] = out
         sections.append(indexer_rows)
-    for sec in slice_sections(a.small, dev):
+    ms = {k: tuple(int(m) for m in v.split(",")) for k, v in (e.split("=", 1) for e in a.ms)}
+    order = a.only.split(",")
+    for sec in sorted(slice_sections(a.small, dev), key=lambda sec: order.index(sec[0]) if sec[0] in order else 0):
         if sec[0] in only:
-            sections.append((lambda sec: lambda: _variants(sec[0], sec[1], sec[2], SLICE_MS, sec[3], sec[4], rec,
-                                                            sec[6], sec[5], also=sec[7]))(sec))
+            sections.append((lambda sec: lambda: _variants(sec[0], sec[1], sec[2], ms.get(sec[0], SLICE_MS), sec[3],
+                                                            sec[4], rec, sec[6], sec[5], a.target_s, sec[7]))(sec))
     if "grouped" in only:
         E, inter, k = (8, 64, 2) if a.small else (256, 2048, 6)
         wg = r(E, inter, d, scale=d ** -0.5)

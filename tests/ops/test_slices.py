@@ -35,6 +35,10 @@ def test_bf16_every_form_and_tile_gives_the_same_bits_alone_or_in_a_batch():
     assert {t.get("grid", False) for t in cands} == {True, False}  # both forms are compared
     ys = [_run(x, w, t, split, False, torch.bfloat16) for t in cands]
     assert all(torch.equal(y, ys[0]) for y in ys)
+    deep = _same_step(tiles.HALF_CANDIDATES, 128)  # the BK = 128 tiles agree among themselves too
+    assert {t.get("grid", False) for t in deep} == {True, False}
+    yd = [_run(x, w, t, split, False, torch.bfloat16) for t in deep]
+    assert all(torch.equal(y, yd[0]) for y in yd)
     for i in (0, 33, 69):
         assert torch.equal(_run(x[i:i + 1], w, cands[0], split, False, torch.bfloat16)[0], ys[0][i])
     want = (x.double() @ w.double().T)

@@ -29,13 +29,17 @@ HALF_CANDIDATES = (_t(64, 32, 128, grid=True), _t(64, 64, 64, grid=True), _t(64,
                    _t(64, 32, 64, s=6, grid=True), _t(128, 64, 64, grid=True), _t(64, 64, 64),
                    _t(128, 128, 64, w=8, tma=True), _t(128, 256, 64, w=8, s=3, tma=True),
                    _t(128, 256, 64, w=8, s=3, tma=True, WS=True), _t(16, 64, 128, s=4, grid=True),
-                   _t(32, 64, 64, s=5, grid=True), _t(128, 128, 64, w=8, s=5, tma=True))
+                   _t(32, 64, 64, s=5, grid=True), _t(128, 128, 64, w=8, s=5, tma=True),
+                   # M = 64..256: 128-512 programs in flight, deeper K steps (second sweep)
+                   _t(64, 32, 128), _t(64, 16, 128), _t(64, 16, 128, grid=True), _t(64, 64, 128, grid=True),
+                   _t(128, 128, 64, w=8, grid=True), _t(128, 64, 128, w=8, s=3), _t(64, 128, 128, s=3))
 HALF_TILES = ((64, HALF_CANDIDATES[1]), (256, HALF_CANDIDATES[2]), (1 << 62, HALF_CANDIDATES[6]))
 # fp32 (3xTF32, BK = F32_BK)
 F32_CANDIDATES = (_t(64, 32, F32_BK, s=3, grid=True), _t(64, 64, F32_BK, s=3, grid=True),
                   _t(64, 16, F32_BK, s=4, grid=True), _t(128, 64, F32_BK, w=8, s=3, grid=True),
                   _t(64, 64, F32_BK, s=3), _t(128, 64, F32_BK, w=8, s=3), _t(16, 32, F32_BK, s=4, grid=True),
-                  _t(32, 32, F32_BK, s=4, grid=True), _t(128, 64, F32_BK, w=8, s=4))
+                  _t(32, 32, F32_BK, s=4, grid=True), _t(128, 64, F32_BK, w=8, s=4),
+                  _t(16, 16, F32_BK, s=4, grid=True), _t(16, 32, F32_BK, s=3, grid=True))
 F32_TILES = ((64, F32_CANDIDATES[0]), (1 << 62, F32_CANDIDATES[1]))
 # hc_mix (fp32 3xTF32, N <= 64 in one N tile): rows per program, K step F32_BK
 HC_CANDIDATES = (dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
