@@ -92,6 +92,9 @@ def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dic
     return tables
 
 
+_ON_ROW = None
+
+
 def _time(fn, target_s=0.02) -> float:
     if not CUDA:  # a dry run of the script's logic
         t0 = time.perf_counter()
@@ -161,6 +164,8 @@ def _variants(name, run, tiles, ms, make, framework, rec, ref_tile, exact=None, 
               f"bad={[v['tile'] for v in row['variants'] if 'error' not in v and not _bits_ok(v)]} "
               f"err={[v['error'][:80] for v in row['variants'] if 'error' in v]}", flush=True)
         rec.setdefault(name, []).append(row)
+        if _ON_ROW is not None:  # partial results reach the disk row by row (a call may be cut short)
+            _ON_ROW()
 
 
 def slice_sections(small: bool, dev: str):
@@ -385,12 +390,7 @@ def main(argv=None) -> None:
                 print("host", M, {k2: round(v2 * 1e6, 2) for k2, v2 in res.items()}, flush=True)
             rec["host_us"] = out
         sections.append(host)
-    for sec in sections:
-        try:
-            sec()
-        except Exception:
-            rec.setdefault("errors", []).append(traceback.format_exc()[-1500:])
-            traceback.print_exc()
+    def checkpoint():
         if a.choose:
             rec["chosen"] = choose(rec)
             import json
@@ -402,6 +402,16 @@ def main(argv=None) -> None:
                                                 "tables": {**kept, **rec["chosen"]}}, indent=1)
                                     + "\n").encode())
         save()
+
+    global _ON_ROW
+    _ON_ROW = checkpoint
+    for sec in sections:
+        try:
+            sec()
+        except Exception:
+            rec.setdefault("errors", []).append(traceback.format_exc()[-1500:])
+            traceback.print_exc()
+        checkpoint()
         if CUDA:
             torch.cuda.empty_cache()
         print("section done", round(time.time() - t0, 1), flush=True)
