@@ -173,3 +173,22 @@ def test_bf16_streams_take_only_tiles_whose_bits_agree_there():
     assert all(also[(m, json.dumps(t, sort_keys=True))] for m in (1, 8, 64, 256, 4096) for _, t in tiles.HC_HALF_TILES)
     assert all(v.get("bits_equal_ref") for r in sweep["hc_mix"] for v in r["variants"]
                if v["tile"] in [t for _, t in tiles.HC_TILES])
+
+
+def test_the_shipped_linear_tiles_were_bit_checked_at_their_buckets():
+    # every bucket of HALF_TILES (and the decode buckets of F32_TILES) serves a tile whose rows the
+    # second H200 sweep found equal to the rows computed alone, at the M the bucket was measured at
+    import json
+    from pathlib import Path
+
+    from bench import gemm_tiles as G
+
+    sweep = json.loads((Path(__file__).resolve().parents[2] / "bench/results/gemm_tiles2_h200.json").read_text())
+    for table, ms in (("HALF_TILES", (1, 8, 64, 256, 4096)), ("F32_TILES", (1, 8))):
+        rows = {r["M"]: r for r in sweep[G.BUCKETS[table][0]]}
+        for m in ms:
+            tile = tiles.pick(getattr(tiles, table), m)
+            v = next(v for v in rows[m]["variants"] if v["tile"] == tile)
+            assert G._bits_ok(v), (table, m, tile)
+    # inverse control: a row whose bits differed is refused
+    assert not G._bits_ok({"bits_equal_alone": False, "bits_equal_ref": True})

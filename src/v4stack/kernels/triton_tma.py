@@ -10,8 +10,6 @@ differs - never an element's chain - so a row's bits are those of the small-M ti
 the GPU, ``bench/gemm_tiles.py``).
 """
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -74,34 +72,7 @@ def linear_tma(a, w, y, BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stage
     bd = TensorDescriptor.from_tensor(w, [BN, BK])
     cd = TensorDescriptor.from_tensor(y, [BM, BN])
     nsm = num_sms()
-    g0 = min(nsm, cdiv(M, BM) * cdiv(N, BN))
-    key = (a.device.index, a.dtype, BM, BN, BK, GROUP_M, num_warps, num_stages, WS, SPLIT, FLAT,
-           _spec(M), _spec(N), _spec(K))
-    k = _compiled.get(key)
-    if k is not None:  # the compiled kernel straight from its launcher: Triton's binder costs ~20 us a call here
-        from triton import knobs
-
-        if knobs.runtime.launch_enter_hook is None:
-            k.run(g0, 1, 1, _stream(a.device.index), k.function, k.packed_metadata, None, None,
-                  knobs.runtime.launch_exit_hook, ad, bd, cd, M, N, K, BM, BN, BK, GROUP_M, nsm, WS, SPLIT // BK, FLAT)
-            return y
-    k = linear_tma_kernel[(g0,)](ad, bd, cd, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, NUM_SMS=nsm, WS=WS,
-                                 KPS=SPLIT // BK, FLAT=FLAT, num_warps=num_warps, num_stages=num_stages)
-    if FAST_LAUNCH and k is not None:
-        _compiled[key] = k
+    grid = (min(nsm, cdiv(M, BM) * cdiv(N, BN)),)
+    linear_tma_kernel[grid](ad, bd, cd, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, NUM_SMS=nsm, WS=WS,
+                            KPS=SPLIT // BK, FLAT=FLAT, num_warps=num_warps, num_stages=num_stages)
     return y
-
-
-FAST_LAUNCH = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")  # later calls of a compiled specialisation skip Triton's binder (``linear_tma``)
-_compiled: dict = {}
-
-
-def _spec(v: int) -> int:
-    """What Triton specialises an int argument on: 1, divisible by 16, or neither."""
-    return 1 if v == 1 else (16 if v % 16 == 0 else 0)
-
-
-def _stream(index):
-    from torch._C import _cuda_getCurrentRawStream
-
-    return _cuda_getCurrentRawStream(index)
