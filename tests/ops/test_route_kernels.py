@@ -53,6 +53,10 @@ def test_gate_kernel_matches_float64_ties_to_the_lower_id_and_is_row_local():
     torch.testing.assert_close(w.double(), rw, atol=1e-6, rtol=1e-6)
     ai, aw = tr.moe_gate(lg[9:10].clone(), bias, None, None, k, 2.5)
     assert torch.equal(ai[0], idx[9]) and torch.equal(aw[0], w[9])
+    nan = lg[:2].clone()
+    nan[1] = float("nan")
+    ni = tr.moe_gate(nan, bias, None, None, k, 2.5)[0]
+    assert ((ni >= 0) & (ni < E)).all()  # a NaN row still names experts that exist
     # inverse control: without the bias another choice is made
     assert not torch.equal(tr.moe_gate(lg, torch.zeros_like(bias), None, None, k, 2.5)[0], idx)
 

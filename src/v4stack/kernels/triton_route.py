@@ -52,7 +52,8 @@ def gate_kernel(L, B, TAB, TOK, IDX, WO, E, s_l, scale, K: tl.constexpr, KP: tl.
         v = tl.where(ok, v, float("-inf"))
         for j in tl.static_range(K):
             m = tl.max(v, axis=0)
-            pick = tl.min(tl.where(v == m, c, BE), axis=0)
+            # (kept inside [0, E) even for a NaN row, so no later kernel indexes out of bounds)
+            pick = tl.minimum(tl.min(tl.where(v == m, c, BE), axis=0), E - 1)
             sel = tl.where(ks == j, pick, sel)
             v = tl.where(c == pick, float("-inf"), v)
     # the chosen experts' unbiased scores, in slot order
