@@ -1,5 +1,5 @@
 """CUDA registrations of the fused decode-path ops (``ops/fused.py``): their contracts and the
-Triton kernels of ``triton_mhc.py``, ``triton_route.py`` and ``triton_sample.py``, in both modes (the kernels are row-local); and the existing
+Triton kernels of ``triton_mhc.py``, ``triton_route.py``, ``triton_ring.py`` and ``triton_sample.py``, in both modes (the kernels are row-local); and the existing
 row-local mHC read / write kernels for fast mode as well."""
 
 import importlib
@@ -78,6 +78,21 @@ def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype) -> bool:
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 
 
+def tail_write_ok(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd) -> bool:
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    dev = kv.device
+    N = kv.shape[0] if kv.dim() == 2 else -1
+    W = kv.shape[1] if kv.dim() == 2 else -1
+    return (kv.is_cuda and kv.dim() == 2 and kv.dtype in fl and kv.stride(1) == 1 and score.shape == kv.shape
+            and score.dtype in fl and score.stride(1) == 1 and score.device == dev and cd == torch.float32
+            and ape.dtype == torch.float32 and ape.shape == (ratio, W) and ape.is_contiguous() and ape.device == dev
+            and positions.dtype == torch.int64 and positions.shape == (N,) and positions.is_contiguous()
+            and positions.device == dev and dest.dtype == torch.int64 and dest.shape == (N,) and dest.is_contiguous()
+            and dest.device == dev
+            and all(r.dtype == torch.float32 and r.dim() == 3 and r.shape[-1] == W and r.is_contiguous()
+                    and r.device == dev for r in (ring_kv, ring_score)))
+
+
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
 
 
@@ -126,5 +141,7 @@ def register_all(register) -> None:
     register("moe_unsort_combine", "triton_moe_unsort_combine", _guarded("moe_unsort_combine",
              _lazy("triton_route", "moe_unsort_combine"), ref("moe_unsort_combine_reference")), device="cuda",
              accepts=_with("triton", moe_unsort_combine_ok))
+    register("tail_write", "triton_tail_write", _guarded("tail_write", _lazy("triton_ring", "tail_write"),
+             ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
              ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

@@ -23,7 +23,7 @@ from v4stack.ops import fused
 from v4stack.config import ModelConfig
 from v4stack.model.compressor import Compressor
 from v4stack.model.indexer import Indexer
-from v4stack.model.linear import Linear
+from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model.norm import RMSNorm
 from v4stack.model.paged import PagedStep, Rings, entry_rows, take
 from v4stack.model.quant import grouped_weight
@@ -162,8 +162,14 @@ class Attention(nn.Module):
         """Feed this step's rows to ``comp``'s tail rings and write the entries that close straight
         into ``pool`` through the step's slot mapping."""
         b, cache = ps.batch, ps.cache
-        kv, score = comp.project(x, pos)
-        rings = Rings(cache.state[(kind, layer)], (kv, score), b, cache)
+        state = cache.state[(kind, layer)]
+        if b.decode and rowwise._HOOK.get() is None:
+            # ``comp.project``'s rows straight into the tail rings (one kernel on CUDA, same bits)
+            fused.tail_write(comp.wkv(x), comp.wgate(x), comp.ape, pos, comp.ratio, state[0], state[1],
+                             Rings.dest(b, state[0].shape[1]), compute_dtype(x.dtype))
+            rings = Rings(state, None, b, cache)
+        else:
+            rings = Rings(state, comp.project(x, pos), b, cache)
         cl = b.closing.get(comp.ratio)
         if cl is not None and cl.seq.numel():
             m = comp.ratio

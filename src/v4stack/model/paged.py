@@ -105,19 +105,30 @@ class Rings:
     """One kind of per-slot ring state (``R`` rows a slot, indexed ``position % R``) together with
     this step's fresh rows: maps (position, request) to a row of ``pools`` (``-1`` before 0)."""
 
-    def __init__(self, rings: tuple[torch.Tensor, ...], fresh: tuple[torch.Tensor, ...], b: StepBatch,
+    def __init__(self, rings: tuple[torch.Tensor, ...], fresh: tuple[torch.Tensor, ...] | None, b: StepBatch,
                  cache: PagedCache):
+        """``fresh`` None (a decode step only): the caller has written this step's rows into the
+        rings at ``Rings.dest`` already (``ops.fused.tail_write``); they are counted here."""
         self.rings, self.fresh, self.b, self.cache = rings, fresh, b, cache
         self.R = rings[0].shape[1]
         if b.decode:  # write first, then read in place
-            dest = b.shared(("ring_dest", self.R), lambda: b.slots * self.R + b.positions % self.R)
-            for ring, new in zip(rings, fresh):
-                ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
-                cache.count(new)
+            if fresh is None:
+                for ring in rings:
+                    cache.bytes_written += b.positions.shape[0] * ring.shape[-1] * ring.element_size()
+            else:
+                dest = Rings.dest(b, self.R)
+                for ring, new in zip(rings, fresh):
+                    ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
+                    cache.count(new)
             self.pools = tuple(r.view(-1, r.shape[-1]) for r in rings)
         else:
             self.pools = tuple(torch.cat((r[b.slots].reshape(-1, r.shape[-1]), f.to(r.dtype)))
                                for r, f in zip(rings, fresh))
+
+    @staticmethod
+    def dest(b: StepBatch, R: int) -> torch.Tensor:
+        """A decode step's ring row of every row (``R`` rows a slot), shared by the layers."""
+        return b.shared(("ring_dest", R), lambda: b.slots * R + b.positions % R)
 
     def rows(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Pool rows of positions ``q [n, k]`` of requests ``s [n]``."""

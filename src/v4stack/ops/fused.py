@@ -19,6 +19,8 @@
   counting-sort kernel instead of a radix sort and ~5 index kernels).
 - ``moe_unsort_combine(out, rank, indices, shared, out_dtype)``: the sorted expert outputs back
   per token, ``moe_combine``'d, plus the shared expert, in the model's dtype (one kernel on CUDA).
+- ``tail_write(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd)``: a compressor's
+  decode-step projections into its tail rings (``triton_ring.py``: one kernel instead of ~7).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -126,6 +128,12 @@ def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts:
     return offsets, order, rank, order // k, weights.reshape(-1)[order]
 
 
+def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest, cd) -> None:
+    kv, score = kv.to(cd), score.to(cd) + ape.to(cd)[positions % ratio]
+    for ring, new in ((ring_kv, kv), (ring_score, score)):
+        ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
+
+
 def moe_unsort_combine_reference(out, rank, indices, shared, out_dtype):
     T, k = indices.shape
     cd = torch.float64 if out.dtype == torch.float64 else torch.float32
@@ -139,6 +147,7 @@ register("greedy_draw", "torch_composite", greedy_draw_reference)
 register("moe_gate", "torch_composite", moe_gate_reference)
 register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
+register("tail_write", "torch_composite", tail_write_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
@@ -218,3 +227,12 @@ def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Ten
     ``shared [T, d]`` widened to that dtype when given, returned in ``out_dtype``."""
     return call("moe_unsort_combine", ops.get_mode(), str(out.dtype)[6:], out.device.type, out, rank, indices, shared,
                 out_dtype)
+
+
+def tail_write(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, ratio: int,
+               ring_kv: torch.Tensor, ring_score: torch.Tensor, dest: torch.Tensor, cd) -> None:
+    """A compressor's projections of a decode step's rows into its tail rings, in place: row ``n``
+    of ``kv.to(cd)`` and of ``score.to(cd) + ape.to(cd)[positions % ratio]`` (``Compressor.project``)
+    into ring row ``dest[n]`` of ``ring_kv`` / ``ring_score [S, R, W]`` (cast to their dtype)."""
+    return call("tail_write", ops.get_mode(), str(kv.dtype)[6:], kv.device.type, kv, score, ape, positions, ratio,
+                ring_kv, ring_score, dest, cd)

@@ -1,0 +1,46 @@
+"""The compressor's decode-step ring write (Triton): its two projections into its tail rings.
+
+``tail_write``: row ``n`` of a decode step writes ``kv[n]`` widened to the ring's dtype and
+``score[n] + ape[pos[n] % ratio]`` into ring row ``dest[n]`` of the kv and score rings. The torch
+composition launches up to seven kernels (two casts, the remainder, the ape gather, the add and
+two ``index_copy_``); this is one. Widening is exact and the add is one IEEE fp32 addition, so
+the rings hold the composition's bits, in both modes.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from v4stack.kernels.launch import launch, next_pow2
+
+
+@triton.jit
+def tail_kernel(KV, G, APE, POS, DEST, RK, RS, W, ratio, s_kv, s_g, BW: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BW + tl.arange(0, BW)
+    m = c < W
+    dst = tl.load(DEST + n)
+    a = tl.load(POS + n) % ratio
+    kv = tl.load(KV + n * s_kv + c, mask=m, other=0.0).to(RK.dtype.element_ty)
+    g = tl.load(G + n * s_g + c, mask=m, other=0.0).to(RS.dtype.element_ty)
+    g = g + tl.load(APE + a * W + c, mask=m, other=0.0).to(RS.dtype.element_ty)
+    tl.store(RK + dst * W + c, kv, mask=m)
+    tl.store(RS + dst * W + c, g, mask=m)
+
+
+def tail_write(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest) -> None:
+    """Rows ``kv, score [N, W]`` (any float dtype), ``ape [ratio, W]`` (fp32), ``positions [N]``
+    and ring rows ``dest [N]`` (int64) into ``ring_kv, ring_score [S, R, W]`` (fp32)."""
+    N, W = kv.shape
+    if N and W:
+        bw = min(1024, next_pow2(W))
+        launch(tail_kernel, (N, -(-W // bw)), kv, score, ape, positions, dest, ring_kv, ring_score, W, ratio,
+               kv.stride(0), score.stride(0), BW=bw, num_warps=4)
+
+
+def builds() -> dict:
+    """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check (a
+    CSA compressor at V4-Flash width: two 512-wide halves)."""
+    sig = dict(KV="*bf16", G="*bf16", APE="*fp32", POS="*i64", DEST="*i64", RK="*fp32", RS="*fp32", W="i32",
+               ratio="i32", s_kv="i32", s_g="i32")
+    return {"tail_write": (tail_kernel, sig, dict(BW=1024))}

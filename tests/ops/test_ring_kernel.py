@@ -1,0 +1,143 @@
+"""The compressor's decode-step ring write (``kernels/triton_ring.py``) under Triton's interpreter:
+the composition's bits in the rings, and a paged decode through it equal to one without it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from v4stack import ops
+from v4stack.ops import fused
+
+tk = pytest.importorskip("v4stack.kernels.triton_ring")
+
+
+def _case(N=5, W=1100, ratio=4, S=6, R=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(N, W, generator=g).bfloat16()
+    score = torch.randn(N, W, generator=g).bfloat16()
+    ape = torch.randn(ratio, W, generator=g)
+    pos = torch.randint(0, 1000, (N,), generator=g)
+    dest = torch.randperm(S * R, generator=g)[:N]
+    rings = [torch.randn(S, R, W, generator=g) for _ in range(2)]
+    return kv, score, ape, pos, dest, rings
+
+
+def test_tail_write_kernel_writes_the_composition_bits():
+    kv, score, ape, pos, dest, rings = _case()
+    got = [r.clone() for r in rings]
+    tk.tail_write(kv, score, ape, pos, 4, got[0], got[1], dest)
+    want = [r.clone() for r in rings]
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            fused.tail_write(kv, score, ape, pos, 4, want[0], want[1], dest, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    untouched = torch.ones(6 * 8, dtype=torch.bool)
+    untouched[dest] = False
+    assert torch.equal(got[0].view(48, -1)[untouched], rings[0].view(48, -1)[untouched])
+    # inverse control: another position in the block adds another ape row
+    other = [r.clone() for r in rings]
+    tk.tail_write(kv, score, ape, pos + 1, 4, other[0], other[1], dest)
+    assert torch.equal(other[0], got[0]) and not torch.equal(other[1], got[1])
+
+
+def test_tail_write_cpu_call_is_the_composition_and_the_kernel_builds():
+    kv, score, ape, pos, dest, rings = _case(N=2, W=16)
+    ops.reset_counters()
+    fused.tail_write(kv, score, ape, pos, 4, rings[0], rings[1], dest, torch.float32)
+    assert ops.counters()["tail_write"] == {"torch_composite": 1}
+    from v4stack.kernels.fused_gpu import tail_write_ok
+
+    assert not tail_write_ok(kv, score, ape, pos, 4, rings[0], rings[1], dest, torch.float32)
+    code = ("import triton; from triton.backends.compiler import GPUTarget; from triton.compiler import ASTSource; "
+            "from v4stack.kernels import triton_ring as t\n"
+            "for n, (fn, sig, cx) in t.builds().items():\n"
+            "    k = triton.compile(ASTSource(fn=fn, signature={**sig, **{c: 'constexpr' for c in cx}}, constexprs=cx),"
+            " target=GPUTarget('cuda', 90, 32))\n"
+            "    assert '.entry' in k.asm['ptx'], n\n"
+            "print('built', len(t.builds()))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "built 1" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.fixture
+def ring_kernel_on_cpu(monkeypatch):
+    from v4stack.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_table", {k: list(v) for k, v in dispatch._table.items()})
+
+    def run(kv, score, ape, pos, ratio, rk, rs, dest, cd):
+        assert cd == torch.float32
+        return tk.tail_write(kv, score, ape, pos, ratio, rk, rs, dest)
+
+    dispatch.register("tail_write", "triton_tail_write", run, device="cpu", first=True)
+    yield
+    dispatch._resolved.clear()
+
+
+@torch.no_grad()
+def test_paged_decode_through_the_ring_kernel_keeps_the_bits(ring_kernel_on_cpu):
+    """Prefill, then decode steps with the compressors' rows written by the kernel: the logits and
+    the bytes the cache counts equal a run without it (``tests/model/test_paged.py`` holds the
+    composition to the reference paths)."""
+    from v4stack.config import preset
+    from v4stack.model import V4Model
+    from v4stack.ops import dispatch
+    from v4stack.serve.cache import CacheManager
+    from v4stack.serve.model_runner import ModelRunner
+
+    model = V4Model(preset("tiny"), seed=3).eval().cast(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (21, 14)]
+
+    def drive():
+        cm = CacheManager(model.cfg, model.dtype, n_blocks=16, n_slots=2)
+        runner = ModelRunner(model, cm)
+        rcs = [cm.admit(s[:9]) for s in seqs]
+        for rc in rcs:
+            assert cm.reserve(rc, 9)
+        outs, written = [runner.run([(rc, s[:9]) for rc, s in zip(rcs, seqs)])], []
+        for p in range(9, 14):  # decode steps; ratio 4 entries close along the way
+            for rc in rcs:
+                assert cm.reserve(rc, 1)
+            outs.append(runner.run([(rc, [s[p]]) for rc, s in zip(rcs, seqs)]))
+            written.append(runner.last_bytes)
+        return outs, written
+
+    ops.reset_counters()
+    got, bytes1 = drive()
+    assert ops.counters()["tail_write"].get("triton_tail_write", 0) >= 5
+    saved = dispatch._table
+    dispatch._table = {k: [i for i in v if i.name != "triton_tail_write"] for k, v in saved.items()}
+    dispatch._resolved.clear()
+    try:
+        ops.reset_counters()
+        want, bytes2 = drive()
+        assert ops.counters()["tail_write"] == {"torch_composite": ops.counters()["tail_write"]["torch_composite"]}
+    finally:
+        dispatch._table = saved
+        dispatch._resolved.clear()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert bytes1 == bytes2 and min(bytes1) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tail_write_on_cuda_equals_the_composition_in_both_modes():
+    from v4stack.kernels import fused_gpu
+
+    kv, score, ape, pos, dest, rings = (t.cuda() if isinstance(t, torch.Tensor) else [r.cuda() for r in t]
+                                        for t in _case(N=40, W=1024, S=64, R=16))
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            got = [r.clone() for r in rings]
+            ops.reset_counters()
+            fused.tail_write(kv, score, ape, pos, 4, got[0], got[1], dest, torch.float32)
+            assert ops.counters()["tail_write"] == {"triton_tail_write": 1}
+            want = [r.clone() for r in rings]
+            fused.tail_write_reference(kv, score, ape, pos, 4, want[0], want[1], dest, torch.float32)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not fused_gpu.refused, fused_gpu.refused
