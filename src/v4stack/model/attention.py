@@ -143,8 +143,8 @@ class Attention(nn.Module):
                 iq, iw = self.indexer.project(qr, x, pos)
                 sel, valid = self.indexer.select_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows, visible)
                 idx.append(torch.where(valid, rows.gather(1, sel), -1))
-            else:
-                idx.append(torch.where(visible, rows, -1))
+            else:  # every HCA layer of this ratio reads the same candidates
+                idx.append(b.shared(("visible", m), lambda: torch.where(visible, rows, -1)))
             pools.append(ents.view(-1, ents.shape[-1]))
         out = ops.sparse_attention(q, pools, idx, self.attn_sink, self.scale)
         win.finish()
