@@ -1,5 +1,6 @@
-"""The compressor's decode-step ring write (``kernels/triton_ring.py``) under Triton's interpreter:
-the composition's bits in the rings, and a paged decode through it equal to one without it."""
+"""The decode step's ring writes under Triton's interpreter: the compressor's rows
+(``kernels/triton_ring.py``) and the window's rotated rows (``triton_mhc.rope_into``) hold the
+composition's bits, and a paged decode through them equals one without them."""
 
 import os
 import subprocess
@@ -43,6 +44,26 @@ def test_tail_write_kernel_writes_the_composition_bits():
     assert torch.equal(other[0], got[0]) and not torch.equal(other[1], got[1])
 
 
+def test_rope_into_kernel_writes_the_rotation_bits():
+    tm = pytest.importorskip("v4stack.kernels.triton_mhc")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 192, generator=g).bfloat16()  # 128 channels copied, 64 rotated
+    pos = torch.randint(0, 5000, (5,), generator=g)
+    freqs = 1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    pool = torch.randn(12, 192, generator=g).bfloat16()
+    dest = torch.tensor([7, 0, 11, 3, 4])
+    want = pool.clone()
+    want.index_copy_(0, dest, tm.rope(x, pos, freqs, False))
+    got = pool.clone()
+    tm.rope_into(x, pos, freqs, got, dest)
+    assert torch.equal(got, want)
+    ref = pool.clone()
+    fused.rope_into(x, pos, freqs, ref, dest)  # the CPU composition
+    torch.testing.assert_close(ref.float(), got.float(), atol=0, rtol=2 ** -7)  # (the interpreter truncates bf16)
+    # inverse control: the rows land where dest says
+    assert not torch.equal(got[dest], pool[dest]) and torch.equal(got[1], pool[1])
+
+
 def test_tail_write_cpu_call_is_the_composition_and_the_kernel_builds():
     kv, score, ape, pos, dest, rings = _case(N=2, W=16)
     ops.reset_counters()
@@ -60,7 +81,7 @@ def test_tail_write_cpu_call_is_the_composition_and_the_kernel_builds():
             "print('built', len(t.builds()))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and "built 1" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "built 3" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.fixture
@@ -74,6 +95,11 @@ def ring_kernel_on_cpu(monkeypatch):
         return tk.tail_write(kv, score, ape, pos, ratio, rk, rs, dest)
 
     dispatch.register("tail_write", "triton_tail_write", run, device="cpu", first=True)
+    # the rotation through its kernel in both runs (the interpreter rounds bf16 its own way), and
+    # the window rows rotated straight into the ring in one of them
+    tm = pytest.importorskip("v4stack.kernels.triton_mhc")
+    dispatch.register("rope", "triton_rope", tm.rope, device="cpu", first=True)
+    dispatch.register("rope_into", "triton_rope_into", tm.rope_into, device="cpu", first=True)
     yield
     dispatch._resolved.clear()
 
@@ -96,11 +122,11 @@ def test_paged_decode_through_the_ring_kernel_keeps_the_bits(ring_kernel_on_cpu)
     def drive():
         cm = CacheManager(model.cfg, model.dtype, n_blocks=16, n_slots=2)
         runner = ModelRunner(model, cm)
-        rcs = [cm.admit(s[:9]) for s in seqs]
+        rcs = [cm.admit(s[:6]) for s in seqs]
         for rc in rcs:
-            assert cm.reserve(rc, 9)
-        outs, written = [runner.run([(rc, s[:9]) for rc, s in zip(rcs, seqs)])], []
-        for p in range(9, 14):  # decode steps; ratio 4 entries close along the way
+            assert cm.reserve(rc, 6)
+        outs, written = [runner.run([(rc, s[:6]) for rc, s in zip(rcs, seqs)])], []
+        for p in range(6, 9):  # decode steps; a ratio 4 entry closes at position 7
             for rc in rcs:
                 assert cm.reserve(rc, 1)
             outs.append(runner.run([(rc, [s[p]]) for rc, s in zip(rcs, seqs)]))
@@ -109,14 +135,17 @@ def test_paged_decode_through_the_ring_kernel_keeps_the_bits(ring_kernel_on_cpu)
 
     ops.reset_counters()
     got, bytes1 = drive()
-    assert ops.counters()["tail_write"].get("triton_tail_write", 0) >= 5
+    assert ops.counters()["tail_write"].get("triton_tail_write", 0) >= 3
+    assert ops.counters()["rope_into"].get("triton_rope_into", 0) >= 3
     saved = dispatch._table
-    dispatch._table = {k: [i for i in v if i.name != "triton_tail_write"] for k, v in saved.items()}
+    dispatch._table = {k: [i for i in v if i.name not in ("triton_tail_write", "triton_rope_into")]
+                       for k, v in saved.items()}
     dispatch._resolved.clear()
     try:
         ops.reset_counters()
         want, bytes2 = drive()
         assert ops.counters()["tail_write"] == {"torch_composite": ops.counters()["tail_write"]["torch_composite"]}
+        assert "triton_rope_into" not in ops.counters()["rope_into"]
     finally:
         dispatch._table = saved
         dispatch._resolved.clear()
@@ -140,4 +169,18 @@ def test_tail_write_on_cuda_equals_the_composition_in_both_modes():
             want = [r.clone() for r in rings]
             fused.tail_write_reference(kv, score, ape, pos, 4, want[0], want[1], dest, torch.float32)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not fused_gpu.refused, fused_gpu.refused
+    x = torch.randn(40, 512, device="cuda").bfloat16()
+    pos2 = torch.randint(0, 100000, (40,), device="cuda")
+    freqs = (1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))).cuda()
+    pool = torch.randn(256, 512, device="cuda").bfloat16()
+    rows = torch.randperm(256, device="cuda")[:40]
+    for m in ("fast", "invariant"):
+        with ops.mode(m):
+            got, want = pool.clone(), pool.clone()
+            ops.reset_counters()
+            fused.rope_into(x, pos2, freqs, got, rows)
+            assert ops.counters()["rope_into"] == {"triton_rope_into": 1}
+            want.index_copy_(0, rows, fused.rope(x, pos2, freqs))
+            assert torch.equal(got, want)
     assert not fused_gpu.refused, fused_gpu.refused

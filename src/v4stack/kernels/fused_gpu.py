@@ -93,6 +93,13 @@ def tail_write_ok(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, c
                     and r.device == dev for r in (ring_kv, ring_score)))
 
 
+def rope_into_ok(x, positions, freqs, pool, dest) -> bool:
+    T = x.shape[0] if x.dim() else -1
+    return (rope_ok(x, positions, freqs, False) and pool.dtype == x.dtype and pool.dim() == 2
+            and pool.is_contiguous() and pool.device == x.device and T > 0 and pool.shape[1] * T == x.numel()
+            and dest.dtype == torch.int64 and dest.shape == (T,) and dest.is_contiguous() and dest.device == x.device)
+
+
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
 
 
@@ -143,5 +150,7 @@ def register_all(register) -> None:
              accepts=_with("triton", moe_unsort_combine_ok))
     register("tail_write", "triton_tail_write", _guarded("tail_write", _lazy("triton_ring", "tail_write"),
              ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
+    register("rope_into", "triton_rope_into", _guarded("rope_into", _lazy("triton_mhc", "rope_into"),
+             ref("rope_into_reference")), device="cuda", accepts=_with("triton", rope_into_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
              ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

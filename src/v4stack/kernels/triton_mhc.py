@@ -89,12 +89,16 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
 
 
 @triton.jit
-def rope_kernel(X, Y, POS, FREQ, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
-                BD: tl.constexpr):
-    """Token ``t`` = program 0, rows ``[BM * program 1, ...)`` of its ``M`` rows of width ``D``."""
+def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
+                BD: tl.constexpr, HAS_DEST: tl.constexpr):
+    """Token ``t`` = program 0, rows ``[BM * program 1, ...)`` of its ``M`` rows of width ``D``;
+    written to token ``t``'s rows of ``Y``, or with ``HAS_DEST`` to its rows at ``DEST[t]``."""
     t = tl.program_id(0).to(tl.int64)
     mr = tl.program_id(1) * BM + tl.arange(0, BM)
     base = (t * M + mr[:, None]) * D
+    ybase = base
+    if HAS_DEST:
+        ybase = (tl.load(DEST + t).to(tl.int64) * M + mr[:, None]) * D
     okm = (mr < M)[:, None]
     i = tl.arange(0, HALF)
     ang = tl.load(POS + t).to(tl.float64) * tl.load(FREQ + i)
@@ -105,12 +109,12 @@ def rope_kernel(X, Y, POS, FREQ, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, B
     b = tl.load(X + base + tail + 2 * i[None, :] + 1, mask=okm, other=0.0).to(tl.float32)
     ya = a * cos - b * sin
     yb = a * sin + b * cos
-    tl.store(Y + base + tail + 2 * i[None, :], ya.to(Y.dtype.element_ty), mask=okm)
-    tl.store(Y + base + tail + 2 * i[None, :] + 1, yb.to(Y.dtype.element_ty), mask=okm)
+    tl.store(Y + ybase + tail + 2 * i[None, :], ya.to(Y.dtype.element_ty), mask=okm)
+    tl.store(Y + ybase + tail + 2 * i[None, :] + 1, yb.to(Y.dtype.element_ty), mask=okm)
     for d0 in range(0, tail, BD):  # the channels before the rotated tail are copied
         d = d0 + tl.arange(0, BD)
         mk = okm & (d < tail)[None, :]
-        tl.store(Y + base + d[None, :], tl.load(X + base + d[None, :], mask=mk), mask=mk)
+        tl.store(Y + ybase + d[None, :], tl.load(X + base + d[None, :], mask=mk), mask=mk)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -120,9 +124,21 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
     M = x.numel() // max(1, T * D)
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
-        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, M, D,
-               SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, num_warps=4)
+        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, positions, M, D,
+               SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, num_warps=4)
     return y
+
+
+def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
+              dest: torch.Tensor) -> None:
+    """``rope(x, positions, freqs, False)`` written straight into rows ``dest [T]`` of ``pool [P,
+    numel / T]`` (x's dtype, contiguous): the same bits as the rotation then ``index_copy_``."""
+    T, D = x.shape[0], x.shape[-1]
+    M = x.numel() // max(1, T * D)
+    if x.numel():
+        bm = min(16, triton.next_power_of_2(M))
+        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, pool, positions, freqs, dest, M, D,
+               SIGN=1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=True, num_warps=4)
 
 
 @triton.jit

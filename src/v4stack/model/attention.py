@@ -95,11 +95,16 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = ops.rms_norm(self.wq_b(qr).view(N, H, c), None, self.eps)
         q = self.rotary.apply(q, positions)
-        kv = self.rotary.apply(self.kv_norm(self.wkv(x)), positions)
+        kv = self.kv_norm(self.wkv(x))
+        # a decode step rotates its window rows straight into the ring (``_paged``)
+        direct = (isinstance(segments, PagedStep) and segments.batch.decode and self.kv_rounding is None
+                  and rowwise._HOOK.get() is None)
+        if not direct:
+            kv = self.rotary.apply(kv, positions)
         if self.kv_rounding is not None:
             kv = self.kv_rounding(kv)
         if isinstance(segments, PagedStep):
-            o = self._paged(x, qr, q, kv, segments, layer)
+            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct)
         elif hasattr(segments, "attention"):  # a context-parallel shard supplies its own candidates
             o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
@@ -122,12 +127,20 @@ class Attention(nn.Module):
         cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
         return self._attend(q, segments, cands)
 
-    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int):
+    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True):
         """Attention by index over the pools: the window as ring rows, compressed entries through
-        the block table; closing entries and the new ring rows are written into the pools."""
+        the block table; closing entries and the new ring rows are written into the pools. ``kv``
+        not ``roped`` yet (a decode step): rotated straight into the window ring."""
         b, cache = ps.batch, ps.cache
         pos, W = b.positions, self.window
-        win = Rings(cache.state[("swa_kv", layer)], (kv,), b, cache)
+        ring = cache.state[("swa_kv", layer)]
+        if roped:
+            win = Rings(ring, (kv,), b, cache)
+        else:
+            R = ring[0].shape[1]
+            fused.rope_into(kv, pos, self.rotary.freqs_on(pos.device), ring[0].view(-1, ring[0].shape[-1]),
+                            Rings.dest(b, R))
+            win = Rings(ring, None, b, cache)
         win_rows = b.shared(("window", W, win.R), lambda: win.rows(
             pos.unsqueeze(1) + torch.arange(-W + 1, 1, device=pos.device), b.seq))
         pools, idx = [win.pools[0]], [win_rows]

@@ -49,7 +49,11 @@ class Rotary:
 
         ``x`` is ``[N, ..., D]`` and ``positions`` is ``[N]``; pairs are (2i, 2i+1) of the tail.
         """
-        f = self._on.get(positions.device)
+        return fused.rope(x, positions, self.freqs_on(positions.device), inverse)
+
+    def freqs_on(self, device) -> torch.Tensor:
+        """The frequencies (fp64) on ``device``, copied there once."""
+        f = self._on.get(device)
         if f is None:
-            f = self._on[positions.device] = self.freqs.to(positions.device)
-        return fused.rope(x, positions, f, inverse)
+            f = self._on[device] = self.freqs.to(device)
+        return f

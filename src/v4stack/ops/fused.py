@@ -21,6 +21,8 @@
   per token, ``moe_combine``'d, plus the shared expert, in the model's dtype (one kernel on CUDA).
 - ``tail_write(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd)``: a compressor's
   decode-step projections into its tail rings (``triton_ring.py``: one kernel instead of ~7).
+- ``rope_into(x, positions, freqs, pool, dest)``: ``rope`` written straight into rows of a pool
+  (the window ring of a decode step; one kernel instead of two).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -128,6 +130,10 @@ def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts:
     return offsets, order, rank, order // k, weights.reshape(-1)[order]
 
 
+def rope_into_reference(x, positions, freqs, pool, dest) -> None:
+    pool.index_copy_(0, dest, rope(x, positions, freqs, False).reshape(x.shape[0], -1).to(pool.dtype))
+
+
 def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest, cd) -> None:
     kv, score = kv.to(cd), score.to(cd) + ape.to(cd)[positions % ratio]
     for ring, new in ((ring_kv, kv), (ring_score, score)):
@@ -148,6 +154,7 @@ register("moe_gate", "torch_composite", moe_gate_reference)
 register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
+register("rope_into", "torch_composite", rope_into_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
@@ -236,3 +243,10 @@ def tail_write(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positio
     into ring row ``dest[n]`` of ``ring_kv`` / ``ring_score [S, R, W]`` (cast to their dtype)."""
     return call("tail_write", ops.get_mode(), str(kv.dtype)[6:], kv.device.type, kv, score, ape, positions, ratio,
                 ring_kv, ring_score, dest, cd)
+
+
+def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
+              dest: torch.Tensor) -> None:
+    """``rope(x, positions, freqs)`` (``x [T, ...]``) written in place into rows ``dest [T]`` of
+    ``pool [P, x.numel() / T]``, cast to the pool's dtype."""
+    return call("rope_into", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, pool, dest)
