@@ -7,7 +7,6 @@ two ``index_copy_``); this is one. Widening is exact and the add is one IEEE fp3
 the rings hold the composition's bits, in both modes.
 """
 
-import torch
 import triton
 import triton.language as tl
 
