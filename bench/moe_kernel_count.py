@@ -1,5 +1,6 @@
 """Kernels one MoE layer launches per decode step, counted on the CPU: before / after the fused
-routing kernels (``kernels/triton_route.py``).
+routing kernels (``kernels/triton_route.py``); and one compressor's decode-step ring write
+(``kernels/triton_ring.py``).
 
 Each torch op that does work (not a view, not an allocation) counts as one launch, and each
 Triton kernel as one (the routing kernels run in Triton's interpreter, registered for the CPU in
@@ -94,6 +95,30 @@ def _child(kernels: bool, batch: int) -> dict:
                                      "launches": sum(c.ops.values()) + sum(triton.values()),
                                      "ops": dict(sorted(c.ops.items())), "triton": dict(triton),
                                      "out_sum": float(y.float().sum())}
+    # a compressor's decode-step ring write (kv and score rows of 4 requests): the composition the
+    # CUDA path ran before ``ops.fused.tail_write``, or its kernel
+    if kernels:
+        from v4stack.kernels import triton_ring
+
+        register("tail_write", "triton_tail_write", counted("tail_write", lambda *a: triton_ring.tail_write(*a[:8])),
+                 device="cpu", first=True)
+    from v4stack.ops import fused
+
+    if hasattr(fused, "tail_write"):
+        write = fused.tail_write
+    else:  # the code before the op: ``Compressor.project``'s casts and ape add, then ``Rings``' two writes
+        def write(kv, score, ape, pos, ratio, rk, rs, dest, cd):
+            kv, score = kv.to(cd), score.to(cd) + ape.to(cd)[pos % ratio]
+            for ring, new in ((rk, kv), (rs, score)):
+                ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
+    kv, sc = torch.randn(4, 64).bfloat16(), torch.randn(4, 64).bfloat16()
+    rings = [torch.zeros(4, 8, 64) for _ in range(2)]
+    ape, pos, dest = torch.randn(4, 64), torch.arange(4), torch.arange(4) * 8
+    triton.clear()
+    with Count() as c:
+        write(kv, sc, ape, pos, 4, rings[0], rings[1], dest, torch.float32)
+    out["tail_write"] = {"torch_ops": sum(c.ops.values()), "triton_kernels": sum(triton.values()),
+                         "launches": sum(c.ops.values()) + sum(triton.values()), "ops": dict(sorted(c.ops.items()))}
     return out
 
 
@@ -120,7 +145,7 @@ def main(argv=None) -> int:
         runs[side] = json.loads(r.stdout.strip().splitlines()[-1])
     from bench.runner import write_result
 
-    summary = {k: {s: runs[s][k]["launches"] for s in runs} for k in runs["after"]}
+    summary = {k: {s: runs[s][k]["launches"] for s in runs if k in runs[s]} for k in runs["after"]}
     write_result(a.out, {"batch": a.batch, "before_src": a.before_label or a.before_src, "launches_per_layer": summary,
                          "runs": runs})
     print(json.dumps(summary, indent=1))
