@@ -16,27 +16,37 @@
 
 Integer results are exact (equal to the torch reference's); ``softplus`` is
 ``log1p(exp(x))`` (``x`` above 20 kept) with ``log1p`` computed as ``log(u) * e / (u - 1)``,
-divisions and square roots correctly rounded.
+divisions and square roots correctly rounded, ``exp`` / ``log`` from libdevice (the accurate
+functions, not the ``ex2.approx`` / ``lg2.approx`` of ``tl.exp``) on the GPU; Triton's interpreter,
+which has no libdevice, runs ``tl.exp`` / ``tl.log`` (``ACCURATE=False``).
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from v4stack.kernels.launch import launch, next_pow2
+from v4stack.kernels.launch import _INTERPRET, launch, next_pow2
 
 
 @triton.jit
 def gate_kernel(L, B, TAB, TOK, IDX, WO, E, s_l, scale, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                HASHED: tl.constexpr, HAS_B: tl.constexpr):
+                HASHED: tl.constexpr, HAS_B: tl.constexpr, ACCURATE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BE)
     ok = c < E
     x = tl.load(L + t * s_l + c, mask=ok, other=0.0).to(tl.float32)
-    e = tl.exp(x)
+    if ACCURATE:  # libdevice's accurate functions (on the GPU; Triton's interpreter has no libdevice)
+        e = libdevice.exp(x)
+    else:
+        e = tl.exp(x)
     u = 1.0 + e
     one = u == 1.0
-    lp = tl.where(one, e, tl.div_rn(tl.log(u) * e, tl.where(one, 1.0, u - 1.0)))
+    if ACCURATE:
+        lu = libdevice.log(u)
+    else:
+        lu = tl.log(u)
+    lp = tl.where(one, e, tl.div_rn(lu * e, tl.where(one, 1.0, u - 1.0)))
     sp = tl.where(x > 20.0, x, lp)
     s = tl.sqrt_rn(sp)
     ks = tl.arange(0, KP)
@@ -73,7 +83,7 @@ def moe_gate(logits: torch.Tensor, bias, table, token_ids, k: int, scale: float)
         hashed = table is not None
         launch(gate_kernel, (T,), logits, bias if bias is not None else logits, table if hashed else idx,
                token_ids if hashed else idx, idx, w, E, logits.stride(0), float(scale), K=k, KP=next_pow2(k), BE=next_pow2(E),
-               HASHED=hashed, HAS_B=bias is not None, num_warps=1)
+               HASHED=hashed, HAS_B=bias is not None, ACCURATE=not _INTERPRET, num_warps=1)
     return idx, w
 
 
@@ -166,9 +176,9 @@ def builds() -> dict:
     unsort = dict(O="*bf16", RANK="*i64", IDX="*i64", S="*bf16", Y="*bf16", k="i32", D="i32", s_o="i32", s_s="i32",
                   s_y="i32")
     return {
-        "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True)),
-        "moe_gate_e8": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True)),
-        "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False)),
+        "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True, ACCURATE=True)),
+        "moe_gate_e8": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True, ACCURATE=True)),
+        "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False, ACCURATE=True)),
         "moe_route": (route_kernel, route, dict(K=6, BP=32, BE=256)),
         "moe_route_e8": (route_kernel, route, dict(K=6, BP=256, BE=8)),
         "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True)),
