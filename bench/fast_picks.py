@@ -36,7 +36,10 @@ OWN_FRAMEWORK = {"grouped_linear"}  # cases whose ``framework`` is not fast mode
 ROUTED_PER_TOKEN = {"flash": 6, "quarter": 6}  # bench/ops.py WIDTHS[...]["k"]
 
 
-def derive(result: dict, source: str) -> dict:
+def derive(result: dict, source: str, previous: dict | None = None) -> dict:
+    """The picks from ``result``; a bucket it cannot re-derive (fast mode already ran the kernel and the
+    framework could not be timed alone, or the op was not measured) is kept from ``previous``, marked
+    ``carried_from`` with the commit it was measured at."""
     k = ROUTED_PER_TOKEN[result.get("widths", "flash")]
     ops: dict[str, dict] = {}
     for r in result["results"]:
@@ -57,6 +60,12 @@ def derive(result: dict, source: str) -> dict:
         entry["buckets"].append({"M": r["M"], "rows": r["M"] * (k if unit == "k" else 1), "pick": pick,
                                  "project_graph_s": r["invariant_graph_s"], "framework_graph_s": fw_s,
                                  "framework": sorted(fast_by)[0] if fast_by <= FRAMEWORK and fast_by else "torch"})
+    for key, e in (previous or {}).get("ops", {}).items():  # what this measurement could not re-derive
+        have = {b["M"] for b in ops.get(key, {}).get("buckets", [])}
+        kept = [{**b, "carried_from": b.get("carried_from") or previous.get("source_commit")}
+                for b in e["buckets"] if b["M"] not in have]
+        if kept:
+            ops.setdefault(key, {"kernel": e["kernel"], "buckets": []})["buckets"].extend(kept)
     for e in ops.values():
         e["buckets"].sort(key=lambda b: b["rows"])
     stamp = result.get("stamp", {})
@@ -73,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.fast_picks", description=__doc__.splitlines()[0])
     ap.add_argument("--source", default="bench/results/ops_h200.json")
     ap.add_argument("--out", default="src/v4stack/kernels/fast_picks.json")
+    ap.add_argument("--previous", default="src/v4stack/kernels/fast_picks.json",
+                    help="the table whose buckets are kept where the source cannot re-derive them ('' for none)")
     a = ap.parse_args(argv)
-    table = derive(json.loads(Path(a.source).read_text()), a.source)
+    prev = json.loads(Path(a.previous).read_text()) if a.previous and Path(a.previous).exists() else None
+    table = derive(json.loads(Path(a.source).read_text()), a.source, prev)
     atomic_write(a.out, (json.dumps(table, indent=1) + "\n").encode())
     for op, e in table["ops"].items():
         print(op, " ".join(f"{b['rows']}:{b['pick'][0]}" for b in e["buckets"]))
