@@ -169,7 +169,7 @@ def test_tail_write_on_cuda_equals_the_composition_in_both_modes():
             want = [r.clone() for r in rings]
             fused.tail_write_reference(kv, score, ape, pos, 4, want[0], want[1], dest, torch.float32)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert not fused_gpu.refused, fused_gpu.refused
+    assert not {k: v for k, v in fused_gpu.refused.items() if k in ("tail_write", "rope_into")}, fused_gpu.refused  # this file's kernels (the record is per process)
     x = torch.randn(40, 512, device="cuda").bfloat16()
     pos2 = torch.randint(0, 100000, (40,), device="cuda")
     freqs = (1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))).cuda()
@@ -183,4 +183,4 @@ def test_tail_write_on_cuda_equals_the_composition_in_both_modes():
             assert ops.counters()["rope_into"] == {"triton_rope_into": 1}
             want.index_copy_(0, rows, fused.rope(x, pos2, freqs))
             assert torch.equal(got, want)
-    assert not fused_gpu.refused, fused_gpu.refused
+    assert not {k: v for k, v in fused_gpu.refused.items() if k in ("tail_write", "rope_into")}, fused_gpu.refused  # this file's kernels (the record is per process)

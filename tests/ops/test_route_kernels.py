@@ -138,7 +138,7 @@ def test_route_kernels_on_cuda_match_the_reference_in_both_modes():
             gi, gw = fused.moe_gate(lg, bias, None, None, 6, 2.5)
             assert ops.counters()["moe_route"] == {"triton_moe_route": 1}
             assert ops.counters()["moe_gate"] == {"triton_moe_gate": 1}
-            assert not fused_gpu.refused, fused_gpu.refused
+            assert not {k: v for k, v in fused_gpu.refused.items() if k.startswith("moe_")}, fused_gpu.refused  # this file's kernels (the record is per process)
             assert all(torch.equal(a, b) for a, b in zip(got, fused.moe_route_reference(idx, w, 256)))
             ai, aw = fused.moe_gate(lg[77:78].clone(), bias, None, None, 6, 2.5)
             assert torch.equal(ai[0], gi[77]) and torch.equal(aw[0], gw[77])
@@ -156,7 +156,7 @@ def test_route_kernels_on_cuda_match_the_reference_in_both_modes():
         assert torch.equal(y, fused.moe_unsort_combine_reference(out, rank, idx, sh, torch.bfloat16))
         ya = fused.moe_unsort_combine(out, rank[6 * 40:6 * 41].clone(), idx[40:41].clone(), sh[40:41], torch.bfloat16)
         assert torch.equal(ya[0], y[40])
-    assert not fused_gpu.refused, fused_gpu.refused
+    assert not {k: v for k, v in fused_gpu.refused.items() if k.startswith("moe_")}, fused_gpu.refused  # this file's kernels (the record is per process)
 
 
 @pytest.fixture

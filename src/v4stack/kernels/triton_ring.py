@@ -27,9 +27,10 @@ def tail_kernel(KV, G, APE, POS, DEST, RK, RS, W, ratio, s_kv, s_g, BW: tl.const
     tl.store(RS + dst * W + c, g, mask=m)
 
 
-def tail_write(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest) -> None:
+def tail_write(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest, cd=None) -> None:
     """Rows ``kv, score [N, W]`` (any float dtype), ``ape [ratio, W]`` (fp32), ``positions [N]``
-    and ring rows ``dest [N]`` (int64) into ``ring_kv, ring_score [S, R, W]`` (fp32)."""
+    and ring rows ``dest [N]`` (int64) into ``ring_kv, ring_score [S, R, W]`` (fp32); ``cd``, the
+    op's compute dtype, is fp32 wherever the dispatch sends a call here (``tail_write_ok``)."""
     N, W = kv.shape
     if N and W:
         bw = min(1024, next_pow2(W))
