@@ -44,6 +44,26 @@ from v4stack.model.attention import Segment, window_candidates
 from v4stack.train.cp_comm import RowPlan, exchange_rows, gather_entries
 
 
+def projected_rows(attn, x, qr, kv, positions):
+    """What a layer's attention exchanges across shards: its row parts (the window's kv, then each
+    compressor's projections), the compressors, the indexer's queries and weights (or None), the halo
+    ``H`` the parts need (the window's W - 1, a compressor's ratio - 1 plus its overlap), the wire
+    dtype and the parts' widths."""
+    parts, needs, comps = [kv], [attn.window - 1], []
+    if attn.compressor is not None:
+        comps.append(attn.compressor)
+        parts += list(attn.compressor.project(x, positions))
+    iq = iw = None
+    if attn.indexer is not None:
+        iq, iw = attn.indexer.project(qr, x, positions)
+        comps.append(attn.indexer.compressor)
+        parts += list(attn.indexer.compressor.project(x, positions))
+    for comp in comps:
+        needs.append(comp.ratio - 1 + (comp.ratio if comp.overlap else 0))
+    wire = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+    return parts, comps, iq, iw, max(needs), wire, [p.shape[-1] for p in parts]
+
+
 @dataclass(frozen=True)
 class Layout:
     cp: int
@@ -152,22 +172,7 @@ class ContextShard:
     def attention(self, attn, x, qr, q, kv, positions, layer: int) -> torch.Tensor:
         lay, B, C = self.layout, self.batch, self.layout.chunk
         W = attn.window
-        parts = [kv]
-        needs = [W - 1]
-        comps = []
-        if attn.compressor is not None:
-            comps.append(attn.compressor)
-            parts += list(attn.compressor.project(x, positions))
-        iq = iw = None
-        if attn.indexer is not None:
-            iq, iw = attn.indexer.project(qr, x, positions)
-            comps.append(attn.indexer.compressor)
-            parts += list(attn.indexer.compressor.project(x, positions))
-        for comp in comps:
-            needs.append(comp.ratio - 1 + (comp.ratio if comp.overlap else 0))
-        H = max(needs)
-        wire = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-        widths = [p.shape[-1] for p in parts]
+        parts, comps, iq, iw, H, wire, widths = projected_rows(attn, x, qr, kv, positions)
         rows = torch.cat([p.to(wire) for p in parts], -1).view(B, 2 * C, -1).transpose(0, 1)
         halo = exchange_rows(rows, lay.row_plan(H), self.group)  # [2H, B, w]
         halo = halo.view(2, H, B, -1).permute(2, 0, 1, 3)  # [B, 2, H, w]

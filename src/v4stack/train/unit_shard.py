@@ -34,7 +34,7 @@ import torch
 from v4stack.model import rowwise
 from v4stack.model.attention import Segment, window_candidates
 from v4stack.train.chunk_grads import ChunkGrads, Runs
-from v4stack.train.context import Layout, head_losses, logged_means, shard_means
+from v4stack.train.context import Layout, head_losses, logged_means, projected_rows, shard_means
 from v4stack.train.cp_comm import UnitPlan, unit_entries, unit_spans
 
 
@@ -125,20 +125,7 @@ class UnitShard:
     def attention(self, attn, x, qr, q, kv, positions, layer: int) -> torch.Tensor:
         B, u, n = self.batch, self.u, len(self.mine)
         W = attn.window
-        parts, needs, comps = [kv], [W - 1], []
-        if attn.compressor is not None:
-            comps.append(attn.compressor)
-            parts += list(attn.compressor.project(x, positions))
-        iq = iw = None
-        if attn.indexer is not None:
-            iq, iw = attn.indexer.project(qr, x, positions)
-            comps.append(attn.indexer.compressor)
-            parts += list(attn.indexer.compressor.project(x, positions))
-        for comp in comps:
-            needs.append(comp.ratio - 1 + (comp.ratio if comp.overlap else 0))
-        H = max(needs)
-        wire = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-        widths = [p.shape[-1] for p in parts]
+        parts, comps, iq, iw, H, wire, widths = projected_rows(attn, x, qr, kv, positions)
         rows = torch.cat([p.to(wire) for p in parts], -1).view(B, n * u, -1).transpose(0, 1)
         spans = unit_spans(rows, unit_plan(self.layout, self.units, H), self.group)  # [n, H+u, B, w]
         spans = spans.permute(2, 0, 1, 3)  # [B, n, H+u, w]
