@@ -3,13 +3,11 @@ float semantics it declares (``triton_slices.FLOAT_SEMANTICS``): the fp32 GEMM a
 3xTF32 on ``wgmma`` (TF32 MMAs fed with operands split in the kernel), no other kernel uses TF32,
 and divisions / square roots are the correctly rounded PTX instructions."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton")
+
+from tests.ops.hopper import check, ptx  # noqa: E402
 
 FAST = ("sparse_attention_fused", "gemm_fp32_tf32x3", "gemm_bf16_small")
 SLOW = ("sparse_attention_split", "sparse_attention_merge", "grouped_gemm_bf16", "hc_mix", "hc_mix_bf16_streams",
@@ -17,39 +15,10 @@ SLOW = ("sparse_attention_split", "sparse_attention_merge", "grouped_gemm_bf16",
         "log_softmax_chunks", "gemm_bf16_mid", "gemm_bf16_large")
 
 
-TF32X3 = ("gemm_fp32_tf32x3", "hc_mix", "hc_mix_bf16_streams")
-
-
-def _ptx(names):
-    # a fresh process without TRITON_INTERPRET: the kernels must be real JIT functions to compile
-    code = ("import json,sys; from v4stack.kernels import builds; "
-            "print(json.dumps({n: builds.build(n).asm['ptx'] for n in sys.argv[1:]}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _check(ptx: dict):
-    for name, src in ptx.items():
-        assert ".entry" in src, name
-        if name in TF32X3:  # 3xTF32: TF32 MMAs only, on operands split by integer masks (and.b32)
-            assert "wgmma.mma_async" in src and ".tf32" in src and "and.b32" in src, name
-            assert "cvt.rna.tf32" not in src, name  # no conversion of its own: the split is exact
-        else:
-            assert "tf32" not in src, name  # no TF32 tensor-core rounding anywhere else
-        assert "div.approx" not in src and "div.full" not in src and "sqrt.approx" not in src, name
-    for name, src in ptx.items():  # every bf16 GEMM tile on the tensor cores (wgmma, or mma.sync for BM < 64:
-        if name.startswith("gemm_bf16"):  # bench/gemm_tiles.py keeps a tile only where its bits equal wgmma's)
-            assert "wgmma.mma_async" in src or "mma.sync.aligned" in src, name
-
-
 def test_main_kernels_build_for_hopper():
-    _check(_ptx(FAST))
+    check(ptx(FAST))
 
 
 @pytest.mark.slow
 def test_all_kernels_build_for_hopper():
-    _check(_ptx(SLOW))
+    check(ptx(SLOW))

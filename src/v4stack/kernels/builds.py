@@ -17,6 +17,8 @@ def kernels() -> dict:
     from v4stack.kernels import triton_attention as ta
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
+    from v4stack.kernels import triton_ring as ring
+    from v4stack.kernels import triton_route as route
     from v4stack.kernels import triton_rows as tr
     from v4stack.kernels import triton_slices as ts
 
@@ -62,6 +64,8 @@ def kernels() -> dict:
                         dict(BK=8, BD=1024)),
         "rms_norm": (tr.rms_norm_kernel, _sig("X W Y N Nf s_x s_y eps", [BF, BF, BF, I, F, I, I, F]),
                      dict(HAS_W=True, BLOCK=4096)),
+        **route.builds(),  # the MoE routing kernels (moe_*)
+        **ring.builds(),  # the decode step's ring writes
     }
 
 
