@@ -64,6 +64,28 @@ def projected_rows(attn, x, qr, kv, positions):
     return parts, comps, iq, iw, max(needs), wire, [p.shape[-1] for p in parts]
 
 
+def piece_candidates(attn, piece, window, positions, iq, iw, ents, ikeys):
+    """A piece's attention candidates ``(keys [n, K, c], mask [n, K])``: its SWA window (``window(h)``:
+    the ``h`` kv rows before the piece, then its own), then its sequence's compressed entries
+    ``ents [S, c]`` - the indexer's top-k of them by ``ikeys [S, ci]`` for CSA, all visible for HCA."""
+    W, p0 = attn.window, piece.pos0
+    pos = positions[piece.rows]
+    h = min(W - 1, p0)
+    keys, mask = window_candidates(window(h), p0 - h, pos, W)
+    keys, mask = [keys], [mask]
+    if ents is not None:
+        S, m = ents.shape[0], attn.ratio
+        visible = ((torch.arange(S, device=ents.device) + 1) * m - 1).unsqueeze(0) <= pos.unsqueeze(1)
+        if ikeys is not None:
+            sel, valid = attn.indexer.select(iq[piece.rows], iw[piece.rows], ikeys, visible)
+            keys.append(ents[sel])
+            mask.append(valid)
+        else:
+            keys.append(ents.unsqueeze(0).expand(piece.length, S, ents.shape[-1]))
+            mask.append(visible)
+    return torch.cat(keys, 1), torch.cat(mask, 1)
+
+
 @dataclass(frozen=True)
 class Layout:
     cp: int
@@ -171,7 +193,6 @@ class ContextShard:
 
     def attention(self, attn, x, qr, q, kv, positions, layer: int) -> torch.Tensor:
         lay, B, C = self.layout, self.batch, self.layout.chunk
-        W = attn.window
         parts, comps, iq, iw, H, wire, widths = projected_rows(attn, x, qr, kv, positions)
         rows = torch.cat([p.to(wire) for p in parts], -1).view(B, 2 * C, -1).transpose(0, 1)
         halo = exchange_rows(rows, lay.row_plan(H), self.group)  # [2H, B, w]
@@ -190,25 +211,9 @@ class ContextShard:
             ents = gathered[..., : attn.head_dim]
             if attn.indexer is not None:
                 ikeys = gathered[..., attn.head_dim:]
-        cands = []
-        for piece, (b, s) in zip(self.pieces, ((b, s) for b in range(B) for s in range(2))):
-            p0 = piece.pos0
-            pos = positions[piece.rows]
-            h = min(W - 1, p0)
-            keys, mask = window_candidates(span(0, b, s, h), p0 - h, pos, W)
-            keys, mask = [keys], [mask]
-            if ents is not None:
-                S, m = ents.shape[0], attn.ratio
-                e_b = ents[:, b]
-                visible = ((torch.arange(S, device=kv.device) + 1) * m - 1).unsqueeze(0) <= pos.unsqueeze(1)
-                if ikeys is not None:
-                    sel, valid = attn.indexer.select(iq[piece.rows], iw[piece.rows], ikeys[:, b], visible)
-                    keys.append(e_b[sel])
-                    mask.append(valid)
-                else:
-                    keys.append(e_b.unsqueeze(0).expand(piece.length, S, e_b.shape[-1]))
-                    mask.append(visible)
-            cands.append((torch.cat(keys, 1), torch.cat(mask, 1)))
+        cands = [piece_candidates(attn, piece, lambda h, b=b, s=s: span(0, b, s, h), positions, iq, iw,
+                                  None if ents is None else ents[:, b], None if ikeys is None else ikeys[:, b])
+                 for piece, (b, s) in zip(self.pieces, ((b, s) for b in range(B) for s in range(2)))]
         return attn._attend(q, self.pieces, cands)
 
     def _pool(self, comp, span, part: int, dtype) -> torch.Tensor:

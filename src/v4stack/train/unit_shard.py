@@ -32,9 +32,9 @@ from typing import Iterator
 import torch
 
 from v4stack.model import rowwise
-from v4stack.model.attention import Segment, window_candidates
+from v4stack.model.attention import Segment
 from v4stack.train.chunk_grads import ChunkGrads, Runs
-from v4stack.train.context import Layout, head_losses, logged_means, projected_rows, shard_means
+from v4stack.train.context import Layout, head_losses, logged_means, piece_candidates, projected_rows, shard_means
 from v4stack.train.cp_comm import UnitPlan, unit_entries, unit_spans
 
 
@@ -124,7 +124,6 @@ class UnitShard:
 
     def attention(self, attn, x, qr, q, kv, positions, layer: int) -> torch.Tensor:
         B, u, n = self.batch, self.u, len(self.mine)
-        W = attn.window
         parts, comps, iq, iw, H, wire, widths = projected_rows(attn, x, qr, kv, positions)
         rows = torch.cat([p.to(wire) for p in parts], -1).view(B, n * u, -1).transpose(0, 1)
         spans = unit_spans(rows, unit_plan(self.layout, self.units, H), self.group)  # [n, H+u, B, w]
@@ -144,25 +143,9 @@ class UnitShard:
             ents = gathered[..., : attn.head_dim]  # [n, S, B, c]: one copy per local unit
             if attn.indexer is not None:
                 ikeys = gathered[..., attn.head_dim:]
-        cands = []
-        for piece, (b, s) in zip(self.pieces, ((b, s) for b in range(B) for s in range(n))):
-            p0 = piece.pos0
-            pos = positions[piece.rows]
-            h = min(W - 1, p0)
-            keys, mask = window_candidates(span(0, b, s, h), p0 - h, pos, W)
-            keys, mask = [keys], [mask]
-            if ents is not None:
-                S, m = ents.shape[1], attn.ratio
-                e_b = ents[s, :, b]
-                visible = ((torch.arange(S, device=kv.device) + 1) * m - 1).unsqueeze(0) <= pos.unsqueeze(1)
-                if ikeys is not None:
-                    sel, valid = attn.indexer.select(iq[piece.rows], iw[piece.rows], ikeys[s, :, b], visible)
-                    keys.append(e_b[sel])
-                    mask.append(valid)
-                else:
-                    keys.append(e_b.unsqueeze(0).expand(piece.length, S, e_b.shape[-1]))
-                    mask.append(visible)
-            cands.append((torch.cat(keys, 1), torch.cat(mask, 1)))
+        cands = [piece_candidates(attn, piece, lambda h, b=b, s=s: span(0, b, s, h), positions, iq, iw,
+                                  None if ents is None else ents[s, :, b], None if ikeys is None else ikeys[s, :, b])
+                 for piece, (b, s) in zip(self.pieces, ((b, s) for b in range(B) for s in range(n)))]
         outs = []  # one attention call per piece: its rows are one unit, whatever the model's budget
         for piece, cand, run in zip(self.pieces, cands, self.runs().runs):
             with ChunkGrads.rows(Runs(((run[0], 0, u),), u)):
