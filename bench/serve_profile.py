@@ -41,7 +41,7 @@ def _is_kernel(e) -> bool:
     return e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
 
 
-def _summarise(prof, regions: tuple[str, ...], top: int = 15) -> dict:
+def _summarise(prof, regions: tuple[str, ...], top: int = 60) -> dict:
     evs = prof.events()
     dev = [e for e in evs if _is_kernel(e) and e.name not in regions]  # not the regions' device-side marks
     by_name = defaultdict(lambda: [0, 0.0])
