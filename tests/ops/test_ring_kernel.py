@@ -172,3 +172,22 @@ def test_tail_write_on_cuda_equals_the_composition_in_both_modes():
             want.index_copy_(0, rows, fused.rope(x, pos2, freqs))
             assert torch.equal(got, want)
     assert not {k: v for k, v in fused_gpu.refused.items() if k in ("tail_write", "rope_into")}, fused_gpu.refused  # this file's kernels (the record is per process)
+
+
+def test_rope_inplace_kernel_keeps_the_rotation_bits_and_touches_only_the_tail():
+    tm = pytest.importorskip("v4stack.kernels.triton_mhc")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 192, generator=g).bfloat16()  # [T, heads, D]: 128 channels kept, 64 rotated
+    pos = torch.randint(0, 5000, (6,), generator=g)
+    freqs = 1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    for inverse in (False, True):
+        want = tm.rope(x, pos, freqs, inverse)
+        got = x.clone()
+        assert tm.rope_(got, pos, freqs, inverse) is got
+        assert torch.equal(got, want)
+        assert torch.equal(got[..., :128], x[..., :128])  # the head channels are not rewritten
+        # inverse control: the other direction gives other bits in the tail
+        assert not torch.equal(tm.rope_(x.clone(), pos, freqs, not inverse)[..., 128:], want[..., 128:])
+    ref = x.clone()
+    fused.rope_(ref, pos, freqs, False)  # the CPU composition, in place
+    torch.testing.assert_close(ref.float(), tm.rope(x, pos, freqs, False).float(), atol=0, rtol=2 ** -7)

@@ -62,15 +62,23 @@ async def _probe(c: httpx.AsyncClient) -> float:
 
 
 async def _abuse(base: str, rng: random.Random) -> dict:
-    out = {"disconnects": 0, "slow": 0, "statuses": []}
+    out = {"disconnects": 0, "early": 0, "slow": 0, "statuses": []}
     async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=300) as c:
 
         async def disconnecter(i):
-            body = {"model": MODEL, "prompt": f"leave {i}", "max_tokens": 200, "temperature": 1.0, "stream": i % 2 == 0}
-            try:
-                await asyncio.wait_for(c.post("/v1/completions", json=body), timeout=rng.uniform(0.05, 2.0))
-            except asyncio.TimeoutError:
-                out["disconnects"] += 1
+            body = {"model": MODEL, "prompt": f"leave {i}", "max_tokens": 1000, "temperature": 1.0, "stream": True}
+            if i % 2:  # leaves at a random time, perhaps before the server has seen the request
+                try:
+                    await asyncio.wait_for(c.post("/v1/completions", json={**body, "stream": False}),
+                                           timeout=rng.uniform(0.05, 2.0))
+                except asyncio.TimeoutError:
+                    out["early"] += 1
+                return
+            async with c.stream("POST", "/v1/completions", json=body) as r:  # leaves a running request
+                async for _ in r.aiter_raw():
+                    break  # its first tokens came: it is running
+                await asyncio.sleep(rng.uniform(0.05, 1.0))
+            out["disconnects"] += 1
 
         async def slow_reader(i):
             body = {"model": MODEL, "prompt": f"slow {i}", "max_tokens": 60, "temperature": 0, "stream": True}

@@ -150,6 +150,8 @@ def register_all(register) -> None:
              accepts=_with("triton", moe_unsort_combine_ok))
     register("tail_write", "triton_tail_write", _guarded("tail_write", _lazy("triton_ring", "tail_write"),
              ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
+    register("rope_", "triton_rope_inplace", _guarded("rope_", _lazy("triton_mhc", "rope_"),
+             ref("rope_inplace_reference")), device="cuda", accepts=_with("triton", rope_ok))
     register("rope_into", "triton_rope_into", _guarded("rope_into", _lazy("triton_mhc", "rope_into"),
              ref("rope_into_reference")), device="cuda", accepts=_with("triton", rope_into_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),

@@ -90,9 +90,10 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
 
 @triton.jit
 def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
-                BD: tl.constexpr, HAS_DEST: tl.constexpr):
+                BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr = True):
     """Token ``t`` = program 0, rows ``[BM * program 1, ...)`` of its ``M`` rows of width ``D``;
-    written to token ``t``'s rows of ``Y``, or with ``HAS_DEST`` to its rows at ``DEST[t]``."""
+    written to token ``t``'s rows of ``Y``, or with ``HAS_DEST`` to its rows at ``DEST[t]``.
+    ``COPY`` False (``Y`` is ``X``): only the rotated tail is written, in place."""
     t = tl.program_id(0).to(tl.int64)
     mr = tl.program_id(1) * BM + tl.arange(0, BM)
     base = (t * M + mr[:, None]) * D
@@ -111,10 +112,11 @@ def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.conste
     yb = a * sin + b * cos
     tl.store(Y + ybase + tail + 2 * i[None, :], ya.to(Y.dtype.element_ty), mask=okm)
     tl.store(Y + ybase + tail + 2 * i[None, :] + 1, yb.to(Y.dtype.element_ty), mask=okm)
-    for d0 in range(0, tail, BD):  # the channels before the rotated tail are copied
-        d = d0 + tl.arange(0, BD)
-        mk = okm & (d < tail)[None, :]
-        tl.store(Y + ybase + d[None, :], tl.load(X + base + d[None, :], mask=mk), mask=mk)
+    if COPY:
+        for d0 in range(0, tail, BD):  # the channels before the rotated tail are copied
+            d = d0 + tl.arange(0, BD)
+            mk = okm & (d < tail)[None, :]
+            tl.store(Y + ybase + d[None, :], tl.load(X + base + d[None, :], mask=mk), mask=mk)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -127,6 +129,19 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, positions, M, D,
                SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, num_warps=4)
     return y
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """``rope`` in place: only the rotated tail of each row is read and written (a decode step's
+    queries and outputs, which nothing else holds), the same bits as ``rope``."""
+    T, D = x.shape[0], x.shape[-1]
+    M = x.numel() // max(1, T * D)
+    if x.numel():
+        bm = min(16, triton.next_power_of_2(M))
+        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, x, positions, freqs, positions, M, D,
+               SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, COPY=False,
+               num_warps=4)
+    return x
 
 
 def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,

@@ -94,7 +94,9 @@ class Attention(nn.Module):
         N, H, c = x.shape[0], self.n_heads, self.head_dim
         qr = self.q_norm(self.wq_a(x))
         q = ops.rms_norm(self.wq_b(qr).view(N, H, c), None, self.eps)
-        q = self.rotary.apply(q, positions)
+        # a serving step (no autograd) rotates its fresh queries and outputs in place
+        inplace = isinstance(segments, PagedStep) and not torch.is_grad_enabled() and rowwise._HOOK.get() is None
+        q = self.rotary.apply_(q, positions) if inplace else self.rotary.apply(q, positions)
         kv = self.kv_norm(self.wkv(x))
         # a decode step rotates its window rows straight into the ring (``_paged``)
         direct = (isinstance(segments, PagedStep) and segments.batch.decode and self.kv_rounding is None
@@ -109,7 +111,7 @@ class Attention(nn.Module):
             o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
             o = self._segments(x, qr, q, kv, positions, segments, layer)
-        o = self.rotary.apply(o, positions, inverse=True)
+        o = self.rotary.apply_(o, positions, inverse=True) if inplace else self.rotary.apply(o, positions, inverse=True)
         g = self.groups
         o = o.reshape(N, g, H * c // g)
         wa = grouped_weight(self.wo_a, g, self.group_rank)  # row slices once its dense copy is dropped

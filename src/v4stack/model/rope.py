@@ -51,6 +51,11 @@ class Rotary:
         """
         return fused.rope(x, positions, self.freqs_on(positions.device), inverse)
 
+    def apply_(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``apply`` in place (``ops.fused.rope_``: only the rotated channels are read and written),
+        for a tensor nothing else reads and autograd does not record."""
+        return fused.rope_(x, positions, self.freqs_on(positions.device), inverse)
+
     def freqs_on(self, device) -> torch.Tensor:
         """The frequencies (fp64) on ``device``, copied there once."""
         f = self._on.get(device)

@@ -21,6 +21,8 @@
   per token, ``moe_combine``'d, plus the shared expert, in the model's dtype (one kernel on CUDA).
 - ``tail_write(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd)``: a compressor's
   decode-step projections into its tail rings (``triton_ring.py``: one kernel instead of ~7).
+- ``rope_(x, positions, freqs, inverse)``: ``rope`` in place (a decode step's queries and
+  attention outputs: the kernel reads and writes the rotated tail only).
 - ``rope_into(x, positions, freqs, pool, dest)``: ``rope`` written straight into rows of a pool
   (the window ring of a decode step; one kernel instead of two).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
@@ -130,6 +132,10 @@ def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts:
     return offsets, order, rank, order // k, weights.reshape(-1)[order]
 
 
+def rope_inplace_reference(x, positions, freqs, inverse: bool) -> torch.Tensor:
+    return x.copy_(rope(x, positions, freqs, inverse))
+
+
 def rope_into_reference(x, positions, freqs, pool, dest) -> None:
     pool.index_copy_(0, dest, rope(x, positions, freqs, False).reshape(x.shape[0], -1).to(pool.dtype))
 
@@ -155,6 +161,7 @@ register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
 register("rope_into", "torch_composite", rope_into_reference)
+register("rope_", "torch_composite", rope_inplace_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
@@ -199,6 +206,11 @@ def group_linear(x: torch.Tensor, w: torch.Tensor, fp=None) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``x [T, ..., D]`` rotated on its last ``2 * len(freqs)`` channels; ``freqs`` fp64 on x's device."""
     return call("rope", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, inverse)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``rope`` written into ``x`` itself (returned); for tensors nothing else reads (no autograd)."""
+    return call("rope_", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, inverse)
 
 
 def greedy_draw(logits: torch.Tensor):
