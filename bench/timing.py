@@ -60,6 +60,40 @@ def back_to_back(fn, target_s: float) -> float:
     return statistics.median(ts)
 
 
+def interleaved(fns: dict, target_s: float, rounds: int = 7, contexts: dict | None = None) -> dict:
+    """``back_to_back`` for several calls at once: each call's batch size fills about ``target_s``,
+    then ``rounds`` rounds time one batch of every call, the order reversed every other round; the
+    median per call. Host drift (clocks, other load) lands on all of them alike, which two
+    ``back_to_back`` runs one after the other do not promise. ``contexts[key]``: a context factory
+    entered around that call's batches (e.g. an ops mode)."""
+    import contextlib
+
+    ctx = contexts or {}
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = {}
+    for k, fn in fns.items():
+        with ctx.get(k, contextlib.nullcontext)():
+            fn()
+            torch.cuda.synchronize()
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+        n[k] = max(3, min(200, int(target_s / max(s.elapsed_time(e) / 1e3, 1e-6))))
+    ts = {k: [] for k in fns}
+    keys = list(fns)
+    for r in range(rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            with ctx.get(k, contextlib.nullcontext)():
+                s.record()
+                for _ in range(n[k]):
+                    fns[k]()
+                e.record()
+                e.synchronize()
+            ts[k].append(s.elapsed_time(e) / 1e3 / n[k])
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
 def graph_time(fn, reps: int = 20, target_s: float = 0.03) -> float:
     """Device seconds per call without the host: ``fn`` captured ``reps`` times in one CUDA graph,
     the graph replayed back to back (how the serving engine runs a decode step)."""
