@@ -139,3 +139,30 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
     with ops.mode("fast"):
         torch.testing.assert_close(fused.group_linear(o, w).float(), fused.group_linear_reference(o, w).float(),
                                    atol=1e-2, rtol=1e-2)
+    # invariant mode: wo_a as one grouped GEMM, a row's bits the same alone and in a batch
+    o, w = torch.randn(70, 8, 512, device="cuda").bfloat16(), torch.randn(8, 128, 512, device="cuda").bfloat16() / 20
+    with ops.mode("invariant"):
+        ops.reset_counters()
+        y = fused.group_linear(o, w)
+        assert ops.counters()["group_linear"] == {"grouped_rows": 1}
+        assert torch.equal(fused.group_linear(o[40:41].clone(), w)[0], y[40])
+    torch.testing.assert_close(y.double(), fused.group_linear_reference(o.double(), w.double()), atol=2e-2, rtol=2e-2)
+
+
+def test_group_linear_as_grouped_rows_is_the_per_group_linears():
+    """The CUDA path of invariant ``group_linear`` (one ``grouped_linear`` whose experts are the
+    groups): its arithmetic is the per-group linears' (here through the CPU references, bit for
+    bit); the registration takes CUDA tensors only."""
+    from v4stack.kernels.fused_gpu import group_linear_ok, group_linear_rows
+
+    x, w = torch.randn(5, 4, 24, generator=g), torch.randn(4, 6, 24, generator=g)
+    for dt in (torch.float32, torch.bfloat16):
+        with ops.mode("invariant"):
+            got = group_linear_rows(x.to(dt), w.to(dt))
+            assert torch.equal(got, fused.group_linear_reference(x.to(dt), w.to(dt)))
+    assert got.shape == (5, 24) and group_linear_rows(x[:0], w).shape == (0, 24)
+    # inverse control: a group's rows taken from another group change its columns
+    with ops.mode("invariant"):
+        other = group_linear_rows(x.roll(1, dims=1), w)
+    assert not torch.equal(other[:, :6], group_linear_rows(x, w)[:, :6])
+    assert not group_linear_ok(x, w)

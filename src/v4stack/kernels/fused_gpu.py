@@ -100,6 +100,27 @@ def rope_into_ok(x, positions, freqs, pool, dest) -> bool:
             and dest.dtype == torch.int64 and dest.shape == (T,) and dest.is_contiguous() and dest.device == x.device)
 
 
+def group_linear_ok(x, w) -> bool:
+    return (x.is_cuda and isinstance(w, torch.Tensor) and w.is_cuda and x.dim() == 3 and w.dim() == 3
+            and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.shape[1] == w.shape[0] > 0 and x.shape[2] == w.shape[2] and x.device == w.device)
+
+
+def group_linear_rows(x, w):
+    """``group_linear`` (``x [T, g, k]``, ``w [g, r, k]``) as one grouped GEMM: group i's rows
+    ``x[:, i]`` are "expert" i's rows of ``ops.grouped_linear`` (invariant mode: a row's bits do
+    not depend on how many rows there are), instead of g GEMM launches of r columns each."""
+    from v4stack import ops
+
+    T, g, k = x.shape
+    if T == 0:
+        return x.new_empty(0, g * w.shape[1])
+    rows = x.transpose(0, 1).reshape(g * T, k)
+    offsets = torch.arange(0, (g + 1) * T, T, device=x.device, dtype=torch.int64)
+    y = ops.grouped_linear(rows, w, offsets)
+    return y.view(g, T, -1).transpose(0, 1).reshape(T, -1)
+
+
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
 
 
@@ -150,6 +171,9 @@ def register_all(register) -> None:
              accepts=_with("triton", moe_unsort_combine_ok))
     register("tail_write", "triton_tail_write", _guarded("tail_write", _lazy("triton_ring", "tail_write"),
              ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
+    # invariant mode's wo_a: one grouped GEMM per call instead of one GEMM per group
+    register("group_linear", "grouped_rows", group_linear_rows, mode="invariant", device="cuda",
+             accepts=_with("triton", group_linear_ok))
     register("rope_", "triton_rope_inplace", _guarded("rope_", _lazy("triton_mhc", "rope_"),
              ref("rope_inplace_reference")), device="cuda", accepts=_with("triton", rope_ok))
     register("rope_into", "triton_rope_into", _guarded("rope_into", _lazy("triton_mhc", "rope_into"),
