@@ -7,8 +7,9 @@ tile's, rows 0-3 and M-1 against those rows computed alone, and for hc_mix the s
 to back and under CUDA graphs next to the framework, with the relative error against float64 of
 the kernel and of the framework (fp32: cuBLAS SGEMM). ``--warm N`` compiles the candidates in N
 processes first; ``--choose`` writes the pick per size bucket (``choose``); ``--choose-from``
-re-derives it from a committed result without a GPU. Also: the grouped GEMM, indexer rows, and
-the host cost of one small op call split into its parts.
+re-derives it from a committed result without a GPU (also for the grouped GEMM's sweep,
+``bench/grouped_tiles.py``). Also: indexer rows, and the host cost of one small op call split into
+its parts.
 
     python -m bench.gemm_tiles --only linear_bf16,linear_fp32,hc_mix --warm 14 \
         --out bench/results/gemm_tiles_h200.json --choose src/v4stack/kernels/tiles_chosen.json
@@ -32,7 +33,7 @@ from bench.timing import back_to_back, graph_time, host_per_call
 from v4stack.kernels import tiles as TL  # noqa: E402
 
 BF16_TILES, F32_TILES = list(TL.HALF_CANDIDATES), list(TL.F32_CANDIDATES)
-HC_TILES, GROUPED_TILES = list(TL.HC_CANDIDATES), list(TL.GROUPED_CANDIDATES)
+HC_TILES = list(TL.HC_CANDIDATES)
 CUDA = torch.cuda.is_available()
 SLICE_MS = (1, 8, 64, 256, 4096)
 # (table, sweep section, M measured -> largest M of the bucket it picks for); the last bucket takes every M
@@ -40,7 +41,8 @@ BUCKETS = {"HALF_TILES": ("linear_bf16", ((1, 1), (8, 16), (64, 64), (256, 256),
            "F32_TILES": ("linear_fp32", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "HC_TILES": ("hc_mix", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "HC_HALF_TILES": ("hc_mix", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
-           "GROUPED_TILES": ("grouped", ((1, 1024), (4096, 1 << 62)))}
+           # the grouped GEMM (``bench/grouped_tiles.py``): by routed rows (tokens x top-6)
+           "GROUPED_TILES": ("grouped", ((6, 16), (48, 128), (384, 768), (1536, 6144), (24576, 1 << 62)))}
 
 
 SOLE_TABLES = {"HC_TILES"}  # served with the section's own inputs only (fp32): the ``also`` bits do not bind it
@@ -238,7 +240,7 @@ def warm(names, workers: int, small: bool) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/gemm_tiles_h200.json")
-    p.add_argument("--only", default="linear_bf16,grouped,linear_fp32,hc_mix,indexer_rows,host")
+    p.add_argument("--only", default="linear_bf16,linear_fp32,hc_mix,indexer_rows,host")
     p.add_argument("--choose", default="", help="write the pick of every tile bucket to this tiles_chosen.json")
     p.add_argument("--small", action="store_true", help="tiny widths (a CPU dry run under TRITON_INTERPRET)")
     p.add_argument("--warm", type=int, default=0, help="compile the fixed-slice candidates in this many processes first")
@@ -260,7 +262,6 @@ def main(argv=None) -> None:
         print(chosen)
         return
     from v4stack.kernels import triton_gemm as tg
-    from v4stack.kernels import triton_grouped as tgr
 
     dev = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
@@ -313,49 +314,6 @@ def main(argv=None) -> None:
         if sec[0] in only:
             sections.append((lambda sec: lambda: _variants(sec[0], sec[1], sec[2], ms.get(sec[0], SLICE_MS), sec[3],
                                                             sec[4], rec, sec[6], sec[5], a.target_s, sec[7]))(sec))
-    if "grouped" in only:
-        E, inter, k = (8, 64, 2) if a.small else (256, 2048, 6)
-        wg = r(E, inter, d, scale=d ** -0.5)
-
-        def routed(m):
-            ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(min(m, 64))]).repeat(-(-m // 64), 1)[:m]
-            flat = ids.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            off = torch.zeros(E + 1, dtype=torch.long, device=dev)
-            off[1:] = torch.cumsum(torch.bincount(flat, minlength=E), 0)
-            return r(flat.shape[0], d), off, flat[order]
-
-        def grouped_section():
-            from v4stack.ops import grouped
-
-            out = []
-            for m in ((1, 8) if a.small else (1, 4096)):
-                x, off, eid = routed(m)
-                # rows 0..3 alone under their expert: the default tile's bits
-                alone = []
-                for i in range(min(4, x.shape[0])):
-                    o1 = torch.zeros_like(off)
-                    o1[int(eid[i]) + 1:] = 1
-                    alone.append(tgr.grouped_linear(x[i:i + 1], wg, o1))
-                row = {"M": m, "rows": x.shape[0], "framework_s": _time(lambda: grouped.fast(x, wg, off))}
-                if hasattr(torch, "_grouped_mm") and not a.small:
-                    row["grouped_mm_s"] = _time(lambda: torch._grouped_mm(x, wg.transpose(1, 2), offs=off[1:].to(torch.int32)))
-                row["variants"] = []
-                for tile in GROUPED_TILES:
-                    v = {"tile": tile}
-                    try:
-                        y = tgr.grouped_linear(x, wg, off, tile)
-                        v["bits_equal_alone"] = all(torch.equal(y[i:i + 1], alone[i]) for i in range(len(alone)))
-                        v["s"] = _time(lambda: tgr.grouped_linear(x, wg, off, tile))
-                    except Exception as e:
-                        v["error"] = repr(e)[:300]
-                    row["variants"].append(v)
-                print("grouped", m, {k2: v2 for k2, v2 in row.items() if k2 != "variants"},
-                      [(v["tile"]["BN"], v.get("bits_equal_alone"), round(v.get("s", 0) * 1e6, 1))
-                       for v in row["variants"]], flush=True)
-                out.append(row)
-            rec["grouped"] = out
-        sections.append(grouped_section)
     if "host" in only:
         def host():
             from v4stack import ops

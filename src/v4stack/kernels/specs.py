@@ -209,7 +209,7 @@ def tile_spec(table: str, t: dict) -> str:
     if table in ("HC_TILES", "HC_HALF_TILES"):
         return f"hc_{form}_{t['BM']}x{t['BK']}"
     if table == "GROUPED_TILES":
-        return f"grouped_table_{t['BM']}x{t['BN']}x{t['BK']}"
+        return f"grouped_table_{t['BM']}x{t['BN']}x{t['BK']}" + ("_tma" if t.get("tma") else "")
     raise ValueError(table)
 
 
@@ -223,7 +223,7 @@ def _tile_builder(table: str, t: dict, name: str):
         return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.F32_SPLIT, grid=g, name=name)
     if table in ("HC_TILES", "HC_HALF_TILES"):  # N <= 64: BN is the next power of two of N, at most 64
         return lambda: specs_more.slices(t["BM"], 64, t["BK"], tiles.F32_SPLIT, grid=g, rms=True, name=name)
-    return lambda: specs_more.grouped_table(t["BM"], t["BN"], t["BK"], name=name)
+    return lambda: specs_more.grouped_table(t["BM"], t["BN"], t["BK"], name=name, tma=t.get("tma", False))
 
 
 for _table, _cands in tiles.CANDIDATES.items():  # every candidate tile: any of them may be chosen
@@ -248,7 +248,9 @@ def _active(*tables: str) -> list[str]:
     return [tile_spec(tb, t) for tb in tables for _, t in getattr(tiles, tb)]
 
 
-GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES"), "gemm_grouped": _active("GROUPED_TILES"),
+GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES"),
+          # the grouped GEMM's TMA tiles run the fallback tile where TMA's terms do not hold
+          "gemm_grouped": sorted({*_active("GROUPED_TILES"), tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),
           "hc_mix": _active("HC_TILES", "HC_HALF_TILES"), "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION}
 

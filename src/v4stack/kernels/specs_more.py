@@ -80,13 +80,20 @@ def sparse_attention_split(D=512, BH=16, CH=64) -> Spec:
     )
 
 
-def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table") -> Spec:
+def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False) -> Spec:
     """The grouped GEMM with its tile table in the kernel. Program (p, pn) finds expert ``e`` and
     its tile ``j`` within the expert: data that follow from the tile prefix sum (``0 <= j <
     ceil(n_e / BM)``), with the expert's row range ``[lo, hi)`` from the offsets (the contract:
     offsets rise from 0 to T, so different experts' ranges do not overlap - ``relate``). Also
     claimed and proved: ``min(E, T) + T // BM`` programs are enough (per expert ``ceil(n / BM) <=
-    n // BM + 1`` for n > 0, and floors add up to at most the floor of the sum)."""
+    n // BM + 1`` for n > 0, and floors add up to at most the floor of the sum).
+
+    ``tma``: the persistent TMA kernel (``triton_grouped_tma``). Its programs walk the same output
+    tiles (row tile, column tile) - each once, ``t -> (t % tiles, t // tiles)`` - so the tile is the
+    unit here; X and W are read by TMA boxes, which the hardware clips to the tensor (a box row past
+    the expert's end reads the next expert's row or, past T, zeros: the load's mask is the tensor's
+    bounds), W as one ``[E * N, K]`` matrix from row ``e * N + n * BN``; stores are masked as in
+    the table kernel."""
     import z3
 
     def row(n):
@@ -115,9 +122,11 @@ def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table") -> Spec:
             Access("Off", "load", lambda n: (n.le,), lambda n: (n.E + 1,), lambda n: n.le < n.E),
             Access("Off", "load", lambda n: (n.le + 1,), lambda n: (n.E + 1,), lambda n: n.le < n.E),
             Access("X", "load", lambda n: (row(n), kidx(n)), lambda n: (n.T, n.K),
-                   lambda n: z3.And(row(n) < n.hi, kidx(n) < n.K)),
+                   lambda n: z3.And(row(n) < (n.T if tma else n.hi), kidx(n) < n.K)),
             Access("W", "load", lambda n: (n.e, col(n), kidx(n)), lambda n: (n.E, n.N, n.K),
-                   lambda n: z3.And(col(n) < n.N, kidx(n) < n.K)),
+                   lambda n: z3.And(col(n) < n.N, kidx(n) < n.K)) if not tma else
+            Access("W", "load", lambda n: (n.e * n.N + col(n), kidx(n)), lambda n: (n.E * n.N, n.K),
+                   lambda n: z3.And(n.e * n.N + col(n) < n.E * n.N, kidx(n) < n.K)),
             Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.T, n.N),
                    lambda n: z3.And(row(n) < n.hi, col(n) < n.N), lanes=("i", "jc")),
         ),

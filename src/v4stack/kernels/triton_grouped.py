@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import cdiv, launch, next_pow2
-from v4stack.kernels.tiles import GROUPED_TILES, pick
+from v4stack.kernels.tiles import GROUPED_FALLBACK, GROUPED_TILES, pick
 from v4stack.kernels.triton_gemm import _mm_tile
 
 
@@ -44,19 +44,26 @@ def grouped_table_kernel(X, W, Y, Off, E, N, K, s_xm, s_we, s_wn, s_ym, EB: tl.c
 
 
 def grouped_linear(x, w, offsets, tile=None):
-    """``ops.grouped_linear`` on CUDA: one launch, the tile table computed by each program."""
+    """``ops.grouped_linear`` on CUDA: one launch, the tile table computed by each program (the
+    persistent TMA kernel, ``triton_grouped_tma``, where the tile asks for it and its terms hold)."""
     import torch
 
     T, K = x.shape
     E, N, _ = w.shape
     t = tile or pick(GROUPED_TILES, T)
-    bm = t["BM"]
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
     off = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
     xc = x if x.is_contiguous() else x.contiguous()
     wc = w if w.is_contiguous() else w.contiguous()
+    if t.get("tma", False):
+        from v4stack.kernels import triton_grouped_tma as tma
+
+        if tma.usable(xc, wc):
+            return tma.grouped_linear_tma(xc, wc, off, y, t)
+        t = GROUPED_FALLBACK  # its rows' bits are the TMA tiles' (the sweep checks)
+    bm = t["BM"]
     grid = (min(E, T) + T // bm, cdiv(N, t["BN"]))
     launch(grouped_table_kernel, grid, xc, wc, y, off, E, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
            EB=max(16, next_pow2(E)), BM=bm, BN=t["BN"], BK=t["BK"], IEEE=x.dtype == torch.float32,

@@ -1,0 +1,215 @@
+"""Tile sweep of the grouped expert GEMM (one H200 call), writing stamped JSON.
+
+At the expert widths of the flash4 config (hidden 4096, moe_intermediate 2048: the gate / up
+projection ``N 2048, K 4096`` and the down projection ``N 4096, K 2048``), with 8 and 64 experts and
+top-6 routing, at 1, 8, 64, 256 and 4096 tokens (6, 48, 384, 1536 and 24576 routed rows): every
+candidate of ``tiles.GROUPED_CANDIDATES`` (the table kernel's and the persistent TMA kernel's) is
+first checked bit for bit - its whole output against the reference tile's (``bits_equal_ref``), and
+probe rows (the first four, the last, the first of every fourth expert) against those rows computed
+alone, one row under its expert (``bits_equal_alone``) - then timed back to back (``s``) and under
+CUDA graphs (``graph_s``), next to ``torch._grouped_mm``, with the relative error against float64
+of the reference tile and of the framework. A variant's ``s`` / ``graph_s`` are the sums over the
+four (experts, projection) cases of a row count (``cases`` holds each); its bit flags hold for all
+four. ``--choose`` writes the pick per row bucket into ``tiles_chosen.json`` (``gemm_tiles.choose``:
+the cheapest bit-identical candidate, by graph plus back-to-back time); only GROUPED_TILES changes.
+
+    python -m bench.grouped_tiles --warm 12 --out bench/results/grouped_tiles_h200.json \
+        --choose src/v4stack/kernels/tiles_chosen.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from bench import gemm_tiles as GT
+from bench.runner import write_result
+from v4stack.kernels import tiles as TL
+
+CUDA = torch.cuda.is_available()
+SHAPES = (("gate_up", 2048, 4096), ("down", 4096, 2048))  # (projection, N, K) at flash4 widths
+SMALL_SHAPES = (("gate_up", 64, 96), ("down", 96, 64))
+EXPERTS = (8, 64)
+TOP_K = 6
+TOKENS = (256, 64, 1, 8, 4096)  # the serving target first (a call cut short keeps it)
+REF = TL.GROUPED_CANDIDATES[2]  # the table kernel's 64 x 64 x 64: the tile the others must equal
+
+
+def routed(tokens: int, E: int, K: int, dev: str, gen: torch.Generator):
+    """``tokens * TOP_K`` rows sorted by expert (each token's top-k of random scores), ``[E + 1]``
+    int64 offsets on the device, each row's expert."""
+    ids = torch.rand(tokens, E, generator=gen).topk(min(TOP_K, E), dim=1).indices.reshape(-1)
+    eid = ids.sort(stable=True).values
+    off = torch.zeros(E + 1, dtype=torch.long)
+    off[1:] = torch.bincount(eid, minlength=E).cumsum(0)
+    x = torch.randn(eid.shape[0], K, device=dev).to(torch.bfloat16)
+    return x, off.to(dev), eid
+
+
+def one_case(run, x, w, off, eid, tiles, target_s: float) -> dict:
+    """Bits and times of every tile on one (rows, experts, projection) case."""
+    E = w.shape[0]
+    rows = x.shape[0]
+    ref = run(REF, x, w, off)
+    firsts = [int(off[e]) for e in range(0, E, 4) if int(off[e + 1]) > int(off[e])]
+    probe = sorted({i for i in (0, 1, 2, 3, rows - 1, *firsts) if 0 <= i < rows})
+    alone = {}
+    for i in probe:
+        o1 = torch.zeros_like(off)
+        o1[int(eid[i]) + 1:] = 1
+        alone[i] = run(REF, x[i:i + 1], w, o1)
+    case = {"experts": E, "N": w.shape[1], "K": w.shape[2], "rows": rows,
+            "rows_per_expert_max": int((off[1:] - off[:-1]).max()), "probe_rows": probe}
+    if CUDA:
+        fw = lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=off[1:].to(torch.int32), out_dtype=x.dtype)  # noqa: E731
+        case["framework_s"] = GT._time(fw, target_s)
+        case["framework_graph_s"] = GT.graph_time(fw, 10, target_s)
+        want = torch.empty(rows, w.shape[1], dtype=torch.float64, device=x.device)
+        for e in range(E):
+            a, b = int(off[e]), int(off[e + 1])
+            if b > a:
+                want[a:b] = x[a:b].double() @ w[e].double().T
+        case["rel_err"] = GT._rel_err(ref, want)
+        case["framework_rel_err"] = GT._rel_err(fw(), want)
+        del want
+    out = []
+    for tile in tiles:
+        v = {}
+        try:
+            y = run(tile, x, w, off)
+            v["bits_equal_ref"] = bool(torch.equal(y, ref))
+            v["bits_equal_alone"] = all(torch.equal(y[i:i + 1], alone[i]) for i in probe)
+            v["s"] = GT._time(lambda: run(tile, x, w, off), target_s)
+            v["graph_s"] = GT.graph_time(lambda: run(tile, x, w, off), 10, target_s) if CUDA else v["s"]
+        except Exception as e:  # a variant that does not build or run is recorded, the rest still run
+            v["error"] = repr(e)[:300]
+        out.append(v)
+    return case, out
+
+
+def _warm(job):
+    """Compile one candidate (a worker process) at both experts' specialisations, small widths."""
+    idx, small = job
+    from v4stack.kernels import triton_grouped as tgr
+
+    dev = "cuda" if CUDA else "cpu"
+    gen = torch.Generator().manual_seed(idx)
+    tile = TL.GROUPED_CANDIDATES[idx]
+    try:
+        for E in EXPERTS:
+            for _, N, K in (SMALL_SHAPES if small else ((0, 256, 256),)):
+                x, off, _ = routed(16, E, K, dev, gen)
+                w = torch.randn(E, N, K, device=dev).to(torch.bfloat16)
+                tgr.grouped_linear(x, w, off, tile)
+        if CUDA:
+            torch.cuda.synchronize()
+    except Exception as e:  # recorded; the sweep times what built
+        return f"{tile}: {e!r}"[:300]
+    return True
+
+
+def warm(workers: int, small: bool) -> list:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        return list(ex.map(_warm, [(i, small) for i in range(len(TL.GROUPED_CANDIDATES))]))
+
+
+def sweep(rec: dict, tokens, small: bool, target_s: float, on_row) -> None:
+    from v4stack.kernels import triton_grouped as tgr
+
+    dev = "cuda" if CUDA else "cpu"
+    gen = torch.Generator().manual_seed(0)  # the routing (on the host)
+    torch.manual_seed(0)  # rows and weights (on the device)
+    tiles = list(TL.GROUPED_CANDIDATES)
+    shapes = SMALL_SHAPES if small else SHAPES
+    weights = {}
+    for E in EXPERTS:
+        for name, N, K in shapes:
+            weights[E, name] = (torch.randn(E, N, K, device=dev) * K ** -0.5).to(torch.bfloat16)
+    run = lambda t, x, w, off: tgr.grouped_linear(x, w, off, t)  # noqa: E731
+    for tok in tokens:
+        row = {"tokens": tok, "cases": [], "variants": [{"tile": t} for t in tiles]}
+        for E in EXPERTS:
+            for name, N, K in shapes:
+                x, off, eid = routed(tok, E, K, dev, gen)
+                row["M"] = x.shape[0]
+                case, vs = one_case(run, x, weights[E, name], off, eid, tiles, target_s)
+                case["projection"] = name
+                row["cases"].append(case)
+                for acc, v in zip(row["variants"], vs):
+                    acc.setdefault("cases", []).append(v)
+        for v in row["variants"]:
+            cs = v["cases"]
+            errs = [c["error"] for c in cs if "error" in c]
+            if errs:
+                v["error"] = errs[0]
+                continue
+            v["bits_equal_ref"] = all(c["bits_equal_ref"] for c in cs)
+            v["bits_equal_alone"] = all(c["bits_equal_alone"] for c in cs)
+            v["s"] = sum(c["s"] for c in cs)
+            v["graph_s"] = sum(c["graph_s"] for c in cs)
+        if CUDA:
+            row["framework_s"] = sum(c["framework_s"] for c in row["cases"])
+            row["framework_graph_s"] = sum(c["framework_graph_s"] for c in row["cases"])
+        ok = [v for v in row["variants"] if GT._bits_ok(v)]
+        row["best"] = min(ok, key=GT._cost) if ok else None
+        b = row["best"]
+        print(f"grouped rows {row['M']:>6} fw {row.get('framework_graph_s', 0) * 1e6:8.1f}us best "
+              f"{(b['graph_s'] * 1e6 if b else float('nan')):8.1f}us {b['tile'] if b else None} "
+              f"bad={[v['tile'] for v in row['variants'] if 'error' not in v and not GT._bits_ok(v)]} "
+              f"err={[v['error'][:100] for v in row['variants'] if 'error' in v]}", flush=True)
+        for v in sorted((v for v in row["variants"] if "graph_s" in v), key=lambda v: v["graph_s"]):
+            print("   ", v["tile"], [round(c["graph_s"] * 1e6, 1) for c in v["cases"]], GT._bits_ok(v), flush=True)
+        rec.setdefault("grouped", []).append(row)
+        on_row()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results/grouped_tiles_h200.json")
+    p.add_argument("--choose", default="", help="write the GROUPED_TILES pick into this tiles_chosen.json")
+    p.add_argument("--small", action="store_true", help="tiny widths (a CPU dry run under TRITON_INTERPRET)")
+    p.add_argument("--warm", type=int, default=0, help="compile the candidates in this many processes first")
+    p.add_argument("--target-s", type=float, default=0.01, help="seconds of calls per timed batch")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    a = p.parse_args(argv)
+    t0 = time.time()
+    rec: dict = {"widths": "small" if a.small else "flash4", "top_k": TOP_K, "experts": list(EXPERTS),
+                 "shapes": [list(s) for s in (SMALL_SHAPES if a.small else SHAPES)],
+                 "device_name": torch.cuda.get_device_name() if CUDA else "cpu", "reference_tile": REF}
+    if a.warm:
+        done = warm(a.warm, a.small)
+        rec["warm_compile_s"] = round(time.time() - t0, 1)
+        rec["warm_failed"] = [d for d in done if d is not True]
+        print("warm", rec["warm_compile_s"], "s; failed:", rec["warm_failed"], flush=True)
+
+    def checkpoint():
+        if a.choose:
+            from v4stack.atomic import atomic_write
+
+            rec["chosen"] = GT.choose(rec)
+            raw = json.loads(open(a.choose).read()) if os.path.exists(a.choose) else {}
+            tables = {**raw.get("tables", {}), **rec["chosen"]}
+            sources = {**raw.get("sources", {}), **{k: os.path.basename(a.out) for k in rec["chosen"]}}
+            atomic_write(a.choose, (json.dumps({**raw, "sources": sources, "tables": tables}, indent=1)
+                                    + "\n").encode())
+        write_result(a.out, {**rec, "bench": "grouped_tiles", "elapsed_s": round(time.time() - t0, 1)})
+
+    try:
+        sweep(rec, [int(t) for t in a.tokens.split(",")], a.small, a.target_s, checkpoint)
+    except Exception:
+        rec.setdefault("errors", []).append(traceback.format_exc()[-1500:])
+        traceback.print_exc()
+    checkpoint()
+    print("done", round(time.time() - t0, 1), "s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
