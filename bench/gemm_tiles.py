@@ -41,8 +41,9 @@ BUCKETS = {"HALF_TILES": ("linear_bf16", ((1, 1), (8, 16), (64, 64), (256, 256),
            "F32_TILES": ("linear_fp32", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "HC_TILES": ("hc_mix", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
            "HC_HALF_TILES": ("hc_mix", ((1, 1), (8, 16), (64, 64), (256, 256), (4096, 1 << 62))),
-           # the grouped GEMM (``bench/grouped_tiles.py``): by routed rows (tokens x top-6)
-           "GROUPED_TILES": ("grouped", ((6, 16), (48, 128), (384, 768), (1536, 6144), (24576, 1 << 62)))}
+           # the grouped GEMM (``bench/grouped_tiles.py``): by routed rows per expert, ceil(T / E)
+           "GROUPED_TILES": ("grouped_per_expert", ((1, 3), (6, 12), (24, 32), (48, 96), (192, 288), (384, 1024),
+                                                    (3072, 1 << 62)))}
 
 
 SOLE_TABLES = {"HC_TILES"}  # served with the section's own inputs only (fp32): the ``also`` bits do not bind it

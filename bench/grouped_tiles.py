@@ -10,11 +10,16 @@ alone, one row under its expert (``bits_equal_alone``) - then timed back to back
 CUDA graphs (``graph_s``), next to ``torch._grouped_mm``, with the relative error against float64
 of the reference tile and of the framework. A variant's ``s`` / ``graph_s`` are the sums over the
 four (experts, projection) cases of a row count (``cases`` holds each); its bit flags hold for all
-four. ``--choose`` writes the pick per row bucket into ``tiles_chosen.json`` (``gemm_tiles.choose``:
-the cheapest bit-identical candidate, by graph plus back-to-back time); only GROUPED_TILES changes.
+four. GROUPED_TILES picks a tile by routed rows per expert, ``ceil(T / E)`` (what fills a row tile:
+the same rows over 8 or 64 experts want different tiles), so ``--choose`` regroups the cases by that
+(``per_expert``) and writes the pick per bucket into ``tiles_chosen.json`` (``gemm_tiles.choose``:
+the cheapest bit-identical candidate, by graph plus back-to-back time, summed over the bucket's
+cases); only GROUPED_TILES changes. ``--choose-from`` re-derives it from a committed result.
 
     python -m bench.grouped_tiles --warm 12 --out bench/results/grouped_tiles_h200.json \
         --choose src/v4stack/kernels/tiles_chosen.json
+    python -m bench.grouped_tiles --choose src/v4stack/kernels/tiles_chosen.json \
+        --choose-from bench/results/grouped_tiles_h200.json
 """
 
 from __future__ import annotations
@@ -171,6 +176,49 @@ def sweep(rec: dict, tokens, small: bool, target_s: float, on_row) -> None:
         on_row()
 
 
+def per_expert(rows: list) -> list:
+    """The sweep's cases regrouped by routed rows per expert ``ceil(rows / experts)`` (GROUPED_TILES'
+    key): one row per value, each variant's ``s`` / ``graph_s`` summed over those cases, its bit
+    flags over all of them."""
+    groups: dict = {}
+    for row in rows:
+        for i, case in enumerate(row["cases"]):
+            r = -(-case["rows"] // case["experts"])
+            g = groups.setdefault(r, {"M": r, "cases": [], "variants": {}})
+            g["cases"].append({"tokens": row["tokens"], "experts": case["experts"], "projection": case["projection"]})
+            for v in row["variants"]:
+                key = json.dumps(v["tile"], sort_keys=True)
+                acc = g["variants"].setdefault(key, {"tile": v["tile"], "bits_equal_ref": True,
+                                                     "bits_equal_alone": True, "s": 0.0, "graph_s": 0.0})
+                c = v["cases"][i]
+                if "error" in c or "error" in acc:
+                    acc["error"] = c.get("error") or acc.get("error")
+                    continue
+                acc["bits_equal_ref"] &= c["bits_equal_ref"]
+                acc["bits_equal_alone"] &= c["bits_equal_alone"]
+                acc["s"] += c["s"]
+                acc["graph_s"] += c["graph_s"]
+    out = []
+    for r in sorted(groups):
+        g = groups[r]
+        g["variants"] = [{k: v for k, v in acc.items() if "error" not in acc or k in ("tile", "error")}
+                         for acc in g["variants"].values()]
+        out.append(g)
+    return out
+
+
+def write_choice(choose_path: str, rec: dict, source: str) -> dict:
+    """GROUPED_TILES' pick from a sweep record, written into ``choose_path`` (other tables kept)."""
+    from v4stack.atomic import atomic_write
+
+    chosen = GT.choose({"grouped_per_expert": per_expert(rec.get("grouped", []))})
+    raw = json.loads(open(choose_path).read()) if os.path.exists(choose_path) else {}
+    tables = {**raw.get("tables", {}), **chosen}
+    sources = {**raw.get("sources", {}), **{k: source for k in chosen}}
+    atomic_write(choose_path, (json.dumps({**raw, "sources": sources, "tables": tables}, indent=1) + "\n").encode())
+    return chosen
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/grouped_tiles_h200.json")
@@ -179,7 +227,11 @@ def main(argv=None) -> None:
     p.add_argument("--warm", type=int, default=0, help="compile the candidates in this many processes first")
     p.add_argument("--target-s", type=float, default=0.01, help="seconds of calls per timed batch")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--choose-from", default="", help="only re-derive --choose from this sweep result (no GPU)")
     a = p.parse_args(argv)
+    if a.choose_from:
+        print(write_choice(a.choose, json.loads(open(a.choose_from).read()), os.path.basename(a.choose_from)))
+        return
     t0 = time.time()
     rec: dict = {"widths": "small" if a.small else "flash4", "top_k": TOP_K, "experts": list(EXPERTS),
                  "shapes": [list(s) for s in (SMALL_SHAPES if a.small else SHAPES)],
@@ -192,14 +244,7 @@ def main(argv=None) -> None:
 
     def checkpoint():
         if a.choose:
-            from v4stack.atomic import atomic_write
-
-            rec["chosen"] = GT.choose(rec)
-            raw = json.loads(open(a.choose).read()) if os.path.exists(a.choose) else {}
-            tables = {**raw.get("tables", {}), **rec["chosen"]}
-            sources = {**raw.get("sources", {}), **{k: os.path.basename(a.out) for k in rec["chosen"]}}
-            atomic_write(a.choose, (json.dumps({**raw, "sources": sources, "tables": tables}, indent=1)
-                                    + "\n").encode())
+            rec["chosen"] = write_choice(a.choose, rec, os.path.basename(a.out))
         write_result(a.out, {**rec, "bench": "grouped_tiles", "elapsed_s": round(time.time() - t0, 1)})
 
     try:

@@ -34,3 +34,5 @@ def check(ptx: dict):
     for name, src in ptx.items():  # every bf16 GEMM tile on the tensor cores (wgmma, or mma.sync for BM < 64:
         if name.startswith("gemm_bf16"):  # bench/gemm_tiles.py keeps a tile only where its bits equal wgmma's)
             assert "wgmma.mma_async" in src or "mma.sync.aligned" in src, name
+        if name.endswith("_tma"):  # operands through the tensor-memory accelerator into wgmma
+            assert "cp.async.bulk.tensor" in src and "wgmma.mma_async" in src, name

@@ -66,3 +66,64 @@ def test_triton_grouped_gemm_rows_alone_equal_rows_in_the_batch():
         alone = torch.zeros_like(off)
         alone[e + 1:] = 1
         assert torch.equal(tgr.grouped_linear(x[r:r + 1], w, alone), y[r:r + 1])
+
+
+def test_tma_tiles_give_the_table_kernels_bits():
+    # the persistent TMA kernel (its boxes start at a tile's first row and run into the next
+    # expert's rows; W read as one [E * N, K] matrix) against the table kernel, bit for bit, on
+    # uneven and empty experts (the GPU sweep checks the same at the flash4 widths)
+    tgr = pytest.importorskip("v4stack.kernels.triton_grouped")
+    from v4stack.kernels import tiles
+
+    x, w, off = _case([70, 0, 5, 1], dtype=torch.bfloat16)
+    ref = tgr.grouped_linear(x, w, off, tiles.GROUPED_FALLBACK)
+    tma = [t for t in tiles.GROUPED_CANDIDATES if t.get("tma") and t["BK"] == tiles.GROUPED_FALLBACK["BK"]]
+    assert {t["BM"] for t in tma} == {64, 128} and any(t.get("FLAT") for t in tma)
+    for t in tma:
+        assert torch.equal(tgr.grouped_linear(x, w, off, t), ref), t
+    for r, e in ((69, 0), (72, 2)):  # a row alone under its expert: the same bits
+        alone = torch.zeros_like(off)
+        alone[e + 1:] = 1
+        assert torch.equal(tgr.grouped_linear(x[r:r + 1], w, alone, tma[0]), ref[r:r + 1])
+    # inverse control: the same products in another K order give other bits (2^24 + 63 ones, then
+    # -2^24 a K step later, loses the ones in fp32; with the +-2^24 in one step they survive)
+    xk = torch.zeros(76, 128)
+    xk[:, 0], xk[:, 1:64], xk[:, 64] = 2.0 ** 24, 1.0, -2.0 ** 24
+    wk = torch.ones(E, N, 128, dtype=torch.bfloat16)
+    p = torch.arange(128)
+    p[1], p[64] = 64, 1
+    y, yp = (tgr.grouped_linear(a.bfloat16(), wk, off, tma[0]) for a in (xk, xk[:, p]))
+    assert not torch.equal(y, yp) and (yp == 63).all()
+    # fp32 (outside TMA's terms here) runs the table kernel's fallback tile
+    xf, wf, offf = _case([70, 0, 5, 1])
+    assert torch.equal(tgr.grouped_linear(xf, wf, offf, tma[0]), tgr.grouped_linear(xf, wf, offf, tiles.GROUPED_FALLBACK))
+
+
+def test_the_shipped_grouped_tiles_were_bit_checked_at_their_buckets():
+    # every bucket of GROUPED_TILES serves a tile whose rows the H200 sweep found equal to the
+    # reference tile's and to rows computed alone, at every case of the bucket's rows per expert
+    import json
+    from pathlib import Path
+
+    from bench import gemm_tiles as G
+    from bench import grouped_tiles as GS
+    from v4stack.kernels import tiles
+
+    sweep = json.loads((Path(__file__).resolve().parents[2] / "bench/results/grouped_tiles_h200.json").read_text())
+    rows = {r["M"]: r for r in GS.per_expert(sweep["grouped"])}
+    section, buckets = G.BUCKETS["GROUPED_TILES"]
+    assert section == "grouped_per_expert" and {m for m, _ in buckets} == set(rows)
+    for m, _ in buckets:
+        tile = tiles.pick(tiles.GROUPED_TILES, m)
+        v = next(v for v in rows[m]["variants"] if v["tile"] == tile)
+        assert G._bits_ok(v), (m, tile)
+    # the pick is the sweep's: re-derived from the committed result
+    assert G.choose({"grouped_per_expert": list(rows.values())})["GROUPED_TILES"] == [
+        [top, t] for top, t in tiles.GROUPED_TILES]
+    # inverse control: a variant with one case whose rows differed is refused
+    bad = json.loads(json.dumps(sweep["grouped"][:1]))
+    v0 = bad[0]["variants"][0]
+    v0["cases"][1]["bits_equal_alone"] = False
+    case = bad[0]["cases"][1]
+    (g,) = [g for g in GS.per_expert(bad) if g["M"] == -(-case["rows"] // case["experts"])]
+    assert not G._bits_ok(next(v for v in g["variants"] if v["tile"] == v0["tile"]))

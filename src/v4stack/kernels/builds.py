@@ -17,6 +17,7 @@ def kernels() -> dict:
     from v4stack.kernels import triton_attention as ta
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
+    from v4stack.kernels import triton_grouped_tma as tgt
     from v4stack.kernels import triton_ring as ring
     from v4stack.kernels import triton_route as route
     from v4stack.kernels import triton_rows as tr
@@ -35,6 +36,12 @@ def kernels() -> dict:
         "grouped_gemm_bf16": (tgr.grouped_table_kernel, _sig("X W Y Off E N K s_xm s_we s_wn s_ym",
                                                              [BF, BF, BF, "*i64", I, I, I, I, I, I, I]),
                               dict(EB=256, BM=64, BN=128, BK=64, IEEE=False)),
+        "grouped_gemm_bf16_tma": (tgt.grouped_tma_kernel,
+                                  _sig("x_desc w_desc Y Off E N K s_ym", ["tensordesc<bf16[128, 64]>",
+                                                                          "tensordesc<bf16[256, 64]>", BF, "*i64",
+                                                                          I, I, I, I]),
+                                  dict(EB=16, BM=128, BN=256, BK=64, NUM_SMS=132, FLAT=True),
+                                  dict(num_warps=8, num_stages=3)),
         "gemm_fp32_tf32x3": (ts.slices_kernel, SLICES_SIG, dict(SPLIT=256, BM=64, BN=32, BK=32, TF32X3=True, RMS=False,
                                                                 GRID=True), dict(num_warps=4, num_stages=3)),
         **{f"gemm_bf16_{size}": (ts.slices_kernel, {**SLICES_SIG, **_sig("X W Y", [BF, BF, BF])},

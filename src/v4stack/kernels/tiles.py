@@ -53,7 +53,8 @@ HC_TILES = ((1 << 62, HC_CANDIDATES[0]),)
 # hc_mix on bf16 / fp16 streams (``hc_pre``): only tiles whose bits on such streams equal the fp32
 # tiles' (the sweep found ``mma.sync`` tiles, BM < 64, differ there while they agree on fp32 input)
 HC_HALF_TILES = ((1 << 62, HC_CANDIDATES[0]),)
-# grouped expert GEMM, by total rows T (decode-sized calls spread over more N tiles)
+# grouped expert GEMM, by routed rows per expert ``ceil(T / E)`` (what fills a row tile; decode-sized
+# calls spread over more N tiles)
 # ``tma``: the persistent TMA kernel (``triton_grouped_tma``; ``FLAT``: its tile and K loops flattened into
 # one pipelined loop, ``occ``: programs per SM); the others the table kernel (one program per tile)
 GROUPED_CANDIDATES = (_t(64, 32, 128), _t(64, 128, 64, s=3), _t(64, 64, 64), _t(64, 256, 64, w=8, s=3),
@@ -65,7 +66,7 @@ GROUPED_CANDIDATES = (_t(64, 32, 128), _t(64, 128, 64, s=3), _t(64, 64, 64), _t(
                       _t(64, 128, 128, s=3, tma=True), _t(64, 32, 128, tma=True), _t(64, 64, 64, tma=True, occ=2))
 # a TMA tile where TMA's terms do not hold (fp32, unaligned rows) runs the table kernel with this tile
 GROUPED_FALLBACK = GROUPED_CANDIDATES[2]
-GROUPED_TILES = ((1024, GROUPED_CANDIDATES[0]), (1 << 62, GROUPED_CANDIDATES[1]))
+GROUPED_TILES = ((128, GROUPED_CANDIDATES[0]), (1 << 62, GROUPED_CANDIDATES[1]))
 FP8_BLOCK = 128  # weight scale block (rows x columns), V4's checkpoint format
 FP8_TILES = ((64, dict(BM=64, BN=32)), (1 << 62, dict(BM=64, BN=128)))
 

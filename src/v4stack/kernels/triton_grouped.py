@@ -50,7 +50,7 @@ def grouped_linear(x, w, offsets, tile=None):
 
     T, K = x.shape
     E, N, _ = w.shape
-    t = tile or pick(GROUPED_TILES, T)
+    t = tile or pick(GROUPED_TILES, cdiv(T, E))  # by rows per expert: every tile gives a row the same bits
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
