@@ -7,7 +7,8 @@ biased MoE):
 - across batch composition: a sequence's activation gradients - the gradient of its own loss with
   respect to its embedding rows and to every block's output streams - are bitwise the same whether
   it is trained alone or inside a batch with other sequences, at another position. Parameter
-  gradients are sums over the batch and are not part of this promise. It holds in invariant mode;
+  gradients are sums over the batch and are not part of this promise (their independence of the
+  batch order is `--grad-order sample`'s: tests/train/test_sample_order.py). It holds in invariant mode;
   the fast ops are the inverse control: there the same comparison differs.
 """
 

@@ -63,6 +63,10 @@ def train_command(
     grad_chunks: int = typer.Option(0, "--grad-chunks", min=0, help="0: off. U: every gradient summed over U fixed "
                                     "chunks of each sequence in a fixed order, bitwise the same for one process and "
                                     "any --cp with U / 2cp a power of two (needs --ops invariant; slower)."),
+    grad_order: str = typer.Option("batch", "--grad-order", help="batch: gradients summed in batch order. sample: "
+                                   "each sequence's backward alone, added in the order of its corpus offset - the "
+                                   "step's gradients are the same bits for any order of its sequences (pp, cp, ep 1; "
+                                   "one backward per sequence)."),
     ops: str = typer.Option("fast", help="Ops mode: fast, or invariant (bitwise reproducible per row)."),
     recompute: str = typer.Option("none", help="Activation recompute: none, full, matmul, or plan:F (keep fraction F)."),
     optimizer: str = typer.Option("muon", help="muon (Muon + AdamW split) or adamw (AdamW only)."),
@@ -85,7 +89,7 @@ def train_command(
     from v4stack.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(preset=preset, out=out, data=list(data or []), steps=steps, batch_size=batch_size,
-                      seq_len=seq_len, grad_accum=grad_accum, pp=pp, pp_schedule=pp_schedule, pp_virtual=pp_virtual, ep=ep, ep_backend=ep_backend, cp=cp, grad_chunks=grad_chunks, ops=ops, recompute=recompute, optimizer=optimizer, muon_lr=muon_lr,
+                      seq_len=seq_len, grad_accum=grad_accum, pp=pp, pp_schedule=pp_schedule, pp_virtual=pp_virtual, ep=ep, ep_backend=ep_backend, cp=cp, grad_chunks=grad_chunks, grad_order=grad_order, ops=ops, recompute=recompute, optimizer=optimizer, muon_lr=muon_lr,
                       adamw_lr=adamw_lr, weight_decay=weight_decay, warmup=warmup, mtp_weight=mtp_weight,
                       seed=seed, ckpt_every=ckpt_every, eval_every=eval_every,
                       stochastic_bf16=stochastic_bf16, max_minutes=max_minutes, threads=threads,

@@ -24,13 +24,20 @@ class ByteBatches:
         self.train, self.val = tokens[:-n_val], tokens[-n_val:]
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
 
-    def batch(self, step: int, micro: int) -> torch.Tensor:
-        """``[batch_size, seq_len]`` token ids of global micro-batch ``micro`` of ``step``."""
+    def starts(self, step: int, micro: int) -> torch.Tensor:
+        """``[batch_size]`` corpus offsets of global micro-batch ``micro`` of ``step``: each
+        sequence's identity (its tokens are a function of it)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 4099 + micro)
         hi = len(self.train) - self.seq_len
-        starts = torch.randint(0, hi, (self.batch_size,), generator=g)
-        idx = starts[:, None] + torch.arange(self.seq_len)[None, :]
-        return self.train[idx]
+        return torch.randint(0, hi, (self.batch_size,), generator=g)
+
+    def batch(self, step: int, micro: int) -> torch.Tensor:
+        """``[batch_size, seq_len]`` token ids of global micro-batch ``micro`` of ``step``."""
+        return self.at(self.starts(step, micro))
+
+    def at(self, starts: torch.Tensor) -> torch.Tensor:
+        """The training sequences beginning at ``starts``."""
+        return self.train[starts[:, None] + torch.arange(self.seq_len)[None, :]]
 
     def val_batches(self, n: int) -> list[torch.Tensor]:
         """Fixed, evenly spaced validation windows."""

@@ -10,7 +10,8 @@ name (one file per stage or expert block) and the optimizer shards are merged an
 (``optim/reshard.py``). The data order is a pure function of
 (seed, step, micro-batch) and every piece of state that changes (weights, optimizer shards, the
 stochastic-rounding generators, the loss log) is in the checkpoint, so a run killed at any moment
-resumes from its last checkpoint and reproduces the same losses.
+resumes from its last checkpoint and reproduces the same losses. With ``grad_order="sample"`` a
+step's gradients do not depend on the order of its sequences (``train/sample_order.py``).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ from v4stack.train.mesh import build_mesh
 from v4stack.train.interleaved import SCHEDULES, build_stage
 from v4stack.train.pipeline import first_last_groups, tie_embedding_grads
 from v4stack.train.recompute import apply_recompute
+from v4stack.train.sample_order import sample_accumulate
 
 OPTIMIZERS = ("muon", "adamw")
 EP_BACKENDS = ("all_to_all", "megamoe")
+GRAD_ORDERS = ("batch", "sample")
 
 
 @dataclass
@@ -68,6 +71,7 @@ class TrainConfig:
     ep: int = 1  # expert-parallel ranks inside the dp ranks (train/expert_parallel.py)
     cp: int = 1  # context-parallel shards per sequence (under torchrun, pp = 1; world = dp x cp)
     grad_chunks: int = 0  # 0 = off (default); U: chunk-ordered gradients, bitwise equal across cp (train/unit_shard.py)
+    grad_order: str = "batch"  # "sample": gradients added in the sequences' key order (train/sample_order.py)
     ops: str = "fast"  # ops mode: fast, or invariant (row results independent of the batch)
     ep_backend: str = "all_to_all"  # all_to_all or megamoe
     recompute: str = "none"  # none, full, matmul (torch's selective policy) or plan:F (train/recompute.py)
@@ -117,6 +121,12 @@ class TrainConfig:
                  and self.pp_schedule == "1f1b",
                  f"train field 'grad_chunks' ({self.grad_chunks}) runs with ep 1, ops invariant, recompute none, "
                  "full or matmul, and pp_schedule 1f1b")
+        need(self.grad_order in GRAD_ORDERS,
+             f"train field 'grad_order' must be one of {GRAD_ORDERS}, got {self.grad_order!r}")
+        need(self.grad_order == "batch" or (self.pp == 1 and self.cp == 1 and self.ep == 1 and not self.grad_chunks
+                                            and not self.recompute.startswith("plan:")),
+             f"train field 'grad_order' ({self.grad_order!r}) runs with pp 1, cp 1, ep 1, grad_chunks 0 and "
+             "recompute none, full or matmul")
         need(self.cp == 1 or self.pp_schedule == "1f1b",
              f"train field 'cp' ({self.cp}) runs with pp_schedule 1f1b, got {self.pp_schedule!r}")
         need(self.pp_schedule in SCHEDULES,
@@ -270,13 +280,17 @@ def _train(cfg: TrainConfig) -> dict:
     step = start
     for step in range(start + 1, cfg.steps + 1):
         ts = time.perf_counter()
-        micro = [batches.batch(step, mesh.replica * cfg.grad_accum + m).to(dev) for m in range(cfg.grad_accum)]
+        starts = [batches.starts(step, mesh.replica * cfg.grad_accum + m) for m in range(cfg.grad_accum)]
+        micro = [batches.at(s).to(dev) for s in starts]
         scale = 1.0 / (cfg.grad_accum * dp)
         if stage is not None:
             sums = run_pp(stage, micro, cfg.mtp_weight, scale)
             tie_embedding_grads(stage, tie_group)
         elif chunks is not None:
             sums = chunked_accumulate(model, chunks, micro, scale, mesh, cfg.mtp_weight)
+        elif cfg.grad_order == "sample":
+            sums = sample_accumulate(model, micro, [s.tolist() for s in starts],
+                                     1.0 / (cfg.batch_size * cfg.grad_accum * dp), lm_losses, cfg.mtp_weight)
         elif mesh.cp > 1:
             sums = cp_accumulate(model, micro, scale, mesh, cfg.mtp_weight)
         else:
