@@ -155,9 +155,12 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 ikeys = cache.blocks[("index_keys", layer)]
                 self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer)
-                iq, iw = self.indexer.project(qr, x, pos)
-                sel, valid = self.indexer.select_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows, visible)
-                idx.append(torch.where(valid, rows.gather(1, sel), -1))
+                if self.indexer.all_chosen(rows.shape[1]):  # every entry fits the top-k: nothing to score
+                    idx.append(b.shared(("visible", m), lambda: torch.where(visible, rows, -1)))
+                else:
+                    iq, iw = self.indexer.project(qr, x, pos)
+                    sel, valid = self.indexer.select_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows, visible)
+                    idx.append(torch.where(valid, rows.gather(1, sel), -1))
             else:  # every HCA layer of this ratio reads the same candidates
                 idx.append(b.shared(("visible", m), lambda: torch.where(visible, rows, -1)))
             pools.append(ents.view(-1, ents.shape[-1]))

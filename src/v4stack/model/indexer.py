@@ -3,6 +3,12 @@
 ``I[t, s] = sum_h w_h(t) * ReLU(q_h(t) . k_s)`` with 64 heads x 128 dims in V4; its keys come
 from the indexer's own overlapped compressor, aligned one-to-one with the CSA entries. Only
 closed (visible) entries can be selected.
+
+The chosen entries are handed on in ascending entry order (not score order): the attention's
+arithmetic follows the candidate order, and in entry order a query whose entries all fit in the
+top-k gets the same list whether or not anything was scored - so where a step's entries number
+at most ``topk`` (contexts up to ``topk * ratio`` tokens) the scores are skipped altogether
+(``all_chosen``), and a query's candidates still never depend on the other queries of its batch.
 """
 
 from __future__ import annotations
@@ -38,30 +44,44 @@ class Indexer(nn.Module):
         w = self.weights_proj(x) * self.weight_scale
         return q, w
 
+    def all_chosen(self, entries: int) -> bool:
+        """Whether ``entries`` columns fit in the top-k: every visible one is chosen, unscored."""
+        return entries <= self.topk
+
+    @staticmethod
+    def _in_entry_order(idx: torch.Tensor, visible: torch.Tensor):
+        idx = torch.sort(idx, dim=1).values
+        return idx, visible.gather(1, idx)
+
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor):
-        """Top ``min(k, #visible)`` entries per query: (indices ``[n, k']``, valid ``[n, k']``)."""
+        """Top ``min(k, #visible)`` entries per query, in entry order: (indices ``[n, k']``, valid
+        ``[n, k']``)."""
         n, S = q.shape[0], keys.shape[0]
         k = min(self.topk, S)
         if k == 0:
             return torch.zeros(n, 0, dtype=torch.long, device=q.device), torch.zeros(n, 0, dtype=torch.bool, device=q.device)
+        if self.all_chosen(S):
+            return torch.arange(S, device=q.device).expand(n, S), visible.expand(n, S)
         scores = ops.indexer_scores(q, w, keys).masked_fill(~visible, float("-inf"))
         # a stable sort breaks ties (e.g. several entries whose ReLU terms are all 0) towards the
         # earlier entry, so the choice never depends on how many entries exist past the visible ones
-        top, idx = ops.topk(scores, k, stable=True)
-        return idx, top > float("-inf")
+        _, idx = ops.topk(scores, k, stable=True)
+        return self._in_entry_order(idx, visible.expand(n, S))
 
     def select_rows(self, q, w, keys: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor):
-        """Top ``min(k, E)`` per query over its own entries: ``rows [n, E]`` are each query's entry
-        rows of the flattened key pool ``keys`` (-1: none), ``visible [n, E]`` the closed ones ->
-        (column indices ``[n, k']``, valid ``[n, k']``). Columns past a request's entries are
-        hidden, so the choice equals ``select`` over that request's keys alone."""
+        """Top ``min(k, E)`` per query over its own entries, in entry order: ``rows [n, E]`` are
+        each query's entry rows of the flattened key pool ``keys`` (-1: none), ``visible [n, E]``
+        the closed ones -> (column indices ``[n, k']``, valid ``[n, k']``). Columns past a
+        request's entries are hidden, so the choice equals ``select`` over that request's keys
+        alone. (Callers skip the scoring, and the call, where ``all_chosen(E)``.)"""
         n, E = rows.shape
         k = min(self.topk, E)
         if k == 0:
             return torch.zeros(n, 0, dtype=torch.long, device=q.device), torch.zeros(n, 0, dtype=torch.bool, device=q.device)
+        if self.all_chosen(E):
+            return torch.arange(E, device=rows.device).expand(n, E), visible
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         scores = ops.indexer_scores(q, w, keys, rows=rows).to(acc)  # keys read by index, no gathered copy
         scores = scores.masked_fill(~visible, float("-inf"))
-        top, idx = ops.topk(scores, k, stable=True)
-        return idx, top > float("-inf")
-
+        _, idx = ops.topk(scores, k, stable=True)
+        return self._in_entry_order(idx, visible)
