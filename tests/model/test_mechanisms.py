@@ -139,3 +139,36 @@ def test_seeded_init_is_reproducible():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["embed.weight"], sc["embed.weight"])
+
+
+def test_indexer_hands_its_choice_on_in_entry_order_and_skips_scoring_when_all_fit(tiny_cfg):
+    """Entry order makes the scored and the unscored lists agree: a query with at most ``topk``
+    visible entries gets ``[0, v)`` then hidden columns, whether its batch made the indexer score
+    (more than ``topk`` columns) or not (at most ``topk``: nothing scored)."""
+    import dataclasses
+
+    from v4stack import ops
+
+    cfg = dataclasses.replace(tiny_cfg, index_topk=4)
+    torch.manual_seed(3)
+    ix = Indexer(cfg, 4, Rotary(cfg, compressed=True)).double()
+    n, S = 5, 9
+    q = torch.randn(n, ix.n_heads, ix.head_dim, dtype=torch.float64)
+    w = torch.randn(n, ix.n_heads, dtype=torch.float64)
+    keys = torch.randn(S, ix.head_dim, dtype=torch.float64)
+    v = torch.tensor([0, 2, 4, 7, 9])  # visible entries per query (a prefix, as closure makes them)
+    visible = torch.arange(S).unsqueeze(0) < v.unsqueeze(1)
+    with ops.mode("invariant"):
+        idx, valid = ix.select(q, w, keys, visible)  # 9 > 4 columns: scored
+        few, fvalid = ix.select(q, w, keys[:4], visible[:, :4])  # 4 columns: all chosen, unscored
+        scores = ops.indexer_scores(q, w, keys).masked_fill(~visible, float("-inf"))
+        by_score = ops.topk(scores, 4, stable=True)[1]
+    assert torch.equal(valid.sum(1), v.clamp(max=4)) and torch.equal(idx, idx.sort(1).values)
+    for t in range(3):  # at most topk visible: the same list scored or not
+        assert torch.equal(idx[t][valid[t]], torch.arange(int(v[t]))) and torch.equal(few[t][fvalid[t]], idx[t][valid[t]])
+    assert torch.equal(_sorted(idx[4]), _sorted(by_score[4]))  # the choice itself is the top-k's
+    assert not torch.equal(by_score[3:], idx[3:])  # inverse control: score order is another list
+
+
+def _sorted(t):
+    return t.sort().values
