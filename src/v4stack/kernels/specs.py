@@ -201,7 +201,7 @@ ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer":
 
 def tile_spec(table: str, t: dict) -> str:
     """The spec name of tile ``t`` of ``table`` (one per distinct index arithmetic)."""
-    form = "grid" if t.get("grid") else "fused"
+    form = ("two" if t.get("two") else "grid") if t.get("grid") else "fused"
     if table == "HALF_TILES":
         return f"half_{form}_{t['BM']}x{t['BN']}x{t['BK']}" + ("_tma" if t.get("tma") else "")
     if table == "F32_TILES":
@@ -213,16 +213,22 @@ def tile_spec(table: str, t: dict) -> str:
     raise ValueError(table)
 
 
+def finish_spec(table: str, t: dict) -> str | None:
+    """The spec name of the second launch of a ``two`` tile (``triton_slices.finish_kernel``)."""
+    if not (t.get("grid") and t.get("two")):
+        return None
+    return f"slices_finish_{t.get('fr', 4)}" + ("_rms" if table in ("HC_TILES", "HC_HALF_TILES") else "")
+
+
 def _tile_builder(table: str, t: dict, name: str):
-    g = t.get("grid", False)
+    g, two = t.get("grid", False), t.get("two", False)
     if table == "HALF_TILES":
-        if t.get("tma"):  # the TMA kernel's K steps within a slice: BK | SPLIT, as the slices kernel's
-            return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.HALF_SPLIT, name=name)
-        return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.HALF_SPLIT, grid=g, name=name)
+        # the TMA kernels' K steps within a slice: BK | SPLIT, as the slices kernel's (grid: ``tma_grid_kernel``)
+        return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.HALF_SPLIT, grid=g, two=two, name=name)
     if table == "F32_TILES":
-        return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.F32_SPLIT, grid=g, name=name)
+        return lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], tiles.F32_SPLIT, grid=g, two=two, name=name)
     if table in ("HC_TILES", "HC_HALF_TILES"):  # N <= 64: BN is the next power of two of N, at most 64
-        return lambda: specs_more.slices(t["BM"], 64, t["BK"], tiles.F32_SPLIT, grid=g, rms=True, name=name)
+        return lambda: specs_more.slices(t["BM"], 64, t["BK"], tiles.F32_SPLIT, grid=g, rms=True, two=two, name=name)
     return lambda: specs_more.grouped_table(t["BM"], t["BN"], t["BK"], name=name, tma=t.get("tma", False))
 
 
@@ -230,6 +236,10 @@ for _table, _cands in tiles.CANDIDATES.items():  # every candidate tile: any of 
     for _t in _cands:
         _n = tile_spec(_table, _t)
         ALL.setdefault(_n, _tile_builder(_table, _t, _n))
+        _f = finish_spec(_table, _t)
+        if _f:
+            ALL.setdefault(_f, (lambda t, f: lambda: specs_more.slices_finish(t.get("fr", 4), 32, f.endswith("_rms"),
+                                                                               name=f))(_t, _f))
 _ATTENTION = ["sparse_attention", "sparse_attention_split"]
 for _bh in attention_tiles.block_heads():  # every launch shape of the sparse attention's candidates
     if _bh != 16:
@@ -245,7 +255,8 @@ for _i, (_, _t) in enumerate(tiles.FP8_TILES):
 
 
 def _active(*tables: str) -> list[str]:
-    return [tile_spec(tb, t) for tb in tables for _, t in getattr(tiles, tb)]
+    names = [tile_spec(tb, t) for tb in tables for _, t in getattr(tiles, tb)]
+    return names + [f for tb in tables for _, t in getattr(tiles, tb) if (f := finish_spec(tb, t))]
 
 
 GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES"),

@@ -181,7 +181,7 @@ def sparse_attention_cols(D=512, BH=64, DV=256, CH=64, name=None) -> Spec:
 
 
 def slices(BM=64, BN=64, BK=64, SPLIT=2048, grid=False, rms=False, counters=1 << 16, slice_end=True,
-           slice_index=True, name="slices") -> Spec:
+           slice_index=True, two=False, name="slices") -> Spec:
     """The fixed-K-slice GEMM (``triton_slices.slices_kernel``). Slice ``s`` covers K in
     ``[s SPLIT, min(s SPLIT + SPLIT, K))``. Fused: program (pm, pn) walks the slices (lane s)
     and stores Y once. Grid: program (pm, pn, s) stores its slice's partial at ``P[s, row, col]``
@@ -189,7 +189,8 @@ def slices(BM=64, BN=64, BK=64, SPLIT=2048, grid=False, rms=False, counters=1 <<
     last (``s == last``: one value per tile, ``relate``), reads the S partials and stores Y.
     ``rms`` needs one N tile (``N <= BN``: else two N tiles would store the same ``PSS``).
     ``slice_end=False`` drops the slice end's cut at K, ``slice_index=False`` stores every slice's
-    partial at ``P[row, col]`` (broken variants the proof must reject)."""
+    partial at ``P[row, col]`` (broken variants the proof must reject). ``two``: the grid form whose
+    partials ``slices_finish`` adds (no counters, no Y store here)."""
     import z3
 
     S = lambda n: cdiv(n.K, SPLIT)  # noqa: E731
@@ -223,6 +224,13 @@ def slices(BM=64, BN=64, BK=64, SPLIT=2048, grid=False, rms=False, counters=1 <<
                     lanes=lambda n: {**lanes, "s": S(n)}, accesses=acc, divides=divides)
     pidx = (lambda n: (n.s, row(n), col(n))) if slice_index else (lambda n: (row(n), col(n)))
     pshape = (lambda n: (S(n), n.M, n.N)) if slice_index else (lambda n: (n.M, n.N))
+    pss = (Access("PSS", "store", lambda n: (n.s, row(n)), lambda n: (S(n), n.M), lambda n: row(n) < n.M,
+                  lanes=("i",)),) if rms else ()
+    if two:
+        return Spec(name=name, dims=("M", "N", "K"), requires=req,
+                    grid=lambda n: {"pm": cdiv(n.M, BM), "pn": GN(n), "s": S(n)}, lanes=lambda n: lanes,
+                    accesses=loads + (Access("P", "store", pidx, pshape, out, lanes=("i", "j")),) + pss,
+                    divides=divides)
     acc = loads + (
         Access("P", "store", pidx, pshape, out, lanes=("i", "j")),
         Access("CNT", "load", lambda n: (n.pm * GN(n) + n.pn,), lambda n: (counters,)),
@@ -231,9 +239,7 @@ def slices(BM=64, BN=64, BK=64, SPLIT=2048, grid=False, rms=False, counters=1 <<
                lambda n: z3.And(out(n), n.s == n.last), lanes=("i", "j")),
     )
     if rms:
-        acc += (Access("PSS", "store", lambda n: (n.s, row(n)), lambda n: (S(n), n.M), lambda n: row(n) < n.M,
-                       lanes=("i",)),
-                Access("PSS", "load", lambda n: (n.s2, row(n)), lambda n: (S(n), n.M), lambda n: row(n) < n.M))
+        acc += pss + (Access("PSS", "load", lambda n: (n.s2, row(n)), lambda n: (S(n), n.M), lambda n: row(n) < n.M),)
     return Spec(
         name=name, dims=("M", "N", "K"),
         requires=lambda n: req(n) + [cdiv(n.M, BM) * GN(n) <= counters],
@@ -241,3 +247,25 @@ def slices(BM=64, BN=64, BK=64, SPLIT=2048, grid=False, rms=False, counters=1 <<
         lanes=lambda n: {**lanes, "s2": S(n)}, data=lambda n: {"last": (0, S(n))},
         relate=lambda a, b: [z3.Implies(z3.And(a.pm == b.pm, a.pn == b.pn), a.last == b.last)],
         accesses=acc, divides=divides)
+
+
+def slices_finish(FR=4, BN=32, rms=False, name="slices_finish") -> Spec:
+    """``triton_slices.finish_kernel``: program (pm, pn) reads the S partials ``P[s, row, col]`` of
+    FR rows x BN columns (``PSS[s, row]`` with ``rms``) and stores those elements of Y once."""
+    import z3
+
+    def row(n):
+        return n.pm * FR + n.i
+
+    def col(n):
+        return n.pn * BN + n.j
+
+    def out(n):
+        return z3.And(row(n) < n.M, col(n) < n.N)
+
+    acc = (Access("P", "load", lambda n: (n.s2, row(n), col(n)), lambda n: (n.S, n.M, n.N), out),
+           Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.M, n.N), out, lanes=("i", "j")))
+    if rms:
+        acc += (Access("PSS", "load", lambda n: (n.s2, row(n)), lambda n: (n.S, n.M), lambda n: row(n) < n.M),)
+    return Spec(name=name, dims=("M", "N", "S"), grid=lambda n: {"pm": cdiv(n.M, FR), "pn": cdiv(n.N, BN)},
+                lanes=lambda n: {"i": FR, "j": BN, "s2": n.S}, accesses=acc)

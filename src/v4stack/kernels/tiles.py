@@ -32,14 +32,30 @@ HALF_CANDIDATES = (_t(64, 32, 128, grid=True), _t(64, 64, 64, grid=True), _t(64,
                    _t(32, 64, 64, s=5, grid=True), _t(128, 128, 64, w=8, s=5, tma=True),
                    # M = 64..256: 128-512 programs in flight, deeper K steps (second sweep)
                    _t(64, 32, 128), _t(64, 16, 128), _t(64, 16, 128, grid=True), _t(64, 64, 128, grid=True),
-                   _t(128, 128, 64, w=8, grid=True), _t(128, 64, 128, w=8, s=3), _t(64, 128, 128, s=3))
+                   _t(128, 128, 64, w=8, grid=True), _t(128, 64, 128, w=8, s=3), _t(64, 128, 128, s=3),
+                   # third sweep. M = 256: 128 programs as 128 x 128 tiles x 2 slices (grid form, the last
+                   # program adding 2 partials, unroll 2), or 128 x 64 / 64 x 128 tiles on TMA
+                   _t(128, 128, 64, w=8, grid=True, unroll=2), _t(128, 128, 128, w=8, s=3, grid=True, unroll=2),
+                   _t(128, 128, 64, w=8, grid=True, unroll=1),
+                   _t(128, 64, 128, w=8, s=4), _t(64, 128, 128, s=4),
+                   _t(128, 64, 128, w=8, s=3, tma=True), _t(128, 64, 128, w=8, s=4, tma=True),
+                   _t(128, 64, 128, w=8, s=3, tma=True, WS=True), _t(64, 128, 128, s=4, tma=True),
+                   _t(64, 128, 128, s=3, tma=True, WS=True),
+                   _t(128, 128, 64, w=8, s=4, tma=True, grid=True, unroll=2),
+                   _t(128, 128, 128, w=8, s=3, tma=True, grid=True, unroll=2),
+                   # M <= 64: the grid form adding its 2 partials with unroll 2
+                   _t(16, 64, 128, grid=True, unroll=2), _t(64, 32, 128, grid=True, unroll=2),
+                   _t(64, 64, 128, grid=True, unroll=2))
 HALF_TILES = ((64, HALF_CANDIDATES[1]), (256, HALF_CANDIDATES[2]), (1 << 62, HALF_CANDIDATES[6]))
 # fp32 (3xTF32, BK = F32_BK)
 F32_CANDIDATES = (_t(64, 32, F32_BK, s=3, grid=True), _t(64, 64, F32_BK, s=3, grid=True),
                   _t(64, 16, F32_BK, s=4, grid=True), _t(128, 64, F32_BK, w=8, s=3, grid=True),
                   _t(64, 64, F32_BK, s=3), _t(128, 64, F32_BK, w=8, s=3), _t(16, 32, F32_BK, s=4, grid=True),
                   _t(32, 32, F32_BK, s=4, grid=True), _t(128, 64, F32_BK, w=8, s=4),
-                  _t(16, 16, F32_BK, s=4, grid=True), _t(16, 32, F32_BK, s=3, grid=True))
+                  _t(16, 16, F32_BK, s=4, grid=True), _t(16, 32, F32_BK, s=3, grid=True),
+                  # third sweep: the partials added by a second launch, one element per thread
+                  _t(16, 32, F32_BK, s=4, grid=True, two=True), _t(64, 32, F32_BK, s=3, grid=True, two=True),
+                  _t(16, 32, F32_BK, s=4, grid=True, unroll=16))
 F32_TILES = ((64, F32_CANDIDATES[0]), (1 << 62, F32_CANDIDATES[1]))
 # hc_mix (fp32 3xTF32, N <= 64 in one N tile): rows per program, K step F32_BK
 HC_CANDIDATES = (dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
@@ -48,7 +64,19 @@ HC_CANDIDATES = (dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
                  dict(BM=64, BK=F32_BK, num_warps=4, num_stages=4, grid=True),
                  dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3),
                  dict(BM=16, BK=F32_BK, num_warps=4, num_stages=4, grid=True),
-                 dict(BM=32, BK=F32_BK, num_warps=4, num_stages=4, grid=True))
+                 dict(BM=32, BK=F32_BK, num_warps=4, num_stages=4, grid=True),
+                 # third sweep: the 64 partials of a row added by a second launch (``two``: ``fr`` rows x 32
+                 # columns per program, one element per thread) or, in the one launch, more loads at once
+                 dict(BM=16, BK=F32_BK, num_warps=4, num_stages=4, grid=True, two=True),
+                 dict(BM=16, BK=F32_BK, num_warps=4, num_stages=8, grid=True, two=True),
+                 dict(BM=16, BK=F32_BK, num_warps=4, num_stages=8, grid=True, two=True, fr=8),
+                 dict(BM=32, BK=F32_BK, num_warps=4, num_stages=4, grid=True, two=True),
+                 dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True, two=True),
+                 dict(BM=64, BK=F32_BK, num_warps=4, num_stages=8, grid=True, two=True),
+                 dict(BM=64, BK=F32_BK, num_warps=4, num_stages=4, grid=True, two=True, fr=8),
+                 dict(BM=128, BK=F32_BK, num_warps=8, num_stages=3, grid=True, two=True),
+                 dict(BM=16, BK=F32_BK, num_warps=4, num_stages=4, grid=True, unroll=32),
+                 dict(BM=16, BK=F32_BK, num_warps=4, num_stages=8, grid=True))
 HC_TILES = ((1 << 62, HC_CANDIDATES[0]),)
 # hc_mix on bf16 / fp16 streams (``hc_pre``): only tiles whose bits on such streams equal the fp32
 # tiles' (the sweep found ``mma.sync`` tiles, BM < 64, differ there while they agree on fp32 input)

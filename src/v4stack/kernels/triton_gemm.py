@@ -61,7 +61,8 @@ def linear(x, weight, tile=None):
             from v4stack.kernels.triton_tma import linear_tma
 
             linear_tma(a, w, y, BM=t["BM"], BN=t["BN"], BK=t["BK"], GROUP_M=t.get("GROUP_M", 8),
-                       num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False), SPLIT=HALF_SPLIT)
+                       num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False), SPLIT=HALF_SPLIT,
+                       GRID=t.get("grid", False), UNR=t.get("unroll", 2))
         else:
             run(a, w, y, t, HALF_SPLIT, False)
     else:

@@ -40,7 +40,6 @@ FLOAT_SEMANTICS = {
               "with ones, slices in order; 1/sqrt correctly rounded",
 }
 
-UNROLL = tl.constexpr(8)  # partials the grid form's last program loads at once before adding them in order
 COUNTERS = 1 << 16  # output tiles one grid-form launch may count; more tiles take the fused form
 WORKSPACE = 1 << 23  # fp32 partials kept per device between calls (32 MiB); larger ones are allocated per call
 _counters: dict = {}
@@ -144,11 +143,58 @@ def _finish(total, tss, Kf, eps, RMS: tl.constexpr):
 
 
 @triton.jit
+def fold(P, PSS, rows, rmask, cols, omask, M, N, S, BM: tl.constexpr, BN: tl.constexpr, RMS: tl.constexpr,
+         UNR: tl.constexpr, CG: tl.constexpr):
+    """``((0 + P[0]) + P[1]) + ...`` over the S slice partials of the elements (rows, cols), in
+    slice order (and the same for ``PSS`` of the rows if RMS): UNR partials' loads issued, then
+    added one after another. CG: the loads' cache modifier (``.cg`` within the launch that wrote
+    the partials, where they are ordered after the arrival's acquire; plain in a later launch,
+    which lets the compiler issue them together)."""
+    total = tl.zeros([BM, BN], tl.float32)
+    tss = tl.zeros([BM], tl.float32)
+    for j0 in range(0, S, UNR):
+        for u in tl.static_range(UNR):
+            j = j0 + u
+            live = j < S
+            part = tl.load(P + (j * M + rows)[:, None] * N + cols[None, :], mask=omask & live, other=0.0,
+                           cache_modifier=CG)
+            total = tl.where(live, total + part, total)
+            if RMS:
+                pss = tl.load(PSS + j * M + rows, mask=rmask & live, other=0.0, cache_modifier=CG)
+                tss = tl.where(live, tss + pss, tss)
+    return total, tss
+
+
+@triton.jit
+def finish_kernel(P, PSS, Y, M, N, Kf, eps, s_ym, S: tl.constexpr, FR: tl.constexpr, BN: tl.constexpr,
+                  RMS: tl.constexpr):
+    """The second launch of the TWO grid form: program (m, n) adds the S partials of FR rows x BN
+    columns in slice order (one element per thread: many programs, few loads each). S is a
+    constant here, so the loads carry no per-slice mask and are issued ahead of the adds."""
+    rows = (tl.program_id(0) * FR + tl.arange(0, FR)).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rmask = rows < M
+    omask = rmask[:, None] & (cols < N)[None, :]
+    at = P + rows[:, None] * N + cols[None, :]
+    MN = M.to(tl.int64) * N
+    total = tl.zeros([FR, BN], tl.float32)
+    tss = tl.zeros([FR], tl.float32)
+    for j in tl.static_range(S):  # no mask per slice: the loads are issued ahead of the adds
+        total = total + tl.load(at + j * MN, mask=omask, other=0.0)
+        if RMS:
+            tss = tss + tl.load(PSS + j * M + rows, mask=rmask, other=0.0)
+    total = _finish(total, tss, Kf, eps, RMS)
+    tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLIT: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, TF32X3: tl.constexpr, RMS: tl.constexpr, GRID: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, TF32X3: tl.constexpr, RMS: tl.constexpr, GRID: tl.constexpr,
+                  UNR: tl.constexpr, TWO: tl.constexpr):
     """``Y[M, N] = X[M, K] @ W[N, K]^T`` (times ``1 / sqrt(mean x^2 + eps)`` per row if RMS).
     GRID: program (m, n, s) computes slice s into ``P[s, M, N]`` (``PSS[s, M]``), the tile's last
-    arrival sums them in slice order; else program (m, n) sums its slices in registers."""
+    arrival sums them in slice order (``UNR`` partials' loads in flight at once), or with TWO
+    ``finish_kernel`` does; else program (m, n) sums its slices in registers."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
@@ -167,22 +213,14 @@ def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLI
         tl.store(P + (s * M + rows)[:, None] * N + cols[None, :], acc, mask=omask)
         if RMS:
             tl.store(PSS + s * M + rows, ss, mask=rmask)  # RMS: one N tile (N <= BN), one writer
-        tl.debug_barrier()  # every thread's partial is written before the arrival is released
-        tile = CNT + pm * tl.num_programs(1) + pn
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == S - 1:  # the last of the S slices
-            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-            for j0 in range(0, S, UNROLL):  # UNROLL partials' loads in flight at once, added in order
-                for u in tl.static_range(UNROLL):
-                    j = j0 + u
-                    live = j < S
-                    part = tl.load(P + (j * M + rows)[:, None] * N + cols[None, :], mask=omask & live, other=0.0,
-                                   cache_modifier=".cg")
-                    total = tl.where(live, total + part, total)
-                    if RMS:
-                        pss = tl.load(PSS + j * M + rows, mask=rmask & live, other=0.0, cache_modifier=".cg")
-                        tss = tl.where(live, tss + pss, tss)
-            total = _finish(total, tss, Kf, eps, RMS)
-            tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
+        if not TWO:  # TWO: ``finish_kernel``, launched next, adds the partials
+            tl.debug_barrier()  # every thread's partial is written before the arrival is released
+            tile = CNT + pm * tl.num_programs(1) + pn
+            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == S - 1:  # the last of the S slices
+                tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+                total, tss = fold(P, PSS, rows, rmask, cols, omask, M, N, S, BM, BN, RMS, UNR, ".cg")
+                total = _finish(total, tss, Kf, eps, RMS)
+                tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
     else:
         for k0 in range(0, K, SPLIT):
             acc, ss = _slice(X, W, rows, rmask, cols, cmask, k0, tl.minimum(k0 + SPLIT, K), s_xm, s_wn, BM, BN, BK,
@@ -194,17 +232,24 @@ def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLI
         tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
 
 
+FINISH_BN = 32  # columns per program of ``finish_kernel``
+
+
 def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
     """Launch ``slices_kernel`` for ``y = a @ w.T`` (``a [M, K]``, ``w [N, K]`` rows contiguous,
     ``y [M, N]``); ``rms_eps``: hc_mix's RMS factor with that eps. The grid form is used when the
-    tile asks for it, K has more than one slice and the tiles fit the counters."""
+    tile asks for it, K has more than one slice and the tiles fit the counters; with ``two`` its
+    partials are added by ``finish_kernel`` (``fr`` rows per program) instead of each tile's last
+    program. ``unroll``: partials the last program loads at once while adding them."""
     from v4stack.kernels.launch import cdiv, launch
 
     M, K = a.shape
     N = w.shape[0]
     gm, gn, S = cdiv(M, tile["BM"]), cdiv(N, tile["BN"]), cdiv(K, split)
     grid = tile.get("grid", False) and S > 1 and gm * gn <= COUNTERS
+    two = grid and tile.get("two", False)
     rms = rms_eps is not None
+    unr = tile.get("unroll", 8)
     if grid:
         dev = a.device
         ws = workspace(dev, S * M * (N + 1))
@@ -213,6 +258,11 @@ def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
         p = pss = cnt = y
     launch(slices_kernel, (gm, gn, S) if grid else (gm, gn), a, w, y, p, pss, cnt, M, N, K, float(K),
            float(rms_eps or 0.0), a.stride(0), w.stride(0), y.stride(0), SPLIT=split, BM=tile["BM"], BN=tile["BN"],
-           BK=tile["BK"], TF32X3=tf32x3, RMS=rms, GRID=grid, num_warps=tile["num_warps"],
+           BK=tile["BK"], TF32X3=tf32x3, RMS=rms, GRID=grid, UNR=8 if two else unr, TWO=two, num_warps=tile["num_warps"],
            num_stages=tile["num_stages"])
+    if two:
+        fr = tile.get("fr", 4)
+        launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, y, M, N, float(K), float(rms_eps or 0.0),
+               y.stride(0), S=S, FR=fr, BN=FINISH_BN, RMS=rms, num_warps=max(1, fr * FINISH_BN // 32),
+               num_stages=1)
     return y

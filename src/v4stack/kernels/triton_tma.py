@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import cdiv
+from v4stack.kernels.triton_slices import fold
 
 
 @triton.jit
@@ -48,6 +49,41 @@ def linear_tma_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.
         c_desc.store([pm * BM, pn * BN], total.to(c_desc.dtype))
 
 
+@triton.jit
+def _tma_slice(a_desc, b_desc, pm, pn, k0, kend, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k in range(k0, kend, BK):
+        a = a_desc.load([pm * BM, k])
+        b = b_desc.load([pn * BN, k])
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
+def tma_grid_kernel(a_desc, b_desc, Y, P, CNT, M, N, K, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    KPS: tl.constexpr, UNR: tl.constexpr):
+    """The grid form on TMA loads: program (m, n, s) computes slice s of its tile (KPS steps of BK
+    from zero, as ``linear_tma_kernel``'s slice) into ``P[s]`` as fp32; the tile's last program
+    to arrive adds the S partials in slice order (``triton_slices.fold``) and stores Y."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    s = tl.program_id(2)
+    S = tl.num_programs(2)
+    k0 = s * (KPS * BK)
+    acc = _tma_slice(a_desc, b_desc, pm, pn, k0, tl.minimum(k0 + KPS * BK, K), BM, BN, BK)
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = pn * BN + tl.arange(0, BN)
+    rmask = rows < M
+    omask = rmask[:, None] & (cols < N)[None, :]
+    tl.store(P + (s * M + rows)[:, None] * N + cols[None, :], acc, mask=omask)
+    tl.debug_barrier()  # every thread's partial is written before the arrival is released
+    tile = CNT + pm * tl.num_programs(1) + pn
+    if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == S - 1:
+        tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+        total, _ = fold(P, P, rows, rmask, cols, omask, M, N, S, BM, BN, False, UNR, ".cg")
+        tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
+
+
 _sms = None
 
 
@@ -61,15 +97,24 @@ def num_sms() -> int:
 
 
 def linear_tma(a, w, y, BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3, WS=False, SPLIT=2048,
-               FLAT=False):
+               FLAT=False, GRID=False, UNR=2):
     """``y[M, N] = a[M, K] @ w[N, K].T`` (row-major, 16-byte aligned rows), K in ``SPLIT`` slices
-    (``BK`` divides ``SPLIT``)."""
+    (``BK`` divides ``SPLIT``). GRID: one program per (tile, slice), ``tma_grid_kernel`` (K of more
+    than one slice, tiles within the counters), else the persistent kernel."""
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from v4stack.kernels import triton_slices as ts
 
     M, K = a.shape
     N = w.shape[0]
     ad = TensorDescriptor.from_tensor(a, [BM, BK])
     bd = TensorDescriptor.from_tensor(w, [BN, BK])
+    gm, gn, S = cdiv(M, BM), cdiv(N, BN), cdiv(K, SPLIT)
+    if GRID and S > 1 and gm * gn <= ts.COUNTERS:
+        p, cnt = ts.workspace(a.device, S * M * N), ts.counters(a.device)
+        tma_grid_kernel[(gm, gn, S)](ad, bd, y, p, cnt, M, N, K, y.stride(0), BM=BM, BN=BN, BK=BK, KPS=SPLIT // BK,
+                                     UNR=UNR, num_warps=num_warps, num_stages=num_stages)
+        return y
     cd = TensorDescriptor.from_tensor(y, [BM, BN])
     nsm = num_sms()
     grid = (min(nsm, cdiv(M, BM) * cdiv(N, BN)),)
