@@ -44,9 +44,11 @@ BUCKETS = {"HALF_TILES": ("linear_bf16", ((1, 1), (8, 16), (64, 64), (256, 256),
            # the grouped GEMM (``bench/grouped_tiles.py``): by routed rows per expert, ceil(T / E)
            "GROUPED_TILES": ("grouped_per_expert", ((1, 3), (6, 12), (24, 32), (48, 96), (192, 288), (384, 1024),
                                                     (3072, 1 << 62)))}
+BUCKETS.update({g: BUCKETS[b] for b, g in TL.GRAPH.items()})  # calls captured in CUDA graphs: device time alone
 
 
-SOLE_TABLES = {"HC_TILES"}  # served with the section's own inputs only (fp32): the ``also`` bits do not bind it
+SOLE_TABLES = {"HC_TILES", "HC_TILES_GRAPH"}  # served with the section's own inputs only (fp32): the ``also``
+# bits do not bind them
 
 
 def _bits_ok(v: dict, also: bool = True) -> bool:
@@ -61,8 +63,14 @@ def _cost(v: dict) -> float:
     return v.get("graph_s", 0.0) + v["s"]
 
 
+def _graph_cost(v: dict) -> float:
+    """Device time under CUDA graphs alone: the cost of a tile in the ``*_GRAPH`` tables."""
+    return v.get("graph_s", v["s"])
+
+
 def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dict:
-    """Per bucket: the cheapest bit-identical candidate at the bucket's measured M (``_cost``), if it
+    """Per bucket: the cheapest bit-identical candidate at the bucket's measured M (``_cost``; for the
+    ``*_GRAPH`` tables ``_graph_cost``), if it
     beats the shipped default by more than ``margin`` or the default is not bit-identical; else the
     default. A bucket whose M the sweep did not measure (``--ms``) keeps the shipped tile. Adjacent
     buckets with the same tile are merged. ``defaults``: tables in place of the shipped ones."""
@@ -81,7 +89,7 @@ def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dic
                     out.append([top, default])
                 continue
             ok = [v for v in rows[m]["variants"] if _bits_ok(v, table not in SOLE_TABLES) and "s" in v]
-            t = _cost
+            t = _graph_cost if table.endswith("_GRAPH") else _cost
             base = next((t(v) for v in ok if v["tile"] == default), None)
             best = min(ok, key=t) if ok else None
             keep = best is None or (base is not None and t(best) > base * (1 - margin))  # a default whose
@@ -222,7 +230,7 @@ def _warm(job):
     return True
 
 
-def warm(names, workers: int, small: bool) -> float:
+def warm(names, workers: int, small: bool, sel: dict | None = None) -> float:
     """Compile every candidate of ``names`` in ``workers`` processes before the sweep (the sweep then
     loads them from Triton's cache instead of compiling ~30 kernels one after another)."""
     import multiprocessing as mp
@@ -230,7 +238,7 @@ def warm(names, workers: int, small: bool) -> float:
 
     t0 = time.time()
     counts = {"linear_bf16": len(BF16_TILES), "linear_fp32": len(F32_TILES), "hc_mix": len(HC_TILES)}
-    jobs = [(n, i, small) for n in names if n in counts for i in range(counts[n])]
+    jobs = [(n, i, small) for n in names if n in counts for i in (sel or {}).get(n, range(counts[n]))]
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         done = list(ex.map(_warm, jobs))
     print("warm:", sum(d is True for d in done), "of", len(done), "compiled", [d for d in done if d is not True],
@@ -250,6 +258,9 @@ def main(argv=None) -> None:
     p.add_argument("--ms", action="append", default=[], metavar="SECTION=M,M",
                    help="measure these M only for a fixed-slice section (the other buckets keep their tiles)")
     p.add_argument("--choose-from", default="", help="only re-derive --choose from this sweep result (no GPU)")
+    p.add_argument("--tiles", action="append", default=[], metavar="SECTION=I,J",
+                   help="sweep only these candidates (indices into the section's candidates; the buckets' "
+                        "shipped tiles should be among them, as the pick compares against them)")
     a = p.parse_args(argv)
     if a.choose_from:
         import json
@@ -278,8 +289,9 @@ def main(argv=None) -> None:
         return (torch.randn(*s, device=dev) * scale).to(dt)
 
     sections = []
+    sel = {k: [int(i) for i in v.split(",")] for k, v in (e.split("=", 1) for e in a.tiles)}
     if a.warm:
-        rec["warm_compile_s"] = round(warm(only | set(filter(None, a.warm_also.split(","))), a.warm, a.small), 1)
+        rec["warm_compile_s"] = round(warm(only | set(filter(None, a.warm_also.split(","))), a.warm, a.small, sel), 1)
         print("warm compile", rec["warm_compile_s"], "s", flush=True)
     if "indexer_rows" in only:
         def indexer_rows():
@@ -313,8 +325,10 @@ def main(argv=None) -> None:
     order = a.only.split(",")
     for sec in sorted(slice_sections(a.small, dev), key=lambda sec: order.index(sec[0]) if sec[0] in order else 0):
         if sec[0] in only:
-            sections.append((lambda sec: lambda: _variants(sec[0], sec[1], sec[2], ms.get(sec[0], SLICE_MS), sec[3],
-                                                            sec[4], rec, sec[6], sec[5], a.target_s, sec[7]))(sec))
+            cands = [sec[2][i] for i in sel[sec[0]]] if sec[0] in sel else sec[2]
+            sections.append((lambda sec, cands: lambda: _variants(sec[0], sec[1], cands, ms.get(sec[0], SLICE_MS),
+                                                                   sec[3], sec[4], rec, sec[6], sec[5], a.target_s,
+                                                                   sec[7]))(sec, cands))
     if "host" in only:
         def host():
             from v4stack import ops

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 import traceback
@@ -195,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         skip |= {"launch", "inv", "time"}
     t0 = time.time()
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    meta = {"widths": "flash", "device_name": torch.cuda.get_device_name(), "torch": torch.__version__}
+    from v4stack.kernels import tiles
+
+    meta = {"widths": "flash", "device_name": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "tiles_chosen": {"file": tiles.CHOSEN.name, **json.loads(tiles.CHOSEN.read_text())}}
     if "launch" not in skip:
         write_result(os.path.join(a.out_dir, "launch_h200.json"), {**meta, "bench": "launch", **launch_tax()})
         print("launch done", round(time.time() - t0), flush=True)

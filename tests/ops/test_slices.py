@@ -89,6 +89,52 @@ def test_hc_mix_tiles_agree_and_match_float64():
     assert torch.equal(tg.hc_mix(fb, fn, 1e-6), tg.hc_mix(fb.float(), fn, 1e-6))
 
 
+def test_the_finishing_launch_adds_the_slices_in_order():
+    # 38 slices (padded to 64 columns in the finishing launch) over a wide range of magnitudes, so
+    # that another order of the adds would round differently; the forms agree bit for bit
+    x = r(9, 600) * torch.logspace(-4, 4, 600)
+    w = r(5, 600)
+    base = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2)
+    for eps in (None, 1e-6):
+        ys = [ts.run(x, w, torch.empty(9, 5), t, 16, True, rms_eps=eps)
+              for t in (base, dict(base, grid=True), dict(base, grid=True, two=True))]
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+
+
+def test_add_in_order_takes_the_columns_in_order():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(X, Y, W: tl.constexpr):
+        x = tl.load(X + tl.arange(0, W)[None, None, :] + tl.zeros([1, 2, 1], tl.int32))
+        t = ts._add_in_order(tl.zeros([1, 2], tl.float32), x, 1, 2, W)
+        tl.store(Y + tl.arange(0, 2)[None, :], t)
+
+    v = (torch.randn(64, generator=g) * torch.logspace(-7, 7, 64)).float()
+    y = torch.empty(2)
+    k[(1,)](v, y, W=64)
+    seq = torch.zeros((), dtype=torch.float32)
+    for e in v:
+        seq = seq + e
+    assert torch.equal(y, seq.expand(2))
+    rev = torch.zeros((), dtype=torch.float32)
+    for e in v.flip(0):  # inverse control: the reverse order rounds differently
+        rev = rev + e
+    assert not torch.equal(rev, seq)
+
+
+def test_calls_captured_in_a_graph_take_the_graph_table(monkeypatch):
+    a, b = dict(tiles.HALF_CANDIDATES[5]), dict(tiles.HALF_CANDIDATES[1])
+    eager, graph = ((1 << 62, a),), ((1 << 62, b),)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tg._tile(eager, graph, 5, True) == b
+    assert tg._tile(eager, graph, 5, False) == a  # tensors off the GPU never ask
+    assert tg._tile(eager, eager, 5, True) == a
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert tg._tile(eager, graph, 5, True) == a
+
+
 def test_the_wrapper_serves_every_bucket():
     x, w = r(3, 600), r(20, 600)
     for m in (1, 70):
@@ -160,35 +206,56 @@ def test_the_sweep_choice_keeps_only_bit_identical_tiles():
     assert G.choose(rec(True), defaults={"HC_HALF_TILES": ((1 << 62, slow),)})["HC_HALF_TILES"] == [[1 << 62, fast]]
 
 
+def _sweep_records(section: str) -> dict:
+    """``{(M, tile as json): variant}`` over every committed H200 sweep of the fixed-slice GEMMs
+    (``bench/results/gemm_tiles*_h200.json``), the later sweeps last."""
+    import json
+    from pathlib import Path
+
+    out = {}
+    res = Path(__file__).resolve().parents[2] / "bench/results"
+    for name in ("gemm_tiles_h200.json", "gemm_tiles2_h200.json", "gemm_tiles3_h200.json", "gemm_tiles4_h200.json"):
+        if (res / name).exists():
+            for row in json.loads((res / name).read_text()).get(section, []):
+                for v in row["variants"]:
+                    if "error" not in v:
+                        out[(row["M"], json.dumps(v["tile"], sort_keys=True))] = v
+    return out
+
+
 def test_bf16_streams_take_only_tiles_whose_bits_agree_there():
     # the committed pick: hc_mix on bf16 / fp16 streams (hc_pre) keeps to wgmma tiles (BM >= 64); the
-    # H200 sweep found the mma.sync tiles' bits differ on such streams (gemm_tiles_h200.json)
-    assert all(t["BM"] >= 64 for _, t in tiles.HC_HALF_TILES)
+    # H200 sweeps found the mma.sync tiles' bits differ on such streams (gemm_tiles_h200.json)
     import json
-    from pathlib import Path
-
-    sweep = json.loads((Path(__file__).resolve().parents[2] / "bench/results/gemm_tiles_h200.json").read_text())
-    also = {(r["M"], json.dumps(v["tile"], sort_keys=True)): v.get("bits_equal_also")
-            for r in sweep["hc_mix"] for v in r["variants"]}
-    assert all(also[(m, json.dumps(t, sort_keys=True))] for m in (1, 8, 64, 256, 4096) for _, t in tiles.HC_HALF_TILES)
-    assert all(v.get("bits_equal_ref") for r in sweep["hc_mix"] for v in r["variants"]
-               if v["tile"] in [t for _, t in tiles.HC_TILES])
-
-
-def test_the_shipped_linear_tiles_were_bit_checked_at_their_buckets():
-    # every bucket of HALF_TILES (and the decode buckets of F32_TILES) serves a tile whose rows the
-    # second H200 sweep found equal to the rows computed alone, at the M the bucket was measured at
-    import json
-    from pathlib import Path
 
     from bench import gemm_tiles as G
 
-    sweep = json.loads((Path(__file__).resolve().parents[2] / "bench/results/gemm_tiles2_h200.json").read_text())
-    for table, ms in (("HALF_TILES", (1, 8, 64, 256, 4096)), ("F32_TILES", (1, 8))):
-        rows = {r["M"]: r for r in sweep[G.BUCKETS[table][0]]}
-        for m in ms:
-            tile = tiles.pick(getattr(tiles, table), m)
-            v = next(v for v in rows[m]["variants"] if v["tile"] == tile)
-            assert G._bits_ok(v), (table, m, tile)
+    recs = _sweep_records("hc_mix")
+    for table in ("HC_HALF_TILES", "HC_HALF_TILES_GRAPH"):
+        assert all(t["BM"] >= 64 for _, t in getattr(tiles, table))
+        for m, _ in G.BUCKETS[table][1]:
+            v = recs.get((m, json.dumps(tiles.pick(getattr(tiles, table), m), sort_keys=True)))
+            assert v is None or v.get("bits_equal_also"), (table, m)
+    for table in ("HC_TILES", "HC_TILES_GRAPH"):  # fp32 streams: every served tile's bits were checked
+        for m, _ in G.BUCKETS[table][1]:
+            v = recs.get((m, json.dumps(tiles.pick(getattr(tiles, table), m), sort_keys=True)))
+            assert v is None or (v.get("bits_equal_ref") and v.get("bits_equal_alone")), (table, m)
+
+
+def test_the_shipped_linear_tiles_were_bit_checked_at_their_buckets():
+    # every bucket of HALF_TILES (and the decode buckets of F32_TILES and hc_mix), in both the eager
+    # and the graph tables, serves a tile whose rows an H200 sweep found equal to the rows computed
+    # alone, at the M the bucket was measured at
+    import json
+
+    from bench import gemm_tiles as G
+
+    for table, ms in (("HALF_TILES", (1, 8, 64, 256, 4096)), ("F32_TILES", (1, 8)), ("HC_TILES", (1, 8, 64, 256))):
+        recs = _sweep_records(G.BUCKETS[table][0])
+        for tb in (table, tiles.GRAPH[table]):
+            for m in ms:
+                tile = tiles.pick(getattr(tiles, tb), m)
+                v = recs[(m, json.dumps(tile, sort_keys=True))]
+                assert G._bits_ok(v, also=False), (tb, m, tile)
     # inverse control: a row whose bits differed is refused
     assert not G._bits_ok({"bits_equal_alone": False, "bits_equal_ref": True})

@@ -201,6 +201,7 @@ ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer":
 
 def tile_spec(table: str, t: dict) -> str:
     """The spec name of tile ``t`` of ``table`` (one per distinct index arithmetic)."""
+    table = table.removesuffix("_GRAPH")  # the graph tables hold the same candidates
     form = ("two" if t.get("two") else "grid") if t.get("grid") else "fused"
     if table == "HALF_TILES":
         return f"half_{form}_{t['BM']}x{t['BN']}x{t['BK']}" + ("_tma" if t.get("tma") else "")
@@ -215,12 +216,14 @@ def tile_spec(table: str, t: dict) -> str:
 
 def finish_spec(table: str, t: dict) -> str | None:
     """The spec name of the second launch of a ``two`` tile (``triton_slices.finish_kernel``)."""
+    table = table.removesuffix("_GRAPH")
     if not (t.get("grid") and t.get("two")):
         return None
     return f"slices_finish_{t.get('fr', 4)}" + ("_rms" if table in ("HC_TILES", "HC_HALF_TILES") else "")
 
 
 def _tile_builder(table: str, t: dict, name: str):
+    table = table.removesuffix("_GRAPH")
     g, two = t.get("grid", False), t.get("two", False)
     if table == "HALF_TILES":
         # the TMA kernels' K steps within a slice: BK | SPLIT, as the slices kernel's (grid: ``tma_grid_kernel``)
@@ -259,10 +262,11 @@ def _active(*tables: str) -> list[str]:
     return names + [f for tb in tables for _, t in getattr(tiles, tb) if (f := finish_spec(tb, t))]
 
 
-GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES"),
+GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F32_TILES_GRAPH"),
           # the grouped GEMM's TMA tiles run the fallback tile where TMA's terms do not hold
           "gemm_grouped": sorted({*_active("GROUPED_TILES"), tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),
-          "hc_mix": _active("HC_TILES", "HC_HALF_TILES"), "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
+          "hc_mix": _active("HC_TILES", "HC_HALF_TILES", "HC_TILES_GRAPH", "HC_HALF_TILES_GRAPH"),
+          "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION}
 
 

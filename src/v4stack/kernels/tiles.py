@@ -9,6 +9,7 @@ so every tile that can run has its contract proved (``specs.py`` proves every ca
 """
 
 import json
+import os
 from pathlib import Path
 
 
@@ -76,7 +77,8 @@ HC_CANDIDATES = (dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
                  dict(BM=64, BK=F32_BK, num_warps=4, num_stages=4, grid=True, two=True, fr=8),
                  dict(BM=128, BK=F32_BK, num_warps=8, num_stages=3, grid=True, two=True),
                  dict(BM=16, BK=F32_BK, num_warps=4, num_stages=4, grid=True, unroll=32),
-                 dict(BM=16, BK=F32_BK, num_warps=4, num_stages=8, grid=True))
+                 dict(BM=16, BK=F32_BK, num_warps=4, num_stages=8, grid=True),
+                 dict(BM=16, BK=F32_BK, num_warps=2, num_stages=4, grid=True, two=True))
 HC_TILES = ((1 << 62, HC_CANDIDATES[0]),)
 # hc_mix on bf16 / fp16 streams (``hc_pre``): only tiles whose bits on such streams equal the fp32
 # tiles' (the sweep found ``mma.sync`` tiles, BM < 64, differ there while they agree on fp32 input)
@@ -98,10 +100,20 @@ GROUPED_TILES = ((128, GROUPED_CANDIDATES[0]), (1 << 62, GROUPED_CANDIDATES[1]))
 FP8_BLOCK = 128  # weight scale block (rows x columns), V4's checkpoint format
 FP8_TILES = ((64, dict(BM=64, BN=32)), (1 << 62, dict(BM=64, BN=128)))
 
+# Calls captured in a CUDA graph (the engine's decode steps) may take another tile of the same
+# candidates: ``*_GRAPH``, picked by device time alone, where the tables above are picked by device
+# plus host time (a tile whose host launch outlasts its kernel, the TMA kernel's at 256 rows, pays
+# for that only outside graphs). Every tile gives a row the same bits, so the two may mix.
+GRAPH = {"HALF_TILES": "HALF_TILES_GRAPH", "F32_TILES": "F32_TILES_GRAPH", "HC_TILES": "HC_TILES_GRAPH",
+         "HC_HALF_TILES": "HC_HALF_TILES_GRAPH"}
+HALF_TILES_GRAPH, F32_TILES_GRAPH, HC_TILES_GRAPH, HC_HALF_TILES_GRAPH = HALF_TILES, F32_TILES, HC_TILES, HC_HALF_TILES
+
 CANDIDATES = {"HALF_TILES": HALF_CANDIDATES, "F32_TILES": F32_CANDIDATES, "HC_TILES": HC_CANDIDATES,
               "HC_HALF_TILES": HC_CANDIDATES,
               "GROUPED_TILES": GROUPED_CANDIDATES}
-CHOSEN = Path(__file__).with_name("tiles_chosen.json")
+CANDIDATES.update({g: CANDIDATES[b] for b, g in GRAPH.items()})
+# ``V4STACK_TILES`` names another pick file (a sweep's, measured before it is installed)
+CHOSEN = Path(os.environ.get("V4STACK_TILES") or Path(__file__).with_name("tiles_chosen.json"))
 
 
 def load_chosen(path: Path = CHOSEN) -> dict:
@@ -126,7 +138,11 @@ def load_chosen(path: Path = CHOSEN) -> dict:
     return out
 
 
-globals().update(load_chosen())
+_loaded = load_chosen()
+globals().update(_loaded)
+for _b, _g in GRAPH.items():  # a pick without a graph table: graph calls take the same tiles
+    if _g not in _loaded:
+        globals()[_g] = globals()[_b]
 
 
 def pick(table, m: int) -> dict:

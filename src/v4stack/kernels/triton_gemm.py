@@ -15,8 +15,8 @@ import triton.language as tl
 
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 
-from v4stack.kernels.tiles import (F32_SPLIT, F32_TILES, FP8_BLOCK, FP8_TILES, HALF_SPLIT, HALF_TILES, HC_HALF_TILES,
-                                   HC_TILES, pick)
+from v4stack.kernels.tiles import (F32_SPLIT, F32_TILES, F32_TILES_GRAPH, FP8_BLOCK, FP8_TILES, HALF_SPLIT, HALF_TILES,
+                                   HALF_TILES_GRAPH, HC_HALF_TILES, HC_HALF_TILES_GRAPH, HC_TILES, HC_TILES_GRAPH, pick)
 from v4stack.kernels.triton_slices import run
 
 
@@ -39,6 +39,20 @@ def _mm_tile(X, W, rows, rmask, n0, s_xm, s_wn, N, K, BN: tl.constexpr, BK: tl.c
     return acc, cols
 
 
+def _tile(table, graph_table, m: int, cuda: bool) -> dict:
+    """The bucket's tile of ``table``, or of ``graph_table`` where the two differ at ``m`` and the
+    call is being captured in a CUDA graph (the capture query runs only where they differ)."""
+    t = pick(table, m)
+    if cuda and graph_table is not table:
+        g = pick(graph_table, m)
+        if g != t:
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():
+                return g
+    return t
+
+
 def linear(x, weight, tile=None):
     """``x @ weight.T`` in fixed K slices (``triton_slices``): bf16 / fp16 on the ``wgmma`` chain,
     fp32 as 3xTF32 on the tensor cores. ``tile`` overrides the bucket's tile (the sweep,
@@ -56,7 +70,7 @@ def linear(x, weight, tile=None):
     if M == 0:
         return y.view(*x.shape[:-1], N)
     if x.dtype != torch.float32:
-        t = tile or pick(HALF_TILES, M)
+        t = tile or _tile(HALF_TILES, HALF_TILES_GRAPH, M, a.is_cuda)
         if t.get("tma", False) and K % 8 == 0 and N % 8 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
             from v4stack.kernels.triton_tma import linear_tma
 
@@ -66,7 +80,7 @@ def linear(x, weight, tile=None):
         else:
             run(a, w, y, t, HALF_SPLIT, False)
     else:
-        run(a, w, y, tile or pick(F32_TILES, M), F32_SPLIT, True)
+        run(a, w, y, tile or _tile(F32_TILES, F32_TILES_GRAPH, M, a.is_cuda), F32_SPLIT, True)
     return y if flat else y.view(*x.shape[:-1], N)
 
 
@@ -82,7 +96,8 @@ def hc_mix(flat, fn, eps, tile=None):
     M = x.shape[0]
     y = torch.empty(M, N, dtype=torch.float32, device=flat.device)
     if M:
-        t = dict(tile or pick(HC_TILES if x.dtype == torch.float32 else HC_HALF_TILES, M), BN=max(16, next_pow2(N)))
+        tables = (HC_TILES, HC_TILES_GRAPH) if x.dtype == torch.float32 else (HC_HALF_TILES, HC_HALF_TILES_GRAPH)
+        t = dict(tile or _tile(*tables, M, x.is_cuda), BN=max(16, next_pow2(N)))
         run(x, fn.contiguous(), y, t, F32_SPLIT, True, rms_eps=eps)
     return y.view(*flat.shape[:-1], N)
 

@@ -166,24 +166,39 @@ def fold(P, PSS, rows, rmask, cols, omask, M, N, S, BM: tl.constexpr, BN: tl.con
 
 
 @triton.jit
-def finish_kernel(P, PSS, Y, M, N, Kf, eps, s_ym, S: tl.constexpr, FR: tl.constexpr, BN: tl.constexpr,
-                  RMS: tl.constexpr):
+def _add_in_order(t, x, A: tl.constexpr, B: tl.constexpr, W: tl.constexpr):
+    """``t + x[..., 0] + x[..., 1] + ... + x[..., W - 1]``, added in that order (``x [A, B, W]``, W a
+    power of two). The columns are taken apart by reshapes and splits (exact moves, no
+    arithmetic), halves first: the leaves come out in column order."""
+    if W == 1:
+        return t + tl.reshape(x, [A, B])
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(x, [A, B, 2, W // 2]), (0, 1, 3, 2)))
+        return _add_in_order(_add_in_order(t, lo, A, B, W // 2), hi, A, B, W // 2)
+
+
+@triton.jit
+def finish_kernel(P, PSS, Y, M, N, MN, Kf, eps, s_ym, S: tl.constexpr, SP: tl.constexpr, FR: tl.constexpr,
+                  BN: tl.constexpr, RMS: tl.constexpr):
     """The second launch of the TWO grid form: program (m, n) adds the S partials of FR rows x BN
-    columns in slice order (one element per thread: many programs, few loads each). S is a
-    constant here, so the loads carry no per-slice mask and are issued ahead of the adds."""
+    columns in slice order, one element per thread. All S loads of an element are one [.., SP]
+    load (SP = S rounded up to a power of two; the slices past S read as +0.0, which changes no
+    sum: a sum started from +0.0 is never -0.0), so they are in flight together; the adds then
+    take the columns in order (``_add_in_order``). MN = M * N, the partials' slice stride."""
     rows = (tl.program_id(0) * FR + tl.arange(0, FR)).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask = rows < M
     omask = rmask[:, None] & (cols < N)[None, :]
-    at = P + rows[:, None] * N + cols[None, :]
-    MN = M.to(tl.int64) * N
-    total = tl.zeros([FR, BN], tl.float32)
-    tss = tl.zeros([FR], tl.float32)
-    for j in tl.static_range(S):  # no mask per slice: the loads are issued ahead of the adds
-        total = total + tl.load(at + j * MN, mask=omask, other=0.0)
-        if RMS:
-            tss = tss + tl.load(PSS + j * M + rows, mask=rmask, other=0.0)
-    total = _finish(total, tss, Kf, eps, RMS)
+    j = tl.arange(0, SP).to(tl.int64)
+    jm = (j < S)[None, None, :]
+    x = tl.load(P + (rows[:, None] * N + cols[None, :])[:, :, None] + j[None, None, :] * MN,
+                mask=omask[:, :, None] & jm, other=0.0)
+    total = _add_in_order(tl.zeros([FR, BN], tl.float32), x, FR, BN, SP)
+    if RMS:  # each row's slices, loaded per element too (one address across a row's threads)
+        q = tl.load(PSS + rows[:, None, None] + cols[None, :, None] * 0 + j[None, None, :] * M,
+                    mask=omask[:, :, None] & jm, other=0.0)
+        tss = _add_in_order(tl.zeros([FR, BN], tl.float32), q, FR, BN, SP)
+        total = total * tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tss, Kf) + eps))
     tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
 
 
@@ -241,7 +256,7 @@ def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
     tile asks for it, K has more than one slice and the tiles fit the counters; with ``two`` its
     partials are added by ``finish_kernel`` (``fr`` rows per program) instead of each tile's last
     program. ``unroll``: partials the last program loads at once while adding them."""
-    from v4stack.kernels.launch import cdiv, launch
+    from v4stack.kernels.launch import cdiv, launch, next_pow2
 
     M, K = a.shape
     N = w.shape[0]
@@ -262,7 +277,7 @@ def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
            num_stages=tile["num_stages"])
     if two:
         fr = tile.get("fr", 4)
-        launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, y, M, N, float(K), float(rms_eps or 0.0),
-               y.stride(0), S=S, FR=fr, BN=FINISH_BN, RMS=rms, num_warps=max(1, fr * FINISH_BN // 32),
+        launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, y, M, N, M * N, float(K),
+               float(rms_eps or 0.0), y.stride(0), S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=rms, num_warps=max(1, fr * FINISH_BN // 32),
                num_stages=1)
     return y
