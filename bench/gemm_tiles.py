@@ -103,6 +103,19 @@ def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dic
     return tables
 
 
+def write_choice(path: str, source: str, chosen: dict) -> None:
+    """Install ``chosen`` tables into the pick file at ``path``, keeping its other tables and
+    recording ``source`` (the sweep result) for each table it replaces."""
+    import json
+
+    from v4stack.atomic import atomic_write
+
+    raw = json.loads(open(path).read()) if os.path.exists(path) else {}
+    sources = {**raw.get("sources", {}), **{k: source for k in chosen}}
+    out = {**raw, "source": source, "sources": sources, "tables": {**raw.get("tables", {}), **chosen}}
+    atomic_write(path, (json.dumps(out, indent=1) + "\n").encode())
+
+
 _ON_ROW = None
 
 
@@ -265,12 +278,8 @@ def main(argv=None) -> None:
     if a.choose_from:
         import json
 
-        from v4stack.atomic import atomic_write
-
-        kept = json.loads(open(a.choose).read()).get("tables", {}) if os.path.exists(a.choose) else {}
         chosen = choose(json.loads(open(a.choose_from).read()))
-        atomic_write(a.choose, (json.dumps({"source": os.path.basename(a.choose_from), "tables": {**kept, **chosen}},
-                                           indent=1) + "\n").encode())
+        write_choice(a.choose, os.path.basename(a.choose_from), chosen)
         print(chosen)
         return
     from v4stack.kernels import triton_gemm as tg
@@ -366,14 +375,7 @@ def main(argv=None) -> None:
     def checkpoint():
         if a.choose:
             rec["chosen"] = choose(rec)
-            import json
-
-            from v4stack.atomic import atomic_write
-
-            kept = json.loads(open(a.choose).read()).get("tables", {}) if os.path.exists(a.choose) else {}
-            atomic_write(a.choose, (json.dumps({"source": os.path.basename(a.out),
-                                                "tables": {**kept, **rec["chosen"]}}, indent=1)
-                                    + "\n").encode())
+            write_choice(a.choose, os.path.basename(a.out), rec["chosen"])
         save()
 
     global _ON_ROW

@@ -49,6 +49,23 @@ def test_bf16_every_form_and_tile_gives_the_same_bits_alone_or_in_a_batch():
     assert ts.counters("cpu").abs().sum() == 0  # every grid-form launch leaves its counters at zero
 
 
+def test_tma_kernels_give_the_slices_kernel_bits():
+    from v4stack.kernels import triton_tma as tt
+
+    # the second half of K cancels the first product for product: the exact result is 0 and what
+    # the kernel returns is rounding, which depends on how K is cut into slices (the inverse control)
+    h, w0 = r(70, 256).bfloat16(), r(96, 256).bfloat16()
+    x, w = torch.cat([h, -h[:, 128:], -h[:, :128]], 1), torch.cat([w0, w0[:, 128:], w0[:, :128]], 1)
+    y = [torch.empty(70, 96, dtype=torch.bfloat16) for _ in range(3)]
+    tt.linear_tma(x, w, y[0], BM=64, BN=32, BK=64, num_warps=4, SPLIT=128, GRID=True, UNR=2)  # program per slice
+    tt.linear_tma(x, w, y[1], BM=64, BN=32, BK=64, num_warps=4, SPLIT=128)  # persistent
+    want = _run(x, w, dict(BM=64, BN=32, BK=64, num_warps=4, num_stages=2), 128, False, torch.bfloat16)
+    assert torch.equal(y[0], want) and torch.equal(y[1], want)
+    assert ts.counters("cpu").abs().sum() == 0
+    tt.linear_tma(x, w, y[2], BM=64, BN=32, BK=64, num_warps=4, SPLIT=64, GRID=True, UNR=2)
+    assert not torch.equal(y[2], want)  # inverse control: other slices, other bits
+
+
 def test_fp32_is_3xtf32_accurate_and_the_same_in_every_form():
     x, w = r(65, 300), r(33, 300)  # two slices, the last one cut
     want = x.double() @ w.double().T
