@@ -59,3 +59,27 @@ def test_set_expert_backend_reaches_every_layer(model64):
     finally:
         from v4stack.model.moe import LocalGrouped
         model64.set_expert_backend(lambda i, m: LocalGrouped())
+
+
+@torch.no_grad()
+def test_shared_expert_joins_the_grouped_gemms_with_the_same_bits(model64):
+    """Serving (no autograd): the shared expert runs as expert E of the routed grouped GEMMs, one
+    more slot per token with weight 1 - the combine's order adds it last, as the separate path
+    did, so the layer's output keeps its bits (invariant ops, CPU); its parameters become views
+    of the stacks' last entries. Control: leaving the shared expert out is another output."""
+    from v4stack.model.moe import LocalGrouped, swiglu_in_weight_dtype
+
+    moe = model64.layers[-1].ffn
+    se = moe.shared_experts
+    x = torch.randn(13, model64.cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with ops.mode("invariant"):
+        idx, w = moe.gate(x, torch.randint(0, 200, (13,)))
+        assert moe._shared_joins()
+        joined = moe.combine(x, idx, w)
+        shared = swiglu_in_weight_dtype(x, se.w1.weight, se.w2.weight, se.w3.weight, se.limit, cast=False)
+        assert torch.equal(joined, LocalGrouped().run(moe, x, w, idx, shared, x.dtype))
+        assert not torch.equal(joined, LocalGrouped().run(moe, x, w, idx, None, x.dtype))
+        w1, _, _ = moe.stacked_weights(True)
+        assert w1.shape[0] == moe.n_experts + 1 and se.w1.weight.data_ptr() == w1[-1].data_ptr()
+    with torch.enable_grad():
+        assert not moe._shared_joins()  # training keeps the shared expert apart

@@ -108,12 +108,20 @@ class LocalGrouped:
         return self.run(moe, x, weights, indices, None, compute_dtype(x.dtype))
 
     def run(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-            shared: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+            shared: torch.Tensor | None, out_dtype: torch.dtype, shared_joins: bool = False) -> torch.Tensor:
         """The combined routed output plus ``shared`` (the shared expert's output, widened to the
-        compute dtype; or None), in ``out_dtype``."""
-        w1, w2, w3 = moe.stacked_weights()
+        compute dtype; or None), in ``out_dtype``. ``shared_joins``: the shared expert runs inside
+        the same grouped GEMMs instead, as expert ``E`` (the last of ``stacked_weights(True)``) in
+        one more slot of every token with routing weight 1 - the combine adds it last, as it adds
+        ``shared`` (ascending expert id), and times 1 is exact."""
+        w1, w2, w3 = moe.stacked_weights(True) if shared_joins else moe.stacked_weights()
+        n = moe.n_experts
+        if shared_joins:
+            indices = torch.nn.functional.pad(indices, (0, 1), value=n)
+            weights = torch.nn.functional.pad(weights, (0, 1), value=1.0)
+            n += 1
         # by expert, then pair id (token * k + slot)
-        offsets, order, rank, tok, ws = moe_route(indices, weights, moe.n_experts)
+        offsets, order, rank, tok, ws = moe_route(indices, weights, n)
         rows = x[tok].to(w1.dtype)
         act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
                          ws, w2.dtype)
@@ -148,6 +156,8 @@ class MoE(nn.Module):
         """Routed experts through the backend, then the shared expert (in the compute dtype)."""
         se = self.shared_experts
         local = isinstance(self.backend, LocalGrouped)  # it widens, adds and casts in its last kernel
+        if local and self._shared_joins():
+            return self.backend.run(self, x, w, idx, None, x.dtype, shared_joins=True)
         shared = None if se is None else swiglu_in_weight_dtype(x, se.w1.weight, se.w2.weight, se.w3.weight, se.limit,
                                                                 cast=not local)
         if local:
@@ -159,32 +169,48 @@ class MoE(nn.Module):
 
     # ---- stacked expert weights --------------------------------------------------------
 
-    def _expert_params(self, name: str) -> list[torch.Tensor]:
-        return [getattr(e, name).weight for e in self.experts]
+    def _expert_params(self, name: str, shared: bool = False) -> list[torch.Tensor]:
+        ps = [getattr(e, name).weight for e in self.experts]
+        return ps + [getattr(self.shared_experts, name).weight] if shared else ps
 
-    def _tied(self) -> bool:
-        if self._stack is None:
+    def _shared_joins(self) -> bool:
+        """Whether the shared expert can run as one more expert of the local grouped GEMMs: no
+        autograd (serving), one shared expert of the routed ones' shape, dtype and device, none
+        of them quantised."""
+        se = self.shared_experts
+        if se is None or torch.is_grad_enabled() or self.n_experts >= 1024:
+            return False
+        for name in ("w1", "w2", "w3"):
+            a, b = getattr(se, name), getattr(self.experts[0], name)
+            if a.qweight is not None or b.qweight is not None or a.weight.shape != b.weight.shape \
+                    or a.weight.dtype != b.weight.dtype or a.weight.device != b.weight.device:
+                return False
+        return True
+
+    def _tied(self, shared: bool) -> bool:
+        if self._stack is None or self._stack[0].shape[0] != self.n_experts + shared:
             return False
         for st, name in zip(self._stack, ("w1", "w2", "w3")):
-            for i, p in enumerate(self._expert_params(name)):
+            for i, p in enumerate(self._expert_params(name, shared)):
                 if p.dtype != st.dtype or p.device != st.device or p.data_ptr() != st[i].data_ptr():
                     return False
         return True
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(w1, w2, w3)`` as ``[E, N, K]`` tensors in the weight dtype.
+    def stacked_weights(self, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w2, w3)`` as ``[E, N, K]`` tensors in the weight dtype (``[E + 1, N, K]`` with
+        ``shared``: the shared expert last).
 
         Without autograd the experts' parameters are made views into one stack per projection
         (re-tied only after a cast or a load replaced their storage), so a call copies nothing.
         With autograd it stacks the parameters in the graph, so gradients reach each expert.
         """
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self._expert_params("w1")):
-            return tuple(torch.stack(self._expert_params(n)) for n in ("w1", "w2", "w3"))
-        if not self._tied():
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self._expert_params("w1", shared)):
+            return tuple(torch.stack(self._expert_params(n, shared)) for n in ("w1", "w2", "w3"))
+        if not self._tied(shared):
             stacks = []
             for name in ("w1", "w2", "w3"):
-                st = torch.stack([p.data for p in self._expert_params(name)])
-                for i, p in enumerate(self._expert_params(name)):
+                st = torch.stack([p.data for p in self._expert_params(name, shared)])
+                for i, p in enumerate(self._expert_params(name, shared)):
                     p.data = st[i]
                 stacks.append(st)
             self._stack = tuple(stacks)
