@@ -33,7 +33,7 @@ timeout "${PROFILE_S:-70}" python3 -m bench.serve_profile --device cuda --config
     --batches 64,256 --contexts 1024 --steps 4 --warmup 4 --out "$W/serve/serve_profile_h200.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
 pack
-timeout "${TESTS_S:-110}" python3 -m pytest -m gpu -v -rfE --tb=short -p no:cacheprovider tests/ops tests/serve \
+timeout "${TESTS_S:-110}" python3 -m pytest -m gpu -v -rfE --tb=short -p no:cacheprovider tests/ops tests/serve --continue-on-collection-errors \
     tests/model/test_gpu.py tests/optim/test_zero_gpu.py > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" | tail -20
 pack
