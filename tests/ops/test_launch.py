@@ -142,3 +142,23 @@ def test_c_launch_equals_triton_per_specialisation():
         tr.softmax_kernel[(R,)](x, y2, N, x.stride(0), N, LOG=False, BLOCK=64)
         assert torch.equal(y, y2)
     assert any(isinstance(e, L._C.Entry) for e in L._cache.values())
+
+
+def test_every_constexpr_is_named_in_order_or_the_call_is_refused():
+    """The launch key holds constexpr values by position, so a call must name every one, in the
+    kernel's order, defaults included; the CPU run (the interpreter's launch) refuses what the GPU
+    launchers refuse - a call leaving out a defaulted constexpr was refused on the H200 and served
+    by its torch composition while every CPU test passed."""
+    from v4stack.kernels import triton_mhc as tm
+
+    x = torch.randn(2, 3, 192).bfloat16()
+    pos = torch.tensor([5, 9])
+    freqs = 1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    args = (x, torch.empty_like(x), pos, freqs, pos, 3, 192)
+    full = dict(SIGN=1.0, HALF=32, BM=4, BD=128, HAS_DEST=False, COPY=True, BARRIER=False, num_warps=4)
+    with pytest.raises(TypeError, match="constexprs must follow"):
+        L.launch(tm.rope_kernel, (2, 1), *args, **{k: v for k, v in full.items() if k != "BARRIER"})
+    with pytest.raises(TypeError, match="constexprs must follow"):
+        L.launch(tm.rope_kernel, (2, 1), *args, **dict(reversed(list(full.items()))))
+    L.launch(tm.rope_kernel, (2, 1), *args, **full)  # control: named in order, it runs
+    assert torch.equal(args[1], tm.rope(x, pos, freqs, False))

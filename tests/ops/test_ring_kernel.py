@@ -69,7 +69,11 @@ def test_tail_write_cpu_call_is_the_composition_and_the_kernel_builds():
     from v4stack.kernels.fused_gpu import tail_write_ok
 
     assert not tail_write_ok(kv, score, ape, pos, 4, rings[0], rings[1], dest, torch.float32)
-    check(ptx(("tail_write", "rope_dest0", "rope_dest1")))  # sm_90a, the declared float semantics
+    built = ptx(("tail_write", "rope_dest0", "rope_dest1", "rope_inplace", "rope_inplace_nobarrier"))
+    check(built)  # sm_90a, the declared float semantics
+    # the in-place rotation waits for every load of its block before it stores (see the GPU test
+    # below for what happens without); control: the same kernel built without the barrier has none
+    assert "bar.sync" in built["rope_inplace"] and "bar.sync" not in built["rope_inplace_nobarrier"]
 
 
 @pytest.fixture
@@ -191,3 +195,34 @@ def test_rope_inplace_kernel_keeps_the_rotation_bits_and_touches_only_the_tail()
     ref = x.clone()
     fused.rope_(ref, pos, freqs, False)  # the CPU composition, in place
     torch.testing.assert_close(ref.float(), tm.rope(x, pos, freqs, False).float(), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_inplace_on_cuda_keeps_the_rotation_bits_at_flash_widths():
+    """A decode step's queries / outputs ([T, 64 heads, 512], bf16) rotated in place hold exactly
+    ``rope``'s bits, in both directions, for T from 1 to 512. Inverse control: the same kernel
+    without its barrier between loads and stores races (a store lands before another thread's
+    load of the same channels) and differs at some of these shapes."""
+    import triton
+
+    tm = pytest.importorskip("v4stack.kernels.triton_mhc")
+    freqs = (1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))).cuda()
+    raced = 0
+    for T in (1, 3, 8, 64, 256, 512):
+        for H in (64, 8, 1):
+            x = torch.randn(T, H, 512, device="cuda").bfloat16()
+            pos = torch.randint(0, 100000, (T,), device="cuda")
+            for inverse in (False, True):
+                want = tm.rope(x, pos, freqs, inverse)
+                got = x.clone()
+                tm.rope_(got, pos, freqs, inverse)
+                assert torch.equal(got, want), (T, H, inverse)
+                for _ in range(4):
+                    bare = x.clone()
+                    bm = min(16, triton.next_power_of_2(H))
+                    tm.rope_kernel[(T, triton.cdiv(H, bm))](bare, bare, pos, freqs, pos, H, 512, SIGN=-1.0 if inverse else 1.0,
+                                                            HALF=32, BM=bm, BD=128, HAS_DEST=False, COPY=False,
+                                                            BARRIER=False, num_warps=4)
+                    raced += not torch.equal(bare, want)
+    assert raced > 0

@@ -140,11 +140,17 @@ _C = None
 _stream = _device = None
 
 
-def _compile(kernel, grid, args, consts, key, cache):
+def _check_order(kernel, args, consts):
+    """Every constexpr named, after the runtime arguments, in the kernel's order (the key holds
+    their values by position; a default left out would shift them)."""
     names = kernel.arg_names
     cx = [k for k in consts if k not in ("num_warps", "num_stages")]
     if cx != names[len(args):]:
         raise TypeError(f"{kernel.__name__}: constexprs must follow the runtime arguments in order {names}")
+
+
+def _compile(kernel, grid, args, consts, key, cache):
+    _check_order(kernel, args, consts)
     k = kernel[grid](*args, **consts)
     _alive.add(kernel)  # keys hold id(kernel): the kernel outlives its entries
     c = _c_entry(k, kernel, key, len(args), len(consts)) if cache is _cache else None
@@ -179,6 +185,7 @@ def _py_launch(kernel, grid, *args, **consts):
 
 
 def _interpret_launch(kernel, grid, *args, **consts):
+    _check_order(kernel, args, consts)  # the GPU launchers' rule, so the CPU run refuses what they would
     kernel[grid](*args, **consts)
 
 

@@ -90,10 +90,15 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
 
 @triton.jit
 def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
-                BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr = True):
+                BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr = True, BARRIER: tl.constexpr = True):
     """Token ``t`` = program 0, rows ``[BM * program 1, ...)`` of its ``M`` rows of width ``D``;
     written to token ``t``'s rows of ``Y``, or with ``HAS_DEST`` to its rows at ``DEST[t]``.
-    ``COPY`` False (``Y`` is ``X``): only the rotated tail is written, in place."""
+    ``COPY`` False (``Y`` is ``X``): only the rotated tail is written, in place - after a barrier,
+    since the thread that stores a pair need not be the one (or the only one) that loaded it: a
+    layout change between load and store, or a block held twice (BM x HALF under the thread count),
+    lets one thread's store land before another's load of the same channels (on the H200 the
+    flash4 model check differed in 23 of 47 steps without it). ``BARRIER`` False only for the test
+    that shows that race."""
     t = tl.program_id(0).to(tl.int64)
     mr = tl.program_id(1) * BM + tl.arange(0, BM)
     base = (t * M + mr[:, None]) * D
@@ -110,6 +115,9 @@ def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.conste
     b = tl.load(X + base + tail + 2 * i[None, :] + 1, mask=okm, other=0.0).to(tl.float32)
     ya = a * cos - b * sin
     yb = a * sin + b * cos
+    if not COPY:
+        if BARRIER:
+            tl.debug_barrier()  # every load of the program's rows is done before any store
     tl.store(Y + ybase + tail + 2 * i[None, :], ya.to(Y.dtype.element_ty), mask=okm)
     tl.store(Y + ybase + tail + 2 * i[None, :] + 1, yb.to(Y.dtype.element_ty), mask=okm)
     if COPY:
@@ -127,7 +135,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, positions, M, D,
-               SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, num_warps=4)
+               SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, COPY=True,
+               BARRIER=False, num_warps=4)
     return y
 
 
@@ -140,7 +149,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse
         bm = min(16, triton.next_power_of_2(M))
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, x, positions, freqs, positions, M, D,
                SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, COPY=False,
-               num_warps=4)
+               BARRIER=True, num_warps=4)
     return x
 
 
@@ -153,7 +162,8 @@ def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, poo
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, pool, positions, freqs, dest, M, D,
-               SIGN=1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=True, num_warps=4)
+               SIGN=1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=True, COPY=True, BARRIER=False,
+               num_warps=4)
 
 
 @triton.jit

@@ -41,7 +41,8 @@ def tail_write(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest,
 def builds() -> dict:
     """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check (a
     CSA compressor at V4-Flash width: two 512-wide halves; the rotation into a ring's rows and
-    into a fresh tensor)."""
+    into a fresh tensor, and in place - with its barrier, and without it for the test that shows
+    the race)."""
     sig = dict(KV="*bf16", G="*bf16", APE="*fp32", POS="*i64", DEST="*i64", RK="*fp32", RS="*fp32", W="i32",
                ratio="i32", s_kv="i32", s_g="i32")
     from v4stack.kernels import triton_mhc as tm
@@ -49,4 +50,6 @@ def builds() -> dict:
     rope = dict(X="*bf16", Y="*bf16", POS="*i64", FREQ="*fp64", DEST="*i64", M="i32", D="i32")
     return {"tail_write": (tail_kernel, sig, dict(BW=1024)),
             **{f"rope_dest{int(d)}": (tm.rope_kernel, rope, dict(SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d))
-               for d in (False, True)}}
+               for d in (False, True)},
+            **{f"rope_inplace{'' if b else '_nobarrier'}": (tm.rope_kernel, rope, dict(
+                SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=False, COPY=False, BARRIER=b)) for b in (True, False)}}
