@@ -4,7 +4,9 @@
   as served): ``decode[mode]``, and ``decode_ratio`` = invariant / fast per batch size;
 - ``v4stack.check.check_invariance`` in invariant mode and in fast mode (the control), each with
   its wall time per phase; if invariant mode differs, one CUDA kernel family at a time is taken
-  off the dispatch table to find the culprit.
+  off the dispatch table to find the culprit;
+- ``bare_rope`` (a phase to ask for): invariant mode with the in-place rotation's kernel launched
+  without its barrier - the control for that barrier (a thread's store racing another's load).
 
 The JSON is rewritten after every phase, so a run cut short keeps what it measured.
 
@@ -80,6 +82,28 @@ def decode_time(model, mode: str, batch: int, prompt_len: int = 16, steps: int =
             "graph_replays": g.replays if g is not None else 0, "graph_error": (g.error or "")[-300:] if g else None}
 
 
+@contextlib.contextmanager
+def bare_rope():
+    """The in-place rotation's kernel without its barrier between loads and stores, for one block
+    (the control that shows the race the barrier closes)."""
+    import dataclasses
+    import functools
+
+    from v4stack.kernels import triton_mhc
+    from v4stack.ops import dispatch
+
+    bare = functools.partial(triton_mhc.rope_, barrier=False)
+    saved = {k: v for k, v in dispatch._table.items() if k[0] == "rope_"}
+    for k, v in saved.items():
+        dispatch._table[k] = [dataclasses.replace(i, fn=bare) if i.name == "triton_rope_inplace" else i for i in v]
+    dispatch._resolved.clear()
+    try:
+        yield
+    finally:
+        dispatch._table.update(saved)
+        dispatch._resolved.clear()
+
+
 def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
@@ -122,11 +146,13 @@ def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
                 i, f = rep["decode"][f"invariant_b{b}"], rep["decode"][f"fast_b{b}"]
                 if i.get("decode_step_s_p50") and f.get("decode_step_s_p50"):
                     rep["decode_ratio"][str(b)] = i["decode_step_s_p50"] / f["decode_step_s_p50"]
-        elif phase in ("invariant", "fast"):
+        elif phase in ("invariant", "fast", "bare_rope"):
             ops.reset_counters()
             try:
-                r = check.check_invariance(preset=a.preset, prompts=a.prompts, mode=phase,
-                                           batch_sizes=(max(1, a.prompts // 2), a.prompts), model=model)
+                with bare_rope() if phase == "bare_rope" else contextlib.nullcontext():
+                    r = check.check_invariance(preset=a.preset, prompts=a.prompts,
+                                               mode="fast" if phase == "fast" else "invariant",
+                                               batch_sizes=(max(1, a.prompts // 2), a.prompts), model=model)
                 rep[phase] = {k: v for k, v in r.items() if isinstance(v, (int, float, bool, str, dict))}
             except Exception as e:
                 rep[phase] = {"error": repr(e)[:500]}
@@ -145,11 +171,12 @@ def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
                     if time.time() - t1 > a.bisect_budget_s:
                         break
         else:
-            raise SystemExit(f"--phases: unknown phase {phase!r} (decode, invariant, fast)")
+            raise SystemExit(f"--phases: unknown phase {phase!r} (decode, invariant, fast, bare_rope)")
         rep["seconds"][phase] = round(time.time() - t1, 1)
         write_result(a.out, payload)
     inv, fast = rep.get("invariant", {}), rep.get("fast", {})
     rep["must_show"] = {"invariant_steps_differ": inv.get("steps_differ"), "fast_steps_differ": fast.get("steps_differ"),
+                        "bare_rope_steps_differ": rep.get("bare_rope", {}).get("steps_differ"),
                         "decode_ratio_le_1_3": (all(v <= 1.3 for v in rep["decode_ratio"].values())
                                                if rep.get("decode_ratio") else None)}
     write_result(a.out, payload)

@@ -140,16 +140,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
     return y
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool,
+          barrier: bool = True) -> torch.Tensor:
     """``rope`` in place: only the rotated tail of each row is read and written (a decode step's
-    queries and outputs, which nothing else holds), the same bits as ``rope``."""
+    queries and outputs, which nothing else holds), the same bits as ``rope``. ``barrier`` False
+    only for the control that shows the race (``bench/model_check.py --phases bare_rope``)."""
     T, D = x.shape[0], x.shape[-1]
     M = x.numel() // max(1, T * D)
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, x, positions, freqs, positions, M, D,
                SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, COPY=False,
-               BARRIER=True, num_warps=4)
+               BARRIER=barrier, num_warps=4)
     return x
 
 
