@@ -203,7 +203,7 @@ def test_rope_inplace_on_cuda_keeps_the_rotation_bits_at_flash_widths():
     """A decode step's queries / outputs ([T, 64 heads, 512], bf16) rotated in place through the
     dispatch hold exactly ``rope``'s bits, in both directions, for T from 1 to 512, and the head
     channels are not rewritten. (The race the barrier closes did not show in this call alone on the
-    H200 - 0 of 864 bare launches differed - but in the 4-layer Flash model check it did: 23 of 47
+    H200 - 0 of 144 bare launches differed - but in the 4-layer Flash model check it did: 23 of 47
     steps; ``bench/model_check.py --bare-rope`` reruns that control.) Inverse control: the
     other direction gives other bits in the tail."""
     from v4stack.kernels import fused_gpu
