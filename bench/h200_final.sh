@@ -18,7 +18,7 @@ W=${WORK:-/tmp/h200_final}
 mkdir -p "$W/ops" "$W/serve"
 timeout "${OPS_S:-250}" python3 -m bench.ops_gpu_check --out-dir "$W/ops" --model-preset flash \
     --model-set num_hidden_layers=4 --model-set 'compress_ratios=[0,0,4,128]' --model-set n_routed_experts=8 \
-    --model-set num_nextn_predict_layers=0 --model-prompts 8 --model-phases decode,invariant,fast,bare_rope --model-out model_invariance_flash4_h200.json \
+    --model-set num_nextn_predict_layers=0 --model-prompts 8 --model-phases decode,invariant,fast,mixed_rope --model-out model_invariance_flash4_h200.json \
     2>&1 | tee "$W/ops_gpu_check.log"
 if [ -s "$W/ops/ops_h200.json" ]; then
     python3 -m bench.fast_picks --source "$W/ops/ops_h200.json" --out "$W/fast_picks.json" 2>&1 | tail -12

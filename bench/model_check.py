@@ -5,8 +5,9 @@
 - ``v4stack.check.check_invariance`` in invariant mode and in fast mode (the control), each with
   its wall time per phase; if invariant mode differs, one CUDA kernel family at a time is taken
   off the dispatch table to find the culprit;
-- ``bare_rope`` (a phase to ask for): invariant mode with the in-place rotation's kernel launched
-  without its barrier - the control for that barrier (a thread's store racing another's load).
+- ``mixed_rope`` (a phase to ask for): invariant mode with the copying rotations on their torch
+  compositions and the in-place one on its kernel - the control that shows the check catches two
+  implementations of one op whose bits differ serving the paged and the reference paths.
 
 The JSON is rewritten after every phase, so a run cut short keeps what it measured.
 
@@ -83,25 +84,14 @@ def decode_time(model, mode: str, batch: int, prompt_len: int = 16, steps: int =
 
 
 @contextlib.contextmanager
-def bare_rope():
-    """The in-place rotation's kernel without its barrier between loads and stores, for one block
-    (the control that shows the race the barrier closes)."""
-    import dataclasses
-    import functools
-
-    from v4stack.kernels import triton_mhc
-    from v4stack.ops import dispatch
-
-    bare = functools.partial(triton_mhc.rope_, barrier=False)
-    saved = {k: v for k, v in dispatch._table.items() if k[0] == "rope_"}
-    for k, v in saved.items():
-        dispatch._table[k] = [dataclasses.replace(i, fn=bare) if i.name == "triton_rope_inplace" else i for i in v]
-    dispatch._resolved.clear()
-    try:
+def mixed_rope():
+    """The copying rotations (``rope``, ``rope_into``) served by their torch compositions while the
+    in-place one keeps its kernel, for one block: the state the tree was in from be8757e to 8813765,
+    when the light launcher refused the copying forms' calls. The kernel's rotation and the
+    composition's differ in the last bit, and the engine's paged steps rotate in place while the
+    reference path copies - so this is the control that shows the check catches such a mix."""
+    with without_cuda_kernels("rope"), without_cuda_kernels("rope_into"):
         yield
-    finally:
-        dispatch._table.update(saved)
-        dispatch._resolved.clear()
 
 
 def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
@@ -146,10 +136,10 @@ def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
                 i, f = rep["decode"][f"invariant_b{b}"], rep["decode"][f"fast_b{b}"]
                 if i.get("decode_step_s_p50") and f.get("decode_step_s_p50"):
                     rep["decode_ratio"][str(b)] = i["decode_step_s_p50"] / f["decode_step_s_p50"]
-        elif phase in ("invariant", "fast", "bare_rope"):
+        elif phase in ("invariant", "fast", "mixed_rope"):
             ops.reset_counters()
             try:
-                with bare_rope() if phase == "bare_rope" else contextlib.nullcontext():
+                with mixed_rope() if phase == "mixed_rope" else contextlib.nullcontext():
                     r = check.check_invariance(preset=a.preset, prompts=a.prompts,
                                                mode="fast" if phase == "fast" else "invariant",
                                                batch_sizes=(max(1, a.prompts // 2), a.prompts), model=model)
@@ -171,12 +161,12 @@ def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
                     if time.time() - t1 > a.bisect_budget_s:
                         break
         else:
-            raise SystemExit(f"--phases: unknown phase {phase!r} (decode, invariant, fast, bare_rope)")
+            raise SystemExit(f"--phases: unknown phase {phase!r} (decode, invariant, fast, mixed_rope)")
         rep["seconds"][phase] = round(time.time() - t1, 1)
         write_result(a.out, payload)
     inv, fast = rep.get("invariant", {}), rep.get("fast", {})
     rep["must_show"] = {"invariant_steps_differ": inv.get("steps_differ"), "fast_steps_differ": fast.get("steps_differ"),
-                        "bare_rope_steps_differ": rep.get("bare_rope", {}).get("steps_differ"),
+                        "mixed_rope_steps_differ": rep.get("mixed_rope", {}).get("steps_differ"),
                         "decode_ratio_le_1_3": (all(v <= 1.3 for v in rep["decode_ratio"].values())
                                                if rep.get("decode_ratio") else None)}
     write_result(a.out, payload)

@@ -71,8 +71,8 @@ def test_tail_write_cpu_call_is_the_composition_and_the_kernel_builds():
     assert not tail_write_ok(kv, score, ape, pos, 4, rings[0], rings[1], dest, torch.float32)
     built = ptx(("tail_write", "rope_dest0", "rope_dest1", "rope_inplace", "rope_inplace_nobarrier"))
     check(built)  # sm_90a, the declared float semantics
-    # the in-place rotation waits for every load of its block before it stores (see the GPU test
-    # below for what happens without); control: the same kernel built without the barrier has none
+    # the in-place rotation waits for every load of its block before it stores; control: the same
+    # kernel built without the barrier has none
     assert "bar.sync" in built["rope_inplace"] and "bar.sync" not in built["rope_inplace_nobarrier"]
 
 
@@ -202,9 +202,9 @@ def test_rope_inplace_kernel_keeps_the_rotation_bits_and_touches_only_the_tail()
 def test_rope_inplace_on_cuda_keeps_the_rotation_bits_at_flash_widths():
     """A decode step's queries / outputs ([T, 64 heads, 512], bf16) rotated in place through the
     dispatch hold exactly ``rope``'s bits, in both directions, for T from 1 to 512, and the head
-    channels are not rewritten. (The race the barrier closes did not show in this call alone on the
-    H200 - 0 of 144 bare launches differed - but in the 4-layer Flash model check it did: 23 of 47
-    steps; ``bench/model_check.py --bare-rope`` reruns that control.) Inverse control: the
+    channels are not rewritten; neither rotation is refused (from be8757e to 8813765 the light
+    launcher refused the copying forms' calls, their torch compositions served while the in-place
+    one ran its kernel, and the flash4 model check differed in 23 of 47 steps). Inverse control: the
     other direction gives other bits in the tail."""
     from v4stack.kernels import fused_gpu
 

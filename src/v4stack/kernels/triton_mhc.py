@@ -93,12 +93,12 @@ def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.conste
                 BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr = True, BARRIER: tl.constexpr = True):
     """Token ``t`` = program 0, rows ``[BM * program 1, ...)`` of its ``M`` rows of width ``D``;
     written to token ``t``'s rows of ``Y``, or with ``HAS_DEST`` to its rows at ``DEST[t]``.
-    ``COPY`` False (``Y`` is ``X``): only the rotated tail is written, in place - after a barrier,
-    since the thread that stores a pair need not be the one (or the only one) that loaded it: a
-    layout change between load and store, or a block held twice (BM x HALF under the thread count),
-    lets one thread's store land before another's load of the same channels (on the H200 the
-    flash4 model check differed in 23 of 47 steps without it). ``BARRIER`` False only for the test
-    that shows that race."""
+    ``COPY`` False (``Y`` is ``X``): only the rotated tail is written, in place - after a barrier:
+    Triton does not promise that the thread storing a pair is the only one that loaded it (a block
+    smaller than the thread count is held by several threads), and one thread's store must not
+    land before another's load of the same channels. ``BARRIER`` False is built only for the test
+    that checks the barrier is there.
+    """
     t = tl.program_id(0).to(tl.int64)
     mr = tl.program_id(1) * BM + tl.arange(0, BM)
     base = (t * M + mr[:, None]) * D
@@ -140,18 +140,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
     return y
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool,
-          barrier: bool = True) -> torch.Tensor:
+def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
     """``rope`` in place: only the rotated tail of each row is read and written (a decode step's
-    queries and outputs, which nothing else holds), the same bits as ``rope``. ``barrier`` False
-    only for the control that shows the race (``bench/model_check.py --phases bare_rope``)."""
+    queries and outputs, which nothing else holds), the same bits as ``rope`` (the kernel's, not
+    the torch composition's: the two differ in the last bit, so both must be served by the same
+    kind - ``bench/model_check.py --phases mixed_rope`` shows what a mix does)."""
     T, D = x.shape[0], x.shape[-1]
     M = x.numel() // max(1, T * D)
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, x, positions, freqs, positions, M, D,
                SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, COPY=False,
-               BARRIER=barrier, num_warps=4)
+               BARRIER=True, num_warps=4)
     return x
 
 
