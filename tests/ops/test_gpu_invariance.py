@@ -92,7 +92,8 @@ def test_model_check_on_gpu_both_modes():
     inv = check.check_invariance(mode="invariant", **work)
     assert inv["steps_differ"] == 0 and inv["deterministic"], inv
     flash = check.build_model("flash", "bfloat16", "cuda", 0, dict(
-        num_hidden_layers=2, compress_ratios=[0, 4], n_routed_experts=8, num_nextn_predict_layers=0))
+        num_hidden_layers=2, compress_ratios=[0, 4], n_routed_experts=8, num_nextn_predict_layers=0,
+        num_hash_layers=1))  # the preset's 3 hash-routed layers need at least 3 layers
     wide = dict(prompts=8, batch_sizes=(4, 8), max_prompt=12, decode=3, model=flash)
     inv = check.check_invariance(mode="invariant", **wide)
     assert inv["steps_differ"] == 0 and inv["deterministic"], inv

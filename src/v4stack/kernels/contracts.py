@@ -34,14 +34,14 @@ def tilelang_attention(q, keys, mask, sink, scale) -> bool:
 
 def sparse_attention(q, pools, idx, sink, scale) -> bool:
     D = q.shape[2]
-    return (len(pools) <= 2 and _pow2(D) and 16 <= D <= 512 and q.stride(2) == 1 and sink.is_cuda
+    return (q.dtype in FLOATS and len(pools) <= 2 and _pow2(D) and 16 <= D <= 512 and q.stride(2) == 1 and sink.is_cuda
             and all(p.dtype == q.dtype and p.is_cuda for p in pools)
             and all(j.is_cuda and not j.is_floating_point() for j in idx))
 
 
 def attention_with_sink(q, keys, mask, sink, scale) -> bool:
     D = q.shape[2]
-    return (keys.dtype == q.dtype and keys.is_cuda and mask.is_cuda and sink.is_cuda and _pow2(D)
+    return (q.dtype in FLOATS and keys.dtype == q.dtype and keys.is_cuda and mask.is_cuda and sink.is_cuda and _pow2(D)
             and 16 <= D <= 512 and keys.is_contiguous() and keys.shape[0] * keys.shape[1] < 2**31)
 
 
