@@ -105,7 +105,8 @@ def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dic
 
 def write_choice(path: str, source: str, chosen: dict) -> None:
     """Install ``chosen`` tables into the pick file at ``path``, keeping its other tables and
-    recording ``source`` (the sweep result) for each table it replaces."""
+    recording ``source`` (the sweep result) for each table it replaces; a replaced table's
+    hand overrides (``overrides``: buckets set from another measurement) go with it."""
     import json
 
     from v4stack.atomic import atomic_write
@@ -113,6 +114,11 @@ def write_choice(path: str, source: str, chosen: dict) -> None:
     raw = json.loads(open(path).read()) if os.path.exists(path) else {}
     sources = {**raw.get("sources", {}), **{k: source for k in chosen}}
     out = {**raw, "source": source, "sources": sources, "tables": {**raw.get("tables", {}), **chosen}}
+    overrides = {k: v for k, v in raw.get("overrides", {}).items() if k not in chosen}
+    if overrides:
+        out["overrides"] = overrides
+    else:
+        out.pop("overrides", None)
     atomic_write(path, (json.dumps(out, indent=1) + "\n").encode())
 
 
