@@ -64,3 +64,22 @@ def test_triton_kernel_matches_float64(dtype, tol):
     one = ta.sparse_attention(q, pools[:1], idx[:1], sink, D ** -0.5, path="fused")
     torch.testing.assert_close(one.double(), ref.reference(q.double(), [pools[0].double()], idx[:1], sink.double(),
                                                            D ** -0.5), atol=tol, rtol=tol)
+
+
+def test_fused_launch_stops_at_the_last_visible_chunk_with_the_same_bits():
+    """A row's trailing all-hidden chunks (a short context's padded top-k list) are not run by the
+    fused launch; the split launch runs every chunk, and the two agree bit for bit. Control: hiding
+    the candidates of the last chunk that is run moves bits, so a launch that stopped one chunk
+    early would be seen."""
+    ta = pytest.importorskip("v4stack.kernels.triton_attention")
+    q, pools, idx, sink = _case()
+    i1 = torch.cat([idx[1], torch.full((T, 150), -1)], 1)  # 70 + 160 columns: 4 chunks, 2 of them live
+    i1[0, 100] = 5  # row 0 has a visible candidate in chunk 2 (column 170): 3 live chunks
+    padded = [idx[0], i1]
+    split = ta.sparse_attention(q, pools, padded, sink, D ** -0.5, path="split")
+    fused = ta.sparse_attention(q, pools, padded, sink, D ** -0.5, path="fused")
+    assert torch.equal(split, fused)
+    assert torch.equal(fused[1:], ta.sparse_attention(q, pools, idx, sink, D ** -0.5, path="fused")[1:])
+    cut = [idx[0], i1.clone()]
+    cut[1][0, 100] = -1
+    assert not torch.equal(ta.sparse_attention(q, pools, cut, sink, D ** -0.5, path="fused")[0], fused[0])

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 CHUNK = 64  # candidates per chunk: part of the arithmetic, the same for every shape
+LIVE_BI = 1024  # index block of the fused launch's pass for a row's last visible candidate
 
 
 def _t(BH, w, s, path, DV=None, mw=8):
@@ -29,7 +30,8 @@ def _t(BH, w, s, path, DV=None, mw=8):
 # CANDIDATES[0] is the default of every bucket until a GPU sweep has chosen
 CANDIDATES = (_t(16, 8, 3, "fused"), _t(16, 8, 2, "split"), _t(64, 8, 2, "split"), _t(64, 8, 1, "fused", DV=256),
               _t(64, 8, 1, "fused"), _t(64, 16, 2, "fused"), _t(64, 4, 1, "fused", DV=128), _t(32, 8, 2, "fused"),
-              _t(16, 8, 2, "fused"))
+              _t(16, 8, 2, "fused"), _t(16, 4, 3, "fused"), _t(16, 4, 2, "fused"),
+              _t(32, 8, 3, "fused"), _t(64, 8, 2, "fused"))
 SPLIT_BELOW = 264  # default path: split below this many (row x head group) programs (2 waves of 132 SMs)
 TILES = ((1 << 62, dict(CANDIDATES[0], path=None)),)  # (rows <=, shape); path None: by SPLIT_BELOW
 CHOSEN = Path(__file__).with_name("attention_tiles.json")

@@ -103,6 +103,9 @@ def softmax(BLOCK=4096) -> Spec:
 IDX_MIN, IDX_MAX = -(1 << 63), 1 << 63  # an index tensor's values: any int64 (int32 lies inside)
 
 
+LIVE_BI = attention_tiles.LIVE_BI  # triton_attention._live_chunks: its index block
+
+
 def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention") -> Spec:
     """The fused sparse attention: index loads per chunk column, pool rows read by index, the
     output per head. The indices are data of any value: the kernel reads a pool row only when
@@ -124,10 +127,14 @@ def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention")
         name=name, dims=("T", "H", "K0", "K1", "N0", "N1"), zero_ok=("K0", "K1", "N0", "N1"),
         requires=lambda n: [n.K0 + n.K1 >= 1],
         grid=lambda n: {"t": n.T, "hg": cdiv(n.H, BH)},
-        lanes=lambda n: {"c": cdiv(n.K0 + n.K1, CH), "jj": CH, "hh": BH, "d": D},
+        lanes=lambda n: {"c": cdiv(n.K0 + n.K1, CH), "jj": CH, "hh": BH, "d": D, "b": cdiv(n.K1, LIVE_BI),
+                         "jb": LIVE_BI},
         data=lambda n: {"r0": (IDX_MIN, IDX_MAX), "r1": (IDX_MIN, IDX_MAX)},
         accesses=(
             Access("Q", "load", lambda n: (n.t, h(n), n.d), lambda n: (n.T, n.H, D), lambda n: h(n) < n.H),
+            # the live-chunk count's pass over pool 1's indices (``_live_chunks``), blocks of LIVE_BI
+            Access("I1", "load", lambda n: (n.t, n.b * LIVE_BI + n.jb), lambda n: (n.T, n.K1),
+                   lambda n: n.b * LIVE_BI + n.jb < n.K1),
             Access("I0", "load", lambda n: (n.t, j(n)), lambda n: (n.T, n.K0), lambda n: j(n) < n.K0),
             Access("I1", "load", lambda n: (n.t, j(n) - n.K0), lambda n: (n.T, n.K1),
                    lambda n: z3.And(j(n) >= n.K0, j(n) < n.K0 + n.K1)),

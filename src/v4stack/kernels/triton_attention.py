@@ -9,7 +9,9 @@ MMA over the chunk). Chunks are then merged in order, starting from the sink alo
 ``(M, L, A) = (sink, 1, 0)``: ``M' = max(M, m_c)``, ``L' = L e^(M - M') + l_c e^(m_c - M')``,
 ``A' = A e^(M - M') + acc_c e^(m_c - M')``; the output is ``A / L``. A hidden candidate (``-1``)
 scores ``-inf`` and adds exact zeros, and an all-hidden chunk merges as the identity, so trailing
-``-1`` columns change no bit.
+``-1`` columns change no bit - and the fused launch does not run them: a row stops at the chunk of
+its last visible candidate (a 1k-token context's padded top-k list then costs its 256 entries,
+not 512).
 
 Launch shapes (``attention_tiles``) change which program computes a (row, head) and never its
 arithmetic: ``split`` (few query rows, e.g. decode) runs one program per (head group, chunk,
@@ -23,8 +25,10 @@ from L2 for its other head groups. Which shape runs depends on the batch, the bi
 import triton
 import triton.language as tl
 
-from v4stack.kernels.attention_tiles import CHUNK, pick
+from v4stack.kernels.attention_tiles import CHUNK, LIVE_BI, pick
 from v4stack.kernels.launch import cdiv, launch
+
+_LIVE_BI = tl.constexpr(LIVE_BI)
 
 
 @triton.jit
@@ -80,10 +84,27 @@ def _chunk(q, c0, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, dv
 
 @triton.jit
 def _merge(M, L, A, m, ls, acc):
+    """Merge a chunk into the running state. A chunk with ``l = 0`` (all hidden) keeps the state
+    as it is, bit for bit (``M >= sink = m`` and ``L * 1 + 0 = L``; ``A`` is kept outright, so not
+    even a ``-0`` turns ``+0``): skipping such a chunk is the same as merging it."""
     Mn = tl.maximum(M, m)
     a = tl.exp(M - Mn)
     b = tl.exp(m - Mn)
-    return Mn, L * a + ls * b, A * a[:, None] + acc * b[:, None]
+    return Mn, L * a + ls * b, tl.where(ls[:, None] > 0, A * a[:, None] + acc * b[:, None], A)
+
+
+@triton.jit
+def _live_chunks(t, K0, I1, s_i1, K1, N1, NCH, CH: tl.constexpr, BI: tl.constexpr):
+    """How many chunks a row must run: up to the chunk of its last candidate that pool 1 can
+    show (pool 0's columns all count). The chunks after it are all hidden and merge as the
+    identity (``_merge``), so stopping there changes no bit; a short context's padded candidate
+    list then costs what its visible entries cost."""
+    last = K0
+    for b0 in range(0, K1, BI):
+        j = b0 + tl.arange(0, BI)
+        r = tl.load(I1 + t * s_i1 + j, mask=j < K1, other=-1)
+        last = tl.maximum(last, tl.max(tl.where((r >= 0) & (r < N1), K0 + j + 1, 0), 0))
+    return tl.minimum(tl.cdiv(last, CH), NCH)
 
 
 @triton.jit
@@ -106,7 +127,7 @@ def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink
     M = sink
     L = tl.full([BH], 1.0, tl.float32)
     A = tl.zeros([BH, DV], tl.float32)
-    for c in range(0, NCH):
+    for c in range(0, _live_chunks(t, K0, I1, s_i1, K1, N1, NCH, CH, _LIVE_BI)):
         m, ls, acc = _chunk(q, c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, sink, scale, dv0, D, DV, CH,
                             IEEE)
         M, L, A = _merge(M, L, A, m, ls, acc)
