@@ -45,10 +45,18 @@ TOKENS = (256, 64, 1, 8, 4096)  # the serving target first (a call cut short kee
 REF = TL.GROUPED_CANDIDATES[2]  # the table kernel's 64 x 64 x 64: the tile the others must equal
 
 
-def routed(tokens: int, E: int, K: int, dev: str, gen: torch.Generator):
+SERVING_SHAPES = (("gate_up", 2048, 4096), ("gate_up13", 4096, 4096), ("down", 4096, 2048))  # + w1|w3 as one
+
+
+def routed(tokens: int, E: int, K: int, dev: str, gen: torch.Generator, shared: bool = False):
     """``tokens * TOP_K`` rows sorted by expert (each token's top-k of random scores), ``[E + 1]``
-    int64 offsets on the device, each row's expert."""
-    ids = torch.rand(tokens, E, generator=gen).topk(min(TOP_K, E), dim=1).indices.reshape(-1)
+    int64 offsets on the device, each row's expert. ``shared``: expert ``E - 1`` is the serving
+    path's joined shared expert (every token routes to it, besides its top-k of the others)."""
+    n = E - 1 if shared else E
+    ids = torch.rand(tokens, n, generator=gen).topk(min(TOP_K, n), dim=1).indices
+    if shared:
+        ids = torch.cat([ids, torch.full((tokens, 1), n, dtype=ids.dtype)], 1)
+    ids = ids.reshape(-1)
     eid = ids.sort(stable=True).values
     off = torch.zeros(E + 1, dtype=torch.long)
     off[1:] = torch.bincount(eid, minlength=E).cumsum(0)
@@ -126,24 +134,25 @@ def warm(workers: int, small: bool) -> list:
         return list(ex.map(_warm, [(i, small) for i in range(len(TL.GROUPED_CANDIDATES))]))
 
 
-def sweep(rec: dict, tokens, small: bool, target_s: float, on_row) -> None:
+def sweep(rec: dict, tokens, small: bool, target_s: float, on_row, experts=EXPERTS, shapes=None,
+          shared: bool = False) -> None:
     from v4stack.kernels import triton_grouped as tgr
 
     dev = "cuda" if CUDA else "cpu"
     gen = torch.Generator().manual_seed(0)  # the routing (on the host)
     torch.manual_seed(0)  # rows and weights (on the device)
     tiles = list(TL.GROUPED_CANDIDATES)
-    shapes = SMALL_SHAPES if small else SHAPES
+    shapes = SMALL_SHAPES if small else (shapes or SHAPES)
     weights = {}
-    for E in EXPERTS:
+    for E in experts:
         for name, N, K in shapes:
             weights[E, name] = (torch.randn(E, N, K, device=dev) * K ** -0.5).to(torch.bfloat16)
     run = lambda t, x, w, off: tgr.grouped_linear(x, w, off, t)  # noqa: E731
     for tok in tokens:
         row = {"tokens": tok, "cases": [], "variants": [{"tile": t} for t in tiles]}
-        for E in EXPERTS:
+        for E in experts:
             for name, N, K in shapes:
-                x, off, eid = routed(tok, E, K, dev, gen)
+                x, off, eid = routed(tok, E, K, dev, gen, shared)
                 row["M"] = x.shape[0]
                 case, vs = one_case(run, x, weights[E, name], off, eid, tiles, target_s)
                 case["projection"] = name
@@ -228,6 +237,10 @@ def main(argv=None) -> None:
     p.add_argument("--target-s", type=float, default=0.01, help="seconds of calls per timed batch")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--choose-from", default="", help="only re-derive --choose from this sweep result (no GPU)")
+    p.add_argument("--experts", default=",".join(map(str, EXPERTS)), help="experts per case")
+    p.add_argument("--serving", action="store_true",
+                   help="the serving path's calls: the last expert is the joined shared expert (every token), and "
+                        "the gate and up projections also as one N = 4096 call")
     a = p.parse_args(argv)
     if a.choose_from:
         print(write_choice(a.choose, json.loads(open(a.choose_from).read()), os.path.basename(a.choose_from)))
@@ -248,7 +261,12 @@ def main(argv=None) -> None:
         write_result(a.out, {**rec, "bench": "grouped_tiles", "elapsed_s": round(time.time() - t0, 1)})
 
     try:
-        sweep(rec, [int(t) for t in a.tokens.split(",")], a.small, a.target_s, checkpoint)
+        experts = tuple(int(e) for e in a.experts.split(","))
+        rec["experts"], rec["serving"] = list(experts), a.serving
+        if a.serving and not a.small:
+            rec["shapes"] = [list(s) for s in SERVING_SHAPES]
+        sweep(rec, [int(t) for t in a.tokens.split(",")], a.small, a.target_s, checkpoint, experts,
+              SERVING_SHAPES if a.serving else None, a.serving)
     except Exception:
         rec.setdefault("errors", []).append(traceback.format_exc()[-1500:])
         traceback.print_exc()

@@ -25,7 +25,7 @@ def kernels() -> dict:
 
     attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 N0 P1 I1 s_i1 K1 N1 Sink"
     attn_types = [BF, I, I, BF, "*i64", I, I, I, BF, "*i64", I, I, I, P]
-    cx = dict(D=512, BH=16, CH=64, IEEE=False)
+    cx = dict(D=512, BH=16, CH=64, IEEE=False, NB=4)
     return {
         "sparse_attention_fused": (ta.fused_kernel, _sig(attn_args + " O s_ot s_oh H scale NCH",
                                                          attn_types + [BF, I, I, I, F, I]), dict(cx, DV=512)),
