@@ -15,6 +15,9 @@ the same rows over 8 or 64 experts want different tiles), so ``--choose`` regrou
 (``per_expert``) and writes the pick per bucket into ``tiles_chosen.json`` (``gemm_tiles.choose``:
 the cheapest bit-identical candidate, by graph plus back-to-back time, summed over the bucket's
 cases); only GROUPED_TILES changes. ``--choose-from`` re-derives it from a committed result.
+With ``--serving`` the cases are the serving engine's decode calls (the last expert the joined
+shared expert, every token routed to it; gate and up also as one N = 4096 call); ``--choose-from``
+such a result sets GROUPED_TILES_GRAPH, the table of graph-captured calls, by device time alone.
 
     python -m bench.grouped_tiles --warm 12 --out bench/results/grouped_tiles_h200.json \
         --choose src/v4stack/kernels/tiles_chosen.json
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import traceback
@@ -221,11 +225,62 @@ def write_choice(choose_path: str, rec: dict, source: str) -> dict:
     from v4stack.atomic import atomic_write
 
     chosen = GT.choose({"grouped_per_expert": per_expert(rec.get("grouped", []))})
+    chosen = {k: v for k, v in chosen.items() if k == "GROUPED_TILES"}  # the graph table: ``choose_graph``
     raw = json.loads(open(choose_path).read()) if os.path.exists(choose_path) else {}
     tables = {**raw.get("tables", {}), **chosen}
     sources = {**raw.get("sources", {}), **{k: source for k in chosen}}
     atomic_write(choose_path, (json.dumps({**raw, "sources": sources, "tables": tables}, indent=1) + "\n").encode())
     return chosen
+
+
+CALLS_PER_LAYER = {"gate_up": 2, "down": 1, "gate_up13": 0}  # what a MoE layer's decode runs (w1, w3, w2)
+
+
+def serving_costs(rec: dict) -> dict:
+    """A ``--serving`` sweep's device time under graphs per routed rows-per-expert value, each case
+    weighted by its calls per MoE layer (gate and up are two calls; the one-call form is measured,
+    not run): ``{r: {"tiles": {tile json: s or None (bits differ / failed)}, "framework": s}}``."""
+    cost: dict = {}
+    for row in rec.get("grouped", []):
+        for i, case in enumerate(row["cases"]):
+            n = CALLS_PER_LAYER.get(case["projection"], 1)
+            per = cost.setdefault(-(-case["rows"] // case["experts"]), {"tiles": {}, "framework": 0.0})
+            per["framework"] += n * case.get("framework_graph_s", 0.0)
+            for v in row["variants"]:
+                c, key = v["cases"][i], json.dumps(v["tile"], sort_keys=True)
+                ok = "error" not in c and GT._bits_ok(c) and per["tiles"].get(key, 0.0) is not None
+                per["tiles"][key] = per["tiles"].get(key, 0.0) + n * c["graph_s"] if ok else None
+    return cost
+
+
+def best_tiles(rec: dict) -> dict:
+    """``{r: (tile, s)}``: per rows-per-expert value of a serving sweep, the bit-identical tile with
+    the least weighted device time (``serving_costs``)."""
+    out = {}
+    for r, per in sorted(serving_costs(rec).items()):
+        ok = {k: t for k, t in per["tiles"].items() if t is not None}
+        if not ok:
+            raise ValueError(f"rows/expert {r}: no bit-identical tile")
+        key = min(ok, key=ok.get)
+        out[r] = (json.loads(key), ok[key])
+    return out
+
+
+def choose_graph(rec: dict) -> dict:
+    """GROUPED_TILES_GRAPH (calls captured in CUDA graphs: the engine's decode steps) from a
+    ``--serving`` sweep: per measured rows-per-expert value its ``best_tiles`` tile; bucket bounds
+    halfway (geometric) between adjacent measured values, the last open-ended."""
+    best = best_tiles(rec)
+    vals = sorted(best)
+    tops = [int(math.sqrt(a * b)) for a, b in zip(vals, vals[1:])] + [1 << 62]
+    out: list = []
+    for r, top in zip(vals, tops):
+        tile = best[r][0]
+        if out and out[-1][1] == tile:
+            out[-1][0] = top
+        else:
+            out.append([top, tile])
+    return {"GROUPED_TILES_GRAPH": out}
 
 
 def main(argv=None) -> None:
@@ -243,7 +298,13 @@ def main(argv=None) -> None:
                         "the gate and up projections also as one N = 4096 call")
     a = p.parse_args(argv)
     if a.choose_from:
-        print(write_choice(a.choose, json.loads(open(a.choose_from).read()), os.path.basename(a.choose_from)))
+        rec = json.loads(open(a.choose_from).read())
+        if rec.get("serving"):  # decode's calls: the graph table
+            chosen = choose_graph(rec)
+            GT.write_choice(a.choose, os.path.basename(a.choose_from), chosen)
+            print(chosen)
+        else:
+            print(write_choice(a.choose, rec, os.path.basename(a.choose_from)))
         return
     t0 = time.time()
     rec: dict = {"widths": "small" if a.small else "flash4", "top_k": TOP_K, "experts": list(EXPERTS),

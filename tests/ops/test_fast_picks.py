@@ -14,6 +14,7 @@ from v4stack.kernels import fast_table
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "bench/results/ops_h200.json"
+GROUPED = "bench/results/grouped_serving_h200.json"  # the engine's decode calls (9 / 65 experts)
 
 
 def _source():
@@ -26,9 +27,13 @@ def _carried(table: dict) -> dict:
                     for k, e in table["ops"].items()}}
 
 
+def _grouped():
+    return fast_picks.serving_grouped(json.loads((ROOT / GROUPED).read_text()), GROUPED)
+
+
 def test_committed_table_is_derived_from_the_committed_measurement():
     committed = fast_table.load()
-    derived = fast_picks.derive(_source(), SOURCE, _carried(committed))
+    derived = fast_picks.derive(_source(), SOURCE, _carried(committed), _grouped())
     assert derived == committed
     # a carried bucket is one this measurement could not re-derive, never one it measured
     fresh = fast_picks.derive(_source(), SOURCE)
@@ -39,9 +44,10 @@ def test_committed_table_is_derived_from_the_committed_measurement():
         for b in e["buckets"]:
             faster = b["project_graph_s"] < b["framework_graph_s"]
             assert b["pick"] == ("project" if faster else "framework")
-    # the two picks this table exists for: the grouped GEMM up to 256 tokens, log_softmax at vocab widths
-    g = derived["ops"]["grouped_linear"]["buckets"]
-    assert [b["pick"] for b in g] == ["project"] * 4 + ["framework"]
+    # the picks this table exists for: the grouped GEMM by routed rows per expert (the serving sweep's
+    # decode calls, and the ops check's 256 experts: 96 rows each at 4096 tokens), log_softmax at vocab widths
+    g = {b["rows"]: b["pick"][0] for b in derived["ops"]["grouped_linear"]["buckets"]}
+    assert g == {1: "p", 2: "p", 6: "p", 7: "p", 13: "p", 28: "p", 50: "p", 96: "f", 200: "p"}
     assert {b["pick"] for b in derived["ops"]["log_softmax"]["buckets"]} == {"project"}
     # one dispatch op, two dtypes: linear's picks are kept per dtype (the key gpu.py looks up)
     assert {"linear.bfloat16", "linear.float32"} <= set(derived["ops"])
@@ -67,14 +73,16 @@ def test_swapped_times_flip_the_picks(tmp_path):
     assert flips and all(p != q for p, q in flips)
     path = tmp_path / "t.json"
     path.write_text(json.dumps(b))
-    assert fast_table.prefers_project("grouped_linear", 4096, str(path)) is True
-    assert fast_table.prefers_project("grouped_linear", 4096) is False
+    assert fast_table.prefers_project("grouped_linear", 96, str(path)) is True  # 4096 tokens over 256 experts
+    assert fast_table.prefers_project("grouped_linear", 96) is False
 
 
 def test_lookup_by_rows():
     p = fast_table.prefers_project
-    assert p("grouped_linear", 1) and p("grouped_linear", 6) and p("grouped_linear", 1536)
-    assert p("grouped_linear", 1537) is False  # the 4096-token bucket: torch._grouped_mm measured faster
+    # the grouped GEMM by routed rows per expert
+    assert p("grouped_linear", 1) and p("grouped_linear", 6) and p("grouped_linear", 50)
+    assert p("grouped_linear", 96) is False  # 4096 tokens of 256 experts: torch._grouped_mm measured faster
+    assert p("grouped_linear", 97) is True  # 200 rows per expert of 9 (the flash4 engine at batch 256)
     assert p("grouped_linear", 10**6) is None  # past the last bucket: the registered rule
     assert p("moe_combine", 1) is False and p("moe_combine", 64) is True
     assert p("no_such_op", 1) is None

@@ -140,3 +140,47 @@ def test_the_shipped_grouped_tiles_were_bit_checked_at_their_buckets():
     case = bad[0]["cases"][1]
     (g,) = [g for g in GS.per_expert(bad) if g["M"] == -(-case["rows"] // case["experts"])]
     assert not G._bits_ok(next(v for v in g["variants"] if v["tile"] == v0["tile"]))
+
+
+def test_the_graph_table_is_the_serving_sweeps_pick():
+    # GROUPED_TILES_GRAPH (the engine's decode calls, captured in CUDA graphs) is what the committed
+    # serving sweep picks - per rows-per-expert value the bit-identical tile with the least device
+    # time over one MoE layer's calls - and each of those values is served its own pick
+    import json
+    from pathlib import Path
+
+    from bench import grouped_tiles as GS
+    from v4stack.kernels import tiles
+
+    sweep = json.loads((Path(__file__).resolve().parents[2] / "bench/results/grouped_serving_h200.json").read_text())
+    assert sweep["serving"] and GS.choose_graph(sweep)["GROUPED_TILES_GRAPH"] == [list(b) for b in tiles.GROUPED_TILES_GRAPH]
+    best = GS.best_tiles(sweep)
+    for r, (tile, _) in best.items():
+        assert tiles.pick(tiles.GROUPED_TILES_GRAPH, r) == tile, r
+    # a layer's decode is two gate / up calls and one down call: counting the one-call gate-up form
+    # instead would pick another tile at 50 rows per expert (flash4, batch 64)
+    w = dict(GS.CALLS_PER_LAYER)
+    try:
+        GS.CALLS_PER_LAYER.update(gate_up=1, gate_up13=1)
+        assert GS.best_tiles(sweep)[50][0] != best[50][0]
+    finally:
+        GS.CALLS_PER_LAYER.update(w)
+    # inverse control: the best tile at a value, its bits marked different in one case, is not picked
+    bad = json.loads(json.dumps(sweep))
+    key = best[50][0]
+    for row in bad["grouped"]:
+        for i, case in enumerate(row["cases"]):
+            if -(-case["rows"] // case["experts"]) == 50:
+                next(v for v in row["variants"] if v["tile"] == key)["cases"][i]["bits_equal_alone"] = False
+    assert GS.best_tiles(bad)[50][0] != key
+
+
+def test_calls_captured_in_a_graph_take_the_grouped_graph_table(monkeypatch):
+    from v4stack.kernels import tiles
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tiles.pick_call(tiles.GROUPED_TILES, tiles.GROUPED_TILES_GRAPH, 50, True) == tiles.pick(tiles.GROUPED_TILES_GRAPH, 50)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert tiles.pick_call(tiles.GROUPED_TILES, tiles.GROUPED_TILES_GRAPH, 50, True) == tiles.pick(tiles.GROUPED_TILES, 50)
+    # the two tables differ there (what makes the query matter)
+    assert tiles.pick(tiles.GROUPED_TILES, 50) != tiles.pick(tiles.GROUPED_TILES_GRAPH, 50)

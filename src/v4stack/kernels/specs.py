@@ -271,7 +271,8 @@ def _active(*tables: str) -> list[str]:
 
 GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F32_TILES_GRAPH"),
           # the grouped GEMM's TMA tiles run the fallback tile where TMA's terms do not hold
-          "gemm_grouped": sorted({*_active("GROUPED_TILES"), tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),
+          "gemm_grouped": sorted({*_active("GROUPED_TILES", "GROUPED_TILES_GRAPH"),
+                                  tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),
           "hc_mix": _active("HC_TILES", "HC_HALF_TILES", "HC_TILES_GRAPH", "HC_HALF_TILES_GRAPH"),
           "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION}

@@ -107,8 +107,9 @@ FP8_TILES = ((64, dict(BM=64, BN=32)), (1 << 62, dict(BM=64, BN=128)))
 # plus host time (a tile whose host launch outlasts its kernel, the TMA kernel's at 256 rows, pays
 # for that only outside graphs). Every tile gives a row the same bits, so the two may mix.
 GRAPH = {"HALF_TILES": "HALF_TILES_GRAPH", "F32_TILES": "F32_TILES_GRAPH", "HC_TILES": "HC_TILES_GRAPH",
-         "HC_HALF_TILES": "HC_HALF_TILES_GRAPH"}
+         "HC_HALF_TILES": "HC_HALF_TILES_GRAPH", "GROUPED_TILES": "GROUPED_TILES_GRAPH"}
 HALF_TILES_GRAPH, F32_TILES_GRAPH, HC_TILES_GRAPH, HC_HALF_TILES_GRAPH = HALF_TILES, F32_TILES, HC_TILES, HC_HALF_TILES
+GROUPED_TILES_GRAPH = GROUPED_TILES
 
 CANDIDATES = {"HALF_TILES": HALF_CANDIDATES, "F32_TILES": F32_CANDIDATES, "HC_TILES": HC_CANDIDATES,
               "HC_HALF_TILES": HC_CANDIDATES,
@@ -152,3 +153,17 @@ def pick(table, m: int) -> dict:
         if m <= top:
             return t
     raise ValueError(m)
+
+
+def pick_call(table, graph_table, m: int, cuda: bool) -> dict:
+    """The bucket's tile of ``table``, or of ``graph_table`` where the two differ at ``m`` and the
+    call is being captured in a CUDA graph (the capture query runs only where they differ)."""
+    t = pick(table, m)
+    if cuda and graph_table is not table:
+        g = pick(graph_table, m)
+        if g != t:
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():
+                return g
+    return t

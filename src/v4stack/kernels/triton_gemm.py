@@ -16,7 +16,8 @@ import triton.language as tl
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 
 from v4stack.kernels.tiles import (F32_SPLIT, F32_TILES, F32_TILES_GRAPH, FP8_BLOCK, FP8_TILES, HALF_SPLIT, HALF_TILES,
-                                   HALF_TILES_GRAPH, HC_HALF_TILES, HC_HALF_TILES_GRAPH, HC_TILES, HC_TILES_GRAPH, pick)
+                                   HALF_TILES_GRAPH, HC_HALF_TILES, HC_HALF_TILES_GRAPH, HC_TILES, HC_TILES_GRAPH, pick,
+                                   pick_call as _tile)
 from v4stack.kernels.triton_slices import run
 
 
@@ -37,20 +38,6 @@ def _mm_tile(X, W, rows, rmask, n0, s_xm, s_wn, N, K, BN: tl.constexpr, BK: tl.c
         else:
             acc = tl.dot(a, b, acc)
     return acc, cols
-
-
-def _tile(table, graph_table, m: int, cuda: bool) -> dict:
-    """The bucket's tile of ``table``, or of ``graph_table`` where the two differ at ``m`` and the
-    call is being captured in a CUDA graph (the capture query runs only where they differ)."""
-    t = pick(table, m)
-    if cuda and graph_table is not table:
-        g = pick(graph_table, m)
-        if g != t:
-            import torch
-
-            if torch.cuda.is_current_stream_capturing():
-                return g
-    return t
 
 
 def linear(x, weight, tile=None):
