@@ -90,7 +90,7 @@ def derive(result: dict, source: str, previous: dict | None = None, grouped: lis
         have = {b["M"] for b in ops.get(key, {}).get("buckets", [])}
         kept = [{**b, "rows": bucket_rows(units.get(key, 1), b["M"], widths),  # in this table's units
                  "carried_from": b.get("carried_from") or previous.get("source_commit")}
-                for b in e["buckets"] if b["M"] not in have]
+                for b in e["buckets"] if "M" in b and b["M"] not in have]  # (no M: a serving-sweep bucket)
         if kept:
             ops.setdefault(key, {"kernel": e["kernel"], "buckets": []})["buckets"].extend(kept)
     if grouped:  # the serving sweep's rows-per-expert values; a value both measured: the sweep's

@@ -266,6 +266,12 @@ def best_tiles(rec: dict) -> dict:
     return out
 
 
+def graph_rows(rec: dict) -> int:
+    """The most rows of one call a serving sweep measured (GROUPED_TILES_GRAPH serves no larger call:
+    a 24576-row capture over 256 experts, 96 rows each, is not a decode step)."""
+    return max(c["rows"] for row in rec.get("grouped", []) for c in row["cases"])
+
+
 def choose_graph(rec: dict) -> dict:
     """GROUPED_TILES_GRAPH (calls captured in CUDA graphs: the engine's decode steps) from a
     ``--serving`` sweep: per measured rows-per-expert value its ``best_tiles`` tile; bucket bounds
@@ -302,7 +308,12 @@ def main(argv=None) -> None:
         if rec.get("serving"):  # decode's calls: the graph table
             chosen = choose_graph(rec)
             GT.write_choice(a.choose, os.path.basename(a.choose_from), chosen)
-            print(chosen)
+            raw = json.loads(open(a.choose).read())  # the table holds up to the sweep's largest call
+            raw["graph_rows"] = {**raw.get("graph_rows", {}), "GROUPED_TILES_GRAPH": graph_rows(rec)}
+            from v4stack.atomic import atomic_write
+
+            atomic_write(a.choose, (json.dumps(raw, indent=1) + "\n").encode())
+            print(chosen, raw["graph_rows"])
         else:
             print(write_choice(a.choose, rec, os.path.basename(a.choose_from)))
         return

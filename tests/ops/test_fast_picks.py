@@ -94,7 +94,8 @@ def test_fast_mode_dispatch_follows_the_table_on_cuda():
     from v4stack.ops import dispatch
 
     w = torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16)
-    for rows, want in ((6, "triton_grouped_gemm"), (8 * 384, "torch_grouped_mm")):
+    # by routed rows per expert: 1 and 200+ the project kernel, 96 (the ops check's 4096 tokens) torch
+    for rows, want in ((6, "triton_grouped_gemm"), (8 * 96, "torch_grouped_mm"), (8 * 384, "triton_grouped_gemm")):
         x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
         off = torch.linspace(0, rows, 9, device="cuda").long()
         assert dispatch.resolve("grouped_linear", "fast", "bfloat16", "cuda", x, w, off).name == want

@@ -184,3 +184,20 @@ def test_calls_captured_in_a_graph_take_the_grouped_graph_table(monkeypatch):
     assert tiles.pick_call(tiles.GROUPED_TILES, tiles.GROUPED_TILES_GRAPH, 50, True) == tiles.pick(tiles.GROUPED_TILES, 50)
     # the two tables differ there (what makes the query matter)
     assert tiles.pick(tiles.GROUPED_TILES, 50) != tiles.pick(tiles.GROUPED_TILES_GRAPH, 50)
+    # a captured call larger than any the serving sweep measured (96 rows per expert: the graph table's
+    # tile there took 2.0x torch._grouped_mm at 24576 rows over 256 experts, ops_h200.json at 06441ab)
+    # takes the eager table
+    import json
+    from pathlib import Path
+
+    from bench import grouped_tiles as GS
+
+    sweep = json.loads((Path(__file__).resolve().parents[2] / "bench/results/grouped_serving_h200.json").read_text())
+    cap = tiles.GRAPH_ROWS["GROUPED_TILES_GRAPH"]
+    assert cap == GS.graph_rows(sweep) == 1792
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for m in (50, 96):
+        assert tiles.pick_call(tiles.GROUPED_TILES, tiles.GROUPED_TILES_GRAPH, m, True, cap, cap) \
+            == tiles.pick(tiles.GROUPED_TILES_GRAPH, m)
+        assert tiles.pick_call(tiles.GROUPED_TILES, tiles.GROUPED_TILES_GRAPH, m, True, 24576, cap) \
+            == tiles.pick(tiles.GROUPED_TILES, m)

@@ -143,6 +143,9 @@ def load_chosen(path: Path = CHOSEN) -> dict:
 
 _loaded = load_chosen()
 globals().update(_loaded)
+# the most rows a graph table was measured at (``graph_rows`` of the pick file): a larger captured call
+# takes the eager table (GROUPED_TILES_GRAPH holds the engine's decode calls, not a captured prefill)
+GRAPH_ROWS = json.loads(CHOSEN.read_text()).get("graph_rows", {}) if CHOSEN.exists() else {}
 for _b, _g in GRAPH.items():  # a pick without a graph table: graph calls take the same tiles
     if _g not in _loaded:
         globals()[_g] = globals()[_b]
@@ -155,10 +158,13 @@ def pick(table, m: int) -> dict:
     raise ValueError(m)
 
 
-def pick_call(table, graph_table, m: int, cuda: bool) -> dict:
+def pick_call(table, graph_table, m: int, cuda: bool, rows: int = 0, graph_rows: int | None = None) -> dict:
     """The bucket's tile of ``table``, or of ``graph_table`` where the two differ at ``m`` and the
-    call is being captured in a CUDA graph (the capture query runs only where they differ)."""
+    call is being captured in a CUDA graph (the capture query runs only where they differ);
+    ``graph_rows``: the graph table serves calls of at most that many ``rows`` only."""
     t = pick(table, m)
+    if graph_rows is not None and rows > graph_rows:
+        return t
     if cuda and graph_table is not table:
         g = pick(graph_table, m)
         if g != t:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import cdiv, launch, next_pow2
-from v4stack.kernels.tiles import GROUPED_FALLBACK, GROUPED_TILES, GROUPED_TILES_GRAPH, pick_call
+from v4stack.kernels.tiles import GRAPH_ROWS, GROUPED_FALLBACK, GROUPED_TILES, GROUPED_TILES_GRAPH, pick_call
 from v4stack.kernels.triton_gemm import _mm_tile
 
 
@@ -50,9 +50,10 @@ def grouped_linear(x, w, offsets, tile=None):
 
     T, K = x.shape
     E, N, _ = w.shape
-    # by rows per expert (graph-captured calls, the engine's decode steps, by their own table): every
-    # tile gives a row the same bits
-    t = tile or pick_call(GROUPED_TILES, GROUPED_TILES_GRAPH, cdiv(T, E), x.is_cuda)
+    # by rows per expert (graph-captured calls up to the rows the serving sweep measured - the engine's
+    # decode steps - by their own table): every tile gives a row the same bits
+    t = tile or pick_call(GROUPED_TILES, GROUPED_TILES_GRAPH, cdiv(T, E), x.is_cuda, T,
+                          GRAPH_ROWS.get("GROUPED_TILES_GRAPH", 0))
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
