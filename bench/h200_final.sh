@@ -7,7 +7,7 @@
 #      this copy of the tree (so what follows runs a tree that differs from the commit by exactly
 #      that file: V4STACK_DIRTY=1 is set for it)
 #   3. the serving roofline (both configs, both modes, batch 1..256, 1k and 16k contexts)
-#   4. where a flash4 decode step's time goes (profile, b64 / b256, 1k / 16k, both modes)
+#   4. where a flash4 decode step's time goes (profile, b64 / b256, 1k / 16k, both modes; PROFILE_S=0 skips it)
 #   5. the GPU tests (every test marked gpu that one GPU can run)
 # Everything is written under $WORK (default /tmp/h200_final) and packed into $OUT/final.tgz after each
 # step (the device returns only a few files).
@@ -29,11 +29,12 @@ pack  # the device returns a few files only: everything travels in one archive, 
 timeout "${SERVE_S:-160}" python3 -m bench.serve_roofline --device cuda --steps 8 --point-budget-s 4 \
     --out "$W/serve/serve_engine_h200.json" > "$W/serve_roofline.log" 2>&1; tail -40 "$W/serve_roofline.log"
 pack
-timeout "${PROFILE_S:-100}" python3 -m bench.serve_profile --device cuda --configs flash4 --modes fast,invariant \
+[ "${PROFILE_S:-100}" != 0 ] && timeout "${PROFILE_S:-100}" python3 -m bench.serve_profile --device cuda --configs flash4 --modes fast,invariant \
     --batches 64,256 --contexts 1024,16384 --steps 4 --warmup 4 --out "$W/serve/serve_profile_h200.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
 pack
-timeout "${TESTS_S:-80}" python3 -m pytest -m gpu -v -rfE --tb=short -p no:cacheprovider tests/ops tests/serve --continue-on-collection-errors \
-    tests/model/test_gpu.py tests/optim/test_zero_gpu.py > "$W/gpu_tests.log" 2>&1
+# the serving, model and optimizer tests first: tests/ops ends with the slices sweep test, which compiles every tile
+timeout "${TESTS_S:-80}" python3 -m pytest -m gpu -v -rfE --tb=short -p no:cacheprovider tests/serve tests/model/test_gpu.py \
+    tests/optim/test_zero_gpu.py tests/ops --continue-on-collection-errors > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" | tail -20
 pack
