@@ -31,6 +31,13 @@ class ModelRunner:
         self._arange: dict[int, torch.Tensor] = {}
         self.graphed = False
         self.graphs = None  # serve/graphs.py: DecodeGraphs, installed by the engine on CUDA
+        # decode steps' block tables, kept per state slot between steps (``_slot_tables``): a row is
+        # written when its request's block list is new to the slot or has grown, so a step copies
+        # O(new blocks) ids per request on the host, not the whole table
+        n = cache.slots.n_slots + 1
+        self._tab = np.full((n, 0), -1, dtype=np.int64)
+        self._tab_n = np.zeros(n, dtype=np.int64)
+        self._tab_of: list = [None] * n  # the block list each row mirrors (held: its id stays unique)
 
     def build(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]]) -> StepBatch:
         """The flat description of one step: ``chunks`` are (request cache, tokens it feeds)."""
@@ -112,9 +119,9 @@ class ModelRunner:
         np.add(pos, 1, out=end)
         slots[:n] = [rc.slot for rc, _ in chunks]
         slots[n:] = self.cache.slots.scratch
-        table.fill(-1)
-        for i, (rc, _) in enumerate(chunks):
-            table[i, : len(rc.blocks)] = rc.blocks
+        table[n:] = -1
+        if n:
+            table[:n] = self._slot_tables(chunks, W)[slots[:n]]
         off, scratch = 4 * R + R * W, self.cache.blocks.scratch
         for r, cap in zip(self.ratios, caps):
             if cap == 0:
@@ -129,6 +136,30 @@ class ModelRunner:
             dest[k:] = scratch * per
             off += 3 * cap
         return torch.from_numpy(out)
+
+    def _slot_tables(self, chunks: list[tuple[RequestCache, list[int]]], width: int) -> np.ndarray:
+        """The per-slot block tables ``[slots + 1, width]`` (-1 past a request's blocks), brought up
+        to date for ``chunks``: a slot whose request's block list is another list object than the
+        one its row mirrors (a new admission, a restore, a freed and re-filled slot: the cache
+        manager replaces the list, ``CacheManager.free`` / ``admit``) is rewritten, one whose list
+        grew gets the new ids only (block lists only ever grow in place)."""
+        tab = self._tab
+        need = max(width, max(len(rc.blocks) for rc, _ in chunks))
+        if tab.shape[1] < need:  # wider tables: the old rows carried over
+            grown = np.full((tab.shape[0], max(need, 2 * tab.shape[1])), -1, dtype=np.int64)
+            grown[:, : tab.shape[1]] = tab
+            self._tab = tab = grown
+        for rc, _ in chunks:
+            s, blocks = rc.slot, rc.blocks
+            n, have = len(blocks), int(self._tab_n[s])
+            if self._tab_of[s] is not blocks or n < have:
+                tab[s, :n] = blocks
+                tab[s, n : max(n, have)] = -1
+                self._tab_of[s] = blocks
+            elif n > have:
+                tab[s, have:n] = blocks[have:]
+            self._tab_n[s] = n
+        return tab[:, :width]
 
     def decode_batch(self, buf: torch.Tensor, rows: int, width: int, caps: tuple[int, ...]) -> StepBatch:
         """The ``StepBatch`` whose tensors are views into ``buf`` (``decode_host``'s layout on the
