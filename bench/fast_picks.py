@@ -53,7 +53,7 @@ def serving_grouped(sweep: dict, source: str) -> list:
 
     fw = serving_costs(sweep)
     out = []
-    for r, (tile, s) in best_tiles(sweep).items():
+    for r, (tile, s) in best_tiles(sweep, fw).items():
         f = fw[r]["framework"]
         out.append({"rows": r, "pick": "project" if s < f else "framework", "project_graph_s": s,
                     "framework_graph_s": f, "framework": "torch_grouped_mm", "tile": tile, "from": source,

@@ -103,10 +103,11 @@ def choose(rec: dict, margin: float = 0.03, defaults: dict | None = None) -> dic
     return tables
 
 
-def write_choice(path: str, source: str, chosen: dict) -> None:
+def write_choice(path: str, source: str, chosen: dict, graph_rows: dict | None = None) -> None:
     """Install ``chosen`` tables into the pick file at ``path``, keeping its other tables and
     recording ``source`` (the sweep result) for each table it replaces; a replaced table's
-    hand overrides (``overrides``: buckets set from another measurement) go with it."""
+    hand overrides (``overrides``: buckets set from another measurement) go with it.
+    ``graph_rows``: the most rows a graph table was measured at (``tiles.GRAPH_ROWS``)."""
     import json
 
     from v4stack.atomic import atomic_write
@@ -114,6 +115,8 @@ def write_choice(path: str, source: str, chosen: dict) -> None:
     raw = json.loads(open(path).read()) if os.path.exists(path) else {}
     sources = {**raw.get("sources", {}), **{k: source for k in chosen}}
     out = {**raw, "source": source, "sources": sources, "tables": {**raw.get("tables", {}), **chosen}}
+    if graph_rows:
+        out["graph_rows"] = {**raw.get("graph_rows", {}), **graph_rows}
     overrides = {k: v for k, v in raw.get("overrides", {}).items() if k not in chosen}
     if overrides:
         out["overrides"] = overrides

@@ -253,11 +253,11 @@ def serving_costs(rec: dict) -> dict:
     return cost
 
 
-def best_tiles(rec: dict) -> dict:
+def best_tiles(rec: dict, cost: dict | None = None) -> dict:
     """``{r: (tile, s)}``: per rows-per-expert value of a serving sweep, the bit-identical tile with
-    the least weighted device time (``serving_costs``)."""
+    the least weighted device time (``serving_costs``, or ``cost`` when already computed)."""
     out = {}
-    for r, per in sorted(serving_costs(rec).items()):
+    for r, per in sorted((cost or serving_costs(rec)).items()):
         ok = {k: t for k, t in per["tiles"].items() if t is not None}
         if not ok:
             raise ValueError(f"rows/expert {r}: no bit-identical tile")
@@ -306,14 +306,10 @@ def main(argv=None) -> None:
     if a.choose_from:
         rec = json.loads(open(a.choose_from).read())
         if rec.get("serving"):  # decode's calls: the graph table
-            chosen = choose_graph(rec)
-            GT.write_choice(a.choose, os.path.basename(a.choose_from), chosen)
-            raw = json.loads(open(a.choose).read())  # the table holds up to the sweep's largest call
-            raw["graph_rows"] = {**raw.get("graph_rows", {}), "GROUPED_TILES_GRAPH": graph_rows(rec)}
-            from v4stack.atomic import atomic_write
-
-            atomic_write(a.choose, (json.dumps(raw, indent=1) + "\n").encode())
-            print(chosen, raw["graph_rows"])
+            chosen = choose_graph(rec)  # the table holds up to the sweep's largest call
+            rows = {"GROUPED_TILES_GRAPH": graph_rows(rec)}
+            GT.write_choice(a.choose, os.path.basename(a.choose_from), chosen, rows)
+            print(chosen, rows)
         else:
             print(write_choice(a.choose, rec, os.path.basename(a.choose_from)))
         return

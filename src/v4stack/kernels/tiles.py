@@ -119,12 +119,14 @@ CANDIDATES.update({g: CANDIDATES[b] for b, g in GRAPH.items()})
 CHOSEN = Path(os.environ.get("V4STACK_TILES") or Path(__file__).with_name("tiles_chosen.json"))
 
 
-def load_chosen(path: Path = CHOSEN) -> dict:
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_chosen(path: Path = CHOSEN, raw: dict | None = None) -> dict:
     """``{table: ((largest M, tile), ...)}`` from a sweep's pick; a tile not among the table's
-    candidates (so without a proved contract) is refused."""
-    if not path.exists():
-        return {}
-    raw = json.loads(path.read_text())
+    candidates (so without a proved contract) is refused. ``raw``: the file's content, already read."""
+    raw = _read(path) if raw is None else raw
     out = {}
     for name, rows in raw.get("tables", {}).items():
         cands = CANDIDATES.get(name)
@@ -141,11 +143,12 @@ def load_chosen(path: Path = CHOSEN) -> dict:
     return out
 
 
-_loaded = load_chosen()
+_raw = _read(CHOSEN)
+_loaded = load_chosen(CHOSEN, _raw)
 globals().update(_loaded)
 # the most rows a graph table was measured at (``graph_rows`` of the pick file): a larger captured call
 # takes the eager table (GROUPED_TILES_GRAPH holds the engine's decode calls, not a captured prefill)
-GRAPH_ROWS = json.loads(CHOSEN.read_text()).get("graph_rows", {}) if CHOSEN.exists() else {}
+GRAPH_ROWS = _raw.get("graph_rows", {})
 for _b, _g in GRAPH.items():  # a pick without a graph table: graph calls take the same tiles
     if _g not in _loaded:
         globals()[_g] = globals()[_b]
