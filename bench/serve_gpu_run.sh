@@ -6,7 +6,7 @@
 #      the pick is installed in this copy of the tree before the later steps
 #   2. the grouped expert GEMM's tile sweep at the serving calls (9 / 65 experts with the joined
 #      shared expert, gate / up separate and as one N = 4096 call, down; 1-256 decode tokens)
-#   3. where a flash4 decode step's time goes, with every eager kernel in launch order
+#   3. where a flash4 decode step's time goes
 #   4. a few serving roofline points (flash4 b64 / b256 1k, flash8 b256 16k; fast mode)
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -25,7 +25,7 @@ timeout "${GROUPED_S:-110}" python3 -m bench.grouped_tiles --warm 14 --serving -
 grep -E "^grouped" "$W/grouped.log"
 pack
 timeout "${PROFILE_S:-90}" python3 -m bench.serve_profile --device cuda --configs flash4 --modes fast \
-    --batches 64,256 --contexts 1024 --steps 4 --warmup 4 --sequence --out "$W/serve_profile_h200.json" \
+    --batches 64,256 --contexts 1024 --steps 4 --warmup 4 --out "$W/serve_profile_h200.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash|Error" "$W/serve_profile.log"
 pack
 timeout "${SERVE_S:-80}" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast,invariant \

@@ -12,10 +12,7 @@ steps run (graph capture), then:
   named regions (scheduling, layout, graph input copies, replay launch, sampling), host syncs;
 - ``eager``: one ``V4Model.step_paged`` over the same static decode layout, profiled: kernel
   count per step, summed device time, and kernels and device time per model region (mHC
-  coefficients / read / write, attention, rope, indexer selection, MoE, head), top kernels;
-  with ``--sequence`` also every kernel of that step in launch order (``sequence``: name, device
-  us, the torch op that launched it and the innermost ``v4stack/model`` frame), so each small
-  kernel can be traced to the line that asked for it.
+  coefficients / read / write, attention, rope, indexer selection, MoE, head), top kernels.
 """
 
 from __future__ import annotations
@@ -42,31 +39,6 @@ def _kernels(ev) -> list:
 
 def _is_kernel(e) -> bool:
     return e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-
-
-def _frame(stack) -> str:
-    """The innermost frame of the model's own code in a profiler stack (else the innermost v4stack one)."""
-    frames = [f for f in (stack or []) if "v4stack/" in f]
-    for f in frames:
-        if "v4stack/model/" in f:
-            return f.split("v4stack/", 1)[1][:120]
-    return frames[0].split("v4stack/", 1)[1][:120] if frames else ""
-
-
-def _sequence(prof) -> list:
-    """Every kernel launched under a torch op, in launch order: name, device us, op, model frame."""
-    ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
-                 key=lambda e: e.time_range.start)
-    seen, out = set(), []
-    for e in ops:
-        for k in e.kernels:
-            key = (id(e), k.name, k.duration)
-            if key in seen:
-                continue
-            seen.add(key)
-            out.append({"kernel": k.name[:80], "device_us": round(k.duration, 2), "op": e.name[:60],
-                        "frame": _frame(e.stack)})
-    return out
 
 
 def _summarise(prof, regions: tuple[str, ...], top: int = 60) -> dict:
@@ -156,7 +128,7 @@ def _sync(dev: str) -> None:
 
 
 def profile_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, overlap: bool = True,
-                  warmup: int = 6, sequence: bool = False) -> dict:
+                  warmup: int = 6) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
     per = -(-(ctx + steps + warmup + 16) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
@@ -209,12 +181,7 @@ def profile_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, overl
         with _annotated(_model_regions()), profile(activities=acts) as prof:
             model.step_paged(layout, engine.cache.paged)
             _sync(dev)
-        eager = {"wall_us": eager_wall * 1e6, **_summarise(prof, labels)}
-        if sequence:  # a separate profile: stacks cost host time
-            with profile(activities=acts, with_stack=True) as prof:
-                model.step_paged(layout, engine.cache.paged)
-                _sync(dev)
-            eager["sequence"] = _sequence(prof)
+    eager = {"wall_us": eager_wall * 1e6, **_summarise(prof, labels)}
     del engine
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -234,7 +201,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--overlap", type=int, default=1)
-    ap.add_argument("--sequence", action="store_true", help="list the eager step's kernels in launch order")
     ap.add_argument("--out", default="bench/results/serve_profile_h200.json")
     a = ap.parse_args(argv)
     payload = {"points": []}
@@ -246,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             for ctx in map(int, a.contexts.split(",")):
                 for b in map(int, a.batches.split(",")):
                     try:
-                        r = profile_point(model, cfg, mode, b, ctx, a.steps, bool(a.overlap), a.warmup, a.sequence)
+                        r = profile_point(model, cfg, mode, b, ctx, a.steps, bool(a.overlap), a.warmup)
                     except Exception:
                         import traceback
 
