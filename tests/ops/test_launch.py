@@ -154,8 +154,8 @@ def test_every_constexpr_is_named_in_order_or_the_call_is_refused():
     x = torch.randn(2, 3, 192).bfloat16()
     pos = torch.tensor([5, 9])
     freqs = 1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
-    args = (x, torch.empty_like(x), pos, freqs, pos, 3, 192)
-    full = dict(SIGN=1.0, HALF=32, BM=4, BD=128, HAS_DEST=False, COPY=True, BARRIER=False, num_warps=4)
+    args = (x, torch.empty_like(x), pos, freqs, freqs, pos, 3, 192)
+    full = dict(SIGN=1.0, HALF=32, BM=4, BD=128, HAS_DEST=False, COPY=True, BARRIER=False, TABLE=False, num_warps=4)
     with pytest.raises(TypeError, match="constexprs must follow"):
         L.launch(tm.rope_kernel, (2, 1), *args, **{k: v for k, v in full.items() if k != "BARRIER"})
     with pytest.raises(TypeError, match="constexprs must follow"):

@@ -89,15 +89,17 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
 
 
 @triton.jit
-def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
-                BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr = True, BARRIER: tl.constexpr = True):
+def rope_kernel(X, Y, POS, FREQ, CS, DEST, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
+                BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr = True, BARRIER: tl.constexpr = True,
+                TABLE: tl.constexpr = False):
     """Token ``t`` = program 0, rows ``[BM * program 1, ...)`` of its ``M`` rows of width ``D``;
     written to token ``t``'s rows of ``Y``, or with ``HAS_DEST`` to its rows at ``DEST[t]``.
     ``COPY`` False (``Y`` is ``X``): only the rotated tail is written, in place - after a barrier:
     Triton does not promise that the thread storing a pair is the only one that loaded it (a block
     smaller than the thread count is held by several threads), and one thread's store must not
     land before another's load of the same channels. ``BARRIER`` False is built only for the test
-    that checks the barrier is there.
+    that checks the barrier is there. ``TABLE``: the cosines and sines are read from ``CS [T, 2,
+    HALF]`` (``rope_table_kernel``'s, the same fp32 values) instead of computed here in fp64.
     """
     t = tl.program_id(0).to(tl.int64)
     mr = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -107,9 +109,13 @@ def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.conste
         ybase = (tl.load(DEST + t).to(tl.int64) * M + mr[:, None]) * D
     okm = (mr < M)[:, None]
     i = tl.arange(0, HALF)
-    ang = tl.load(POS + t).to(tl.float64) * tl.load(FREQ + i)
-    cos = tl.cos(ang).to(tl.float32)[None, :]
-    sin = (tl.sin(ang).to(tl.float32) * SIGN)[None, :]
+    if TABLE:
+        cos = tl.load(CS + t * (2 * HALF) + i)[None, :]
+        sin = (tl.load(CS + t * (2 * HALF) + HALF + i) * SIGN)[None, :]
+    else:
+        ang = tl.load(POS + t).to(tl.float64) * tl.load(FREQ + i)
+        cos = tl.cos(ang).to(tl.float32)[None, :]
+        sin = (tl.sin(ang).to(tl.float32) * SIGN)[None, :]
     tail = D - 2 * HALF
     a = tl.load(X + base + tail + 2 * i[None, :], mask=okm, other=0.0).to(tl.float32)
     b = tl.load(X + base + tail + 2 * i[None, :] + 1, mask=okm, other=0.0).to(tl.float32)
@@ -127,6 +133,30 @@ def rope_kernel(X, Y, POS, FREQ, DEST, M, D, SIGN: tl.constexpr, HALF: tl.conste
             tl.store(Y + ybase + d[None, :], tl.load(X + base + d[None, :], mask=mk), mask=mk)
 
 
+@triton.jit
+def rope_table_kernel(POS, FREQ, CS, T, HALF: tl.constexpr, BT: tl.constexpr):
+    """``CS [T, 2, HALF]`` (fp32): per row the cosines, then the sines, of ``POS[t] * FREQ`` (the
+    angle in fp64, rounded to fp32 after the function: what ``rope_kernel`` computes)."""
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    ok = (t < T)[:, None]
+    i = tl.arange(0, HALF)
+    ang = tl.load(POS + t, mask=t < T, other=0).to(tl.float64)[:, None] * tl.load(FREQ + i)[None, :]
+    row = CS + t[:, None] * (2 * HALF) + i[None, :]
+    tl.store(row, tl.cos(ang).to(tl.float32), mask=ok)
+    tl.store(row + HALF, tl.sin(ang).to(tl.float32), mask=ok)
+
+
+def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``[T, 2, len(freqs)]`` fp32: the cosines and sines of ``positions [T]`` (int64) times
+    ``freqs`` (fp64) that ``rope_kernel`` rotates by, for a step's calls to share."""
+    T, h = positions.shape[0], freqs.shape[0]
+    cs = torch.empty(T, 2, h, dtype=torch.float32, device=positions.device)
+    if T:
+        bt = max(1, min(64, 2048 // h))
+        launch(rope_table_kernel, (triton.cdiv(T, bt),), positions, freqs, cs, T, HALF=h, BT=bt, num_warps=4)
+    return cs
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
     """``x [T, ..., D]`` (contiguous), ``positions [T]`` int64, ``freqs [r/2]`` fp64."""
     T, D = x.shape[0], x.shape[-1]
@@ -134,13 +164,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
     M = x.numel() // max(1, T * D)
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
-        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, positions, M, D,
+        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, y, positions, freqs, freqs, positions, M, D,
                SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, COPY=True,
-               BARRIER=False, num_warps=4)
+               BARRIER=False, TABLE=False, num_warps=4)
     return y
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool, table=None) -> torch.Tensor:
     """``rope`` in place: only the rotated tail of each row is read and written (a decode step's
     queries and outputs, which nothing else holds), the same bits as ``rope`` (the kernel's, not
     the torch composition's: the two differ in the last bit, so both must be served by the same
@@ -149,23 +179,23 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse
     M = x.numel() // max(1, T * D)
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
-        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, x, positions, freqs, positions, M, D,
-               SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False, COPY=False,
-               BARRIER=True, num_warps=4)
+        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, x, positions, freqs, freqs if table is None else table,
+               positions, M, D, SIGN=-1.0 if inverse else 1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=False,
+               COPY=False, BARRIER=True, TABLE=table is not None, num_warps=4)
     return x
 
 
 def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
-              dest: torch.Tensor) -> None:
+              dest: torch.Tensor, table=None) -> None:
     """``rope(x, positions, freqs, False)`` written straight into rows ``dest [T]`` of ``pool [P,
     numel / T]`` (x's dtype, contiguous): the same bits as the rotation then ``index_copy_``."""
     T, D = x.shape[0], x.shape[-1]
     M = x.numel() // max(1, T * D)
     if x.numel():
         bm = min(16, triton.next_power_of_2(M))
-        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, pool, positions, freqs, dest, M, D,
-               SIGN=1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=True, COPY=True, BARRIER=False,
-               num_warps=4)
+        launch(rope_kernel, (T, triton.cdiv(M, bm)), x, pool, positions, freqs, freqs if table is None else table,
+               dest, M, D, SIGN=1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=True, COPY=True, BARRIER=False,
+               TABLE=table is not None, num_warps=4)
 
 
 @triton.jit

@@ -47,9 +47,14 @@ def builds() -> dict:
                ratio="i32", s_kv="i32", s_g="i32")
     from v4stack.kernels import triton_mhc as tm
 
-    rope = dict(X="*bf16", Y="*bf16", POS="*i64", FREQ="*fp64", DEST="*i64", M="i32", D="i32")
+    rope = dict(X="*bf16", Y="*bf16", POS="*i64", FREQ="*fp64", CS="*fp64", DEST="*i64", M="i32", D="i32")
+    table = {**rope, "CS": "*fp32"}
     return {"tail_write": (tail_kernel, sig, dict(BW=1024)),
             **{f"rope_dest{int(d)}": (tm.rope_kernel, rope, dict(SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d))
                for d in (False, True)},
             **{f"rope_inplace{'' if b else '_nobarrier'}": (tm.rope_kernel, rope, dict(
-                SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=False, COPY=False, BARRIER=b)) for b in (True, False)}}
+                SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=False, COPY=False, BARRIER=b)) for b in (True, False)},
+            **{f"rope_table_dest{int(d)}": (tm.rope_kernel, table, dict(
+                SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d, COPY=d, BARRIER=not d, TABLE=True)) for d in (False, True)},
+            "rope_table": (tm.rope_table_kernel, dict(POS="*i64", FREQ="*fp64", CS="*fp32", T="i32"),
+                           dict(HALF=32, BT=64))}
