@@ -32,9 +32,21 @@ def swiglu_act_ok(gate, up, limit, weight, out_dtype) -> bool:
                                     and weight.dtype == torch.float32 and weight.device == gate.device)))
 
 
-def rope_ok(x, positions, freqs, inverse) -> bool:
+def table_ok(table, positions, freqs) -> bool:
+    return table is None or (table.dtype == torch.float32 and table.is_contiguous() and table.device == positions.device
+                             and tuple(table.shape) == (positions.shape[0], 2, freqs.shape[0]))
+
+
+def rope_table_ok(positions, freqs) -> bool:
     h = freqs.shape[0] if freqs.dim() == 1 else 0
-    return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() >= 2
+    return (positions.is_cuda and positions.dim() == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+            and freqs.dtype == torch.float64 and freqs.is_contiguous() and freqs.device == positions.device
+            and 1 <= h <= 1024 and h & (h - 1) == 0)
+
+
+def rope_ok(x, positions, freqs, inverse, table=None) -> bool:
+    h = freqs.shape[0] if freqs.dim() == 1 else 0
+    return table_ok(table, positions, freqs) and (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() >= 2
             and x.is_contiguous() and positions.dim() == 1 and positions.shape[0] == x.shape[0]
             and positions.dtype == torch.int64 and positions.device == x.device and freqs.dtype == torch.float64
             and freqs.device == x.device and h >= 1 and h & (h - 1) == 0 and 2 * h <= x.shape[-1])
@@ -93,9 +105,9 @@ def tail_write_ok(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, c
                     and r.device == dev for r in (ring_kv, ring_score)))
 
 
-def rope_into_ok(x, positions, freqs, pool, dest) -> bool:
+def rope_into_ok(x, positions, freqs, pool, dest, table=None) -> bool:
     T = x.shape[0] if x.dim() else -1
-    return (rope_ok(x, positions, freqs, False) and pool.dtype == x.dtype and pool.dim() == 2
+    return (rope_ok(x, positions, freqs, False, table) and pool.dtype == x.dtype and pool.dim() == 2
             and pool.is_contiguous() and pool.device == x.device and T > 0 and pool.shape[1] * T == x.numel()
             and dest.dtype == torch.int64 and dest.shape == (T,) and dest.is_contiguous() and dest.device == x.device)
 
@@ -119,6 +131,20 @@ def group_linear_rows(x, w):
     offsets = torch.arange(0, (g + 1) * T, T, device=x.device, dtype=torch.int64)
     y = ops.grouped_linear(rows, w, offsets)
     return y.view(g, T, -1).transpose(0, 1).reshape(T, -1)
+
+
+def _ints(*ts) -> bool:
+    return all(t.is_cuda and t.dtype == torch.int64 and t.is_contiguous() and t.device == ts[0].device for t in ts)
+
+
+def ring_rows_ok(positions, slots, R, W) -> bool:
+    return (_ints(positions, slots) and positions.dim() == 1 and slots.shape == positions.shape and R >= 1
+            and 0 <= W <= 4096)
+
+
+def entry_rows_ok(table, positions, ratio, per, E) -> bool:
+    return (_ints(table, positions) and table.dim() == 2 and positions.dim() == 1
+            and table.shape[0] == positions.shape[0] and table.shape[1] >= 1 and ratio >= 1 and per >= 1 and E >= 0)
 
 
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
@@ -176,7 +202,13 @@ def register_all(register) -> None:
              accepts=_with("triton", group_linear_ok))
     register("rope_", "triton_rope_inplace", _guarded("rope_", _lazy("triton_mhc", "rope_"),
              ref("rope_inplace_reference")), device="cuda", accepts=_with("triton", rope_ok))
+    register("rope_table", "triton_rope_table", _guarded("rope_table", _lazy("triton_mhc", "rope_table"),
+             ref("rope_table_reference")), device="cuda", accepts=_with("triton", rope_table_ok))
     register("rope_into", "triton_rope_into", _guarded("rope_into", _lazy("triton_mhc", "rope_into"),
              ref("rope_into_reference")), device="cuda", accepts=_with("triton", rope_into_ok))
+    register("ring_rows", "triton_ring_rows", _guarded("ring_rows", _lazy("triton_layout", "ring_rows"),
+             ref("ring_rows_reference")), device="cuda", accepts=_with("triton", ring_rows_ok))
+    register("entry_rows", "triton_entry_rows", _guarded("entry_rows", _lazy("triton_layout", "entry_rows"),
+             ref("entry_rows_reference")), device="cuda", accepts=_with("triton", entry_rows_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
              ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

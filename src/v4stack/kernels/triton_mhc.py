@@ -117,15 +117,18 @@ def rope_kernel(X, Y, POS, FREQ, CS, DEST, M, D, SIGN: tl.constexpr, HALF: tl.co
         cos = tl.cos(ang).to(tl.float32)[None, :]
         sin = (tl.sin(ang).to(tl.float32) * SIGN)[None, :]
     tail = D - 2 * HALF
-    a = tl.load(X + base + tail + 2 * i[None, :], mask=okm, other=0.0).to(tl.float32)
-    b = tl.load(X + base + tail + 2 * i[None, :] + 1, mask=okm, other=0.0).to(tl.float32)
+    # the tail read as one contiguous [BM, 2 HALF] block (vector loads and stores), its pairs
+    # taken apart in registers: (2i, 2i + 1) -> a_i, b_i
+    c2 = tl.arange(0, 2 * HALF)
+    x = tl.load(X + base + tail + c2[None, :], mask=okm, other=0.0).to(tl.float32)
+    a, b = tl.split(tl.reshape(x, [BM, HALF, 2]))
     ya = a * cos - b * sin
     yb = a * sin + b * cos
+    y = tl.reshape(tl.join(ya, yb), [BM, 2 * HALF])
     if not COPY:
         if BARRIER:
             tl.debug_barrier()  # every load of the program's rows is done before any store
-    tl.store(Y + ybase + tail + 2 * i[None, :], ya.to(Y.dtype.element_ty), mask=okm)
-    tl.store(Y + ybase + tail + 2 * i[None, :] + 1, yb.to(Y.dtype.element_ty), mask=okm)
+    tl.store(Y + ybase + tail + c2[None, :], y.to(Y.dtype.element_ty), mask=okm)
     if COPY:
         for d0 in range(0, tail, BD):  # the channels before the rotated tail are copied
             d = d0 + tl.arange(0, BD)
@@ -152,7 +155,7 @@ def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     T, h = positions.shape[0], freqs.shape[0]
     cs = torch.empty(T, 2, h, dtype=torch.float32, device=positions.device)
     if T:
-        bt = max(1, min(64, 2048 // h))
+        bt = max(1, min(4, 2048 // h))  # many small programs: the fp64 functions are slow
         launch(rope_table_kernel, (triton.cdiv(T, bt),), positions, freqs, cs, T, HALF=h, BT=bt, num_warps=4)
     return cs
 

@@ -96,7 +96,10 @@ class Attention(nn.Module):
         q = ops.rms_norm(self.wq_b(qr).view(N, H, c), None, self.eps)
         # a serving step (no autograd) rotates its fresh queries and outputs in place
         inplace = isinstance(segments, PagedStep) and not torch.is_grad_enabled() and rowwise._HOOK.get() is None
-        q = self.rotary.apply_(q, positions) if inplace else self.rotary.apply(q, positions)
+        # and shares one table of the angles' cosines and sines between its layers of a kind
+        tab = segments.batch.shared(("rope_table", self.ratio != 0), lambda: self.rotary.table(positions)) \
+            if inplace else None
+        q = self.rotary.apply_(q, positions, table=tab) if inplace else self.rotary.apply(q, positions)
         kv = self.kv_norm(self.wkv(x))
         # a decode step rotates its window rows straight into the ring (``_paged``)
         direct = (isinstance(segments, PagedStep) and segments.batch.decode and self.kv_rounding is None
@@ -106,12 +109,13 @@ class Attention(nn.Module):
         if self.kv_rounding is not None:
             kv = self.kv_rounding(kv)
         if isinstance(segments, PagedStep):
-            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct)
+            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab)
         elif hasattr(segments, "attention"):  # a context-parallel shard supplies its own candidates
             o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
             o = self._segments(x, qr, q, kv, positions, segments, layer)
-        o = self.rotary.apply_(o, positions, inverse=True) if inplace else self.rotary.apply(o, positions, inverse=True)
+        o = self.rotary.apply_(o, positions, inverse=True, table=tab) if inplace \
+            else self.rotary.apply(o, positions, inverse=True)
         g = self.groups
         o = o.reshape(N, g, H * c // g)
         wa = grouped_weight(self.wo_a, g, self.group_rank)  # row slices once its dense copy is dropped
@@ -129,7 +133,7 @@ class Attention(nn.Module):
         cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
         return self._attend(q, segments, cands)
 
-    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True):
+    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None):
         """Attention by index over the pools: the window as ring rows, compressed entries through
         the block table; closing entries and the new ring rows are written into the pools. ``kv``
         not ``roped`` yet (a decode step): rotated straight into the window ring."""
@@ -141,10 +145,13 @@ class Attention(nn.Module):
         else:
             R = ring[0].shape[1]
             fused.rope_into(kv, pos, self.rotary.freqs_on(pos.device), ring[0].view(-1, ring[0].shape[-1]),
-                            Rings.dest(b, R))
+                            Rings.dest(b, R), table)
             win = Rings(ring, None, b, cache)
-        win_rows = b.shared(("window", W, win.R), lambda: win.rows(
-            pos.unsqueeze(1) + torch.arange(-W + 1, 1, device=pos.device), b.seq))
+        if b.decode:  # one kernel for the window rows of every row
+            win_rows = b.shared(("window", W, win.R), lambda: fused.ring_rows(pos, b.slots, win.R, W)[1])
+        else:
+            win_rows = b.shared(("window", W, win.R), lambda: win.rows(
+                pos.unsqueeze(1) + torch.arange(-W + 1, 1, device=pos.device), b.seq))
         pools, idx = [win.pools[0]], [win_rows]
         win.capture(cache.snap[("swa_kv", layer)], (0.0,))
         if self.compressor is not None:
@@ -156,21 +163,30 @@ class Attention(nn.Module):
                 ikeys = cache.blocks[("index_keys", layer)]
                 self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer)
                 if self.indexer.all_chosen(rows.shape[1]):  # every entry fits the top-k: nothing to score
-                    idx.append(b.shared(("visible", m), lambda: torch.where(visible, rows, -1)))
+                    idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
                 else:
                     iq, iw = self.indexer.project(qr, x, pos)
-                    sel, valid = self.indexer.select_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows, visible)
+                    vis = visible if visible is not None else b.shared(("closed", m), lambda: rows >= 0)
+                    sel, valid = self.indexer.select_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows, vis)
                     idx.append(torch.where(valid, rows.gather(1, sel), -1))
             else:  # every HCA layer of this ratio reads the same candidates
-                idx.append(b.shared(("visible", m), lambda: torch.where(visible, rows, -1)))
+                idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
             pools.append(ents.view(-1, ents.shape[-1]))
         out = ops.sparse_attention(q, pools, idx, self.attn_sink, self.scale)
         win.finish()
         return out
 
     @staticmethod
+    def _candidates(rows, visible):
+        return rows if visible is None else torch.where(visible, rows, -1)
+
+    @staticmethod
     def _entries(b, m: int, block_tokens: int):
-        """Each row's compressed entry rows ``[T, E]`` (-1: none) and which are closed (visible)."""
+        """Each row's compressed entry rows ``[T, E]`` (-1: none) and which are closed (visible);
+        in a decode step (a row's request ends at its token) the closed ones are the rows >= 0,
+        and visible is None (``ops.fused.entry_rows``: one kernel)."""
+        if b.decode:
+            return fused.entry_rows(b.block_table, b.positions, m, block_tokens // m, b.max_end // m), None
         rows = entry_rows(b, m, block_tokens)[b.seq]
         pos = b.positions
         visible = torch.arange(rows.shape[1], device=pos.device).unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)

@@ -128,7 +128,9 @@ class Rings:
     @staticmethod
     def dest(b: StepBatch, R: int) -> torch.Tensor:
         """A decode step's ring row of every row (``R`` rows a slot), shared by the layers."""
-        return b.shared(("ring_dest", R), lambda: b.slots * R + b.positions % R)
+        from v4stack.ops import fused
+
+        return b.shared(("ring_dest", R), lambda: fused.ring_rows(b.positions, b.slots, R)[0])
 
     def rows(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Pool rows of positions ``q [n, k]`` of requests ``s [n]``."""

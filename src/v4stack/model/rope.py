@@ -51,10 +51,15 @@ class Rotary:
         """
         return fused.rope(x, positions, self.freqs_on(positions.device), inverse)
 
-    def apply_(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    def apply_(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False, table=None) -> torch.Tensor:
         """``apply`` in place (``ops.fused.rope_``: only the rotated channels are read and written),
-        for a tensor nothing else reads and autograd does not record."""
-        return fused.rope_(x, positions, self.freqs_on(positions.device), inverse)
+        for a tensor nothing else reads and autograd does not record; ``table``: ``self.table``
+        of these positions."""
+        return fused.rope_(x, positions, self.freqs_on(positions.device), inverse, table)
+
+    def table(self, positions: torch.Tensor) -> torch.Tensor:
+        """The cosines and sines of ``positions`` (``ops.fused.rope_table``), for rotations to share."""
+        return fused.rope_table(positions, self.freqs_on(positions.device))
 
     def freqs_on(self, device) -> torch.Tensor:
         """The frequencies (fp64) on ``device``, copied there once."""

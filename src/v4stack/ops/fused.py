@@ -21,10 +21,15 @@
   per token, ``moe_combine``'d, plus the shared expert, in the model's dtype (one kernel on CUDA).
 - ``tail_write(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd)``: a compressor's
   decode-step projections into its tail rings (``triton_ring.py``: one kernel instead of ~7).
-- ``rope_(x, positions, freqs, inverse)``: ``rope`` in place (a decode step's queries and
+- ``rope_table(positions, freqs)``: the cosines and sines a step's rotations share (one kernel a
+  step instead of the fp64 functions in every rotation's programs).
+- ``rope_(x, positions, freqs, inverse, table)``: ``rope`` in place (a decode step's queries and
   attention outputs: the kernel reads and writes the rotated tail only).
 - ``rope_into(x, positions, freqs, pool, dest)``: ``rope`` written straight into rows of a pool
   (the window ring of a decode step; one kernel instead of two).
+- ``ring_rows(positions, slots, R, W)``, ``entry_rows(table, positions, ratio, per, E)``: a
+  decode step's ring destinations, window rows and compressed-entry rows, the index tensors its
+  layers share (``triton_layout.py``: one kernel each instead of ~3-17 integer kernels).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -132,11 +137,16 @@ def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts:
     return offsets, order, rank, order // k, weights.reshape(-1)[order]
 
 
-def rope_inplace_reference(x, positions, freqs, inverse: bool) -> torch.Tensor:
+def rope_inplace_reference(x, positions, freqs, inverse: bool, table=None) -> torch.Tensor:
     return x.copy_(rope(x, positions, freqs, inverse))
 
 
-def rope_into_reference(x, positions, freqs, pool, dest) -> None:
+def rope_table_reference(positions, freqs) -> torch.Tensor:
+    ang = positions.to(torch.float64).unsqueeze(-1) * freqs
+    return torch.stack((ops.cos(ang), ops.sin(ang)), 1).to(torch.float32)
+
+
+def rope_into_reference(x, positions, freqs, pool, dest, table=None) -> None:
     pool.index_copy_(0, dest, rope(x, positions, freqs, False).reshape(x.shape[0], -1).to(pool.dtype))
 
 
@@ -144,6 +154,21 @@ def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_sc
     kv, score = kv.to(cd), score.to(cd) + ape.to(cd)[positions % ratio]
     for ring, new in ((ring_kv, kv), (ring_score, score)):
         ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
+
+
+def ring_rows_reference(positions, slots, R: int, W: int):
+    dest = slots * R + positions % R
+    if not W:
+        return dest, None
+    q = positions.unsqueeze(1) + torch.arange(-W + 1, 1, device=positions.device)
+    return dest, torch.where(q >= 0, slots.unsqueeze(1) * R + q % R, -1)
+
+
+def entry_rows_reference(table, positions, ratio: int, per: int, E: int):
+    e = torch.arange(E, device=table.device)
+    blk = table[:, (e // per).clamp(max=max(table.shape[1] - 1, 0))] if E else table[:, :0]
+    ok = (e.unsqueeze(0) < ((positions + 1) // ratio).unsqueeze(1)) & (blk >= 0)
+    return torch.where(ok, blk * per + e % per, -1)
 
 
 def moe_unsort_combine_reference(out, rank, indices, shared, out_dtype):
@@ -162,6 +187,7 @@ register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
 register("rope_into", "torch_composite", rope_into_reference)
 register("rope_", "torch_composite", rope_inplace_reference)
+register("rope_table", "torch_composite", rope_table_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
@@ -169,6 +195,23 @@ register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
 register("rope", "torch_composite", rope_reference)
+register("ring_rows", "torch_composite", ring_rows_reference)
+register("entry_rows", "torch_composite", entry_rows_reference)
+
+
+def ring_rows(positions: torch.Tensor, slots: torch.Tensor, R: int, W: int = 0):
+    """A decode step's ring rows (rings of ``R`` rows a state slot, row ``position % R``): every
+    row's own ``slots * R + positions % R`` ``[T]``, and with ``W`` its window of ``W`` positions
+    ending at its own ``[T, W]`` (-1 before position 0; else None). int64."""
+    return call("ring_rows", ops.get_mode(), "int64", positions.device.type, positions, slots, R, W)
+
+
+def entry_rows(table: torch.Tensor, positions: torch.Tensor, ratio: int, per: int, E: int) -> torch.Tensor:
+    """A decode step's compressed entries ``e < E`` of every row as pool rows ``[T, E]`` through
+    its block table ``[T, nb]`` (``per`` entries a block: ``block * per + e % per``); -1 where the
+    entry has not closed once the row's token is in (``e >= (positions + 1) // ratio``) or its
+    block is -1."""
+    return call("entry_rows", ops.get_mode(), "int64", positions.device.type, table, positions, ratio, per, E)
 
 
 def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
@@ -208,9 +251,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse:
     return call("rope", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, inverse)
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """``rope`` written into ``x`` itself (returned); for tensors nothing else reads (no autograd)."""
-    return call("rope_", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, inverse)
+def rope_(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False,
+          table: torch.Tensor | None = None) -> torch.Tensor:
+    """``rope`` written into ``x`` itself (returned); for tensors nothing else reads (no autograd).
+    ``table``: ``rope_table(positions, freqs)``, which a kernel may read instead of computing the
+    angles' functions itself (the same values)."""
+    return call("rope_", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, inverse, table)
+
+
+def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``[T, 2, len(freqs)]`` fp32: ``cos`` then ``sin`` of ``positions [T] * freqs`` (fp64 angles),
+    made once for the rotations of a step that share the positions and frequencies."""
+    return call("rope_table", ops.get_mode(), "float64", positions.device.type, positions, freqs)
 
 
 def greedy_draw(logits: torch.Tensor):
@@ -258,7 +310,7 @@ def tail_write(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positio
 
 
 def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
-              dest: torch.Tensor) -> None:
+              dest: torch.Tensor, table: torch.Tensor | None = None) -> None:
     """``rope(x, positions, freqs)`` (``x [T, ...]``) written in place into rows ``dest [T]`` of
     ``pool [P, x.numel() / T]``, cast to the pool's dtype."""
-    return call("rope_into", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, pool, dest)
+    return call("rope_into", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, positions, freqs, pool, dest, table)

@@ -1,0 +1,27 @@
+#!/bin/bash
+# One H200 call for the decode path's kernels: the whole-model check (flash4, both modes and the
+# mixed-rotation control), the serving roofline (both configs, batch 1..256), a profile of the fast
+# step, and the GPU tests of the fused ops and the serving engine. Run from the repo root with
+# PYTHONPATH, V4STACK_COMMIT and V4STACK_DIRTY set; results under $OUT/decode (packed as decode.tgz).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+W=${WORK:-/tmp/decode_run}
+mkdir -p "$W"
+pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" "$OUT/decode.tgz"; }
+timeout "${CHECK_S:-120}" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
+    --set 'compress_ratios=[0,0,4,128]' --set n_routed_experts=8 --set num_nextn_predict_layers=0 --prompts 8 \
+    --phases invariant,fast,mixed_rope --out "$W/model_invariance_flash4_h200.json" > "$W/model_check.log" 2>&1
+grep -iE "differ|steps|error" "$W/model_check.log" | tail -8
+pack
+timeout "${SERVE_S:-120}" python3 -m bench.serve_roofline --device cuda --configs ${CONFIGS:-flash4,flash8} --batches ${BATCHES:-1,16,64,256} \
+    --steps 8 --point-budget-s 4 --out "$W/serve_engine_h200.json" > "$W/serve_roofline.log" 2>&1
+grep -E "^flash" "$W/serve_roofline.log"
+pack
+[ "${PROFILE_S:-60}" != 0 ] && timeout "${PROFILE_S:-60}" python3 -m bench.serve_profile --device cuda --configs flash4 \
+    --modes fast --batches 64,256 --contexts 1024 --steps 4 --warmup 4 --out "$W/serve_profile_h200.json" \
+    > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
+pack
+timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider tests/ops/test_fused_ops.py \
+    tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" | tail -20
+pack
