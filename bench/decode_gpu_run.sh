@@ -25,3 +25,5 @@ timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cache
     tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" | tail -20
 pack
+timeout 60 python3 -m bench.rope_shapes --out "$W/rope_shapes_h200.json" > "$W/rope_shapes.log" 2>&1; tail -2 "$W/rope_shapes.log"
+pack
