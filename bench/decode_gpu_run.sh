@@ -21,7 +21,7 @@ pack
     --modes fast --batches 64,256 --contexts 1024 --steps 4 --warmup 4 --out "$W/serve_profile_h200.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
 pack
-timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider tests/ops/test_fused_ops.py \
+timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --continue-on-collection-errors tests/ops/test_fused_ops.py \
     tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" | tail -20
 pack
