@@ -18,12 +18,13 @@ timeout "${SERVE_S:-120}" python3 -m bench.serve_roofline --device cuda --config
 grep -E "^flash" "$W/serve_roofline.log"
 pack
 [ "${PROFILE_S:-60}" != 0 ] && timeout "${PROFILE_S:-60}" python3 -m bench.serve_profile --device cuda --configs flash4 \
-    --modes fast --batches 64,256 --contexts 1024 --steps 4 --warmup 4 --out "$W/serve_profile_h200.json" \
+    --modes fast --batches 64,256 --contexts ${PROFILE_CTX:-1024,16384} --steps 4 --warmup 4 --out "$W/serve_profile_h200.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
 pack
 timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --continue-on-collection-errors tests/ops/test_fused_ops.py \
-    tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
+    tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/ops/test_route_kernels.py tests/ops/test_select_kernel.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" | tail -20
 pack
-timeout 60 python3 -m bench.rope_shapes --out "$W/rope_shapes_h200.json" > "$W/rope_shapes.log" 2>&1; tail -2 "$W/rope_shapes.log"
+[ "${ROPE_S:-60}" != 0 ] && timeout "${ROPE_S:-60}" python3 -m bench.rope_shapes --out "$W/rope_shapes_h200.json" > "$W/rope_shapes.log" 2>&1; tail -2 "$W/rope_shapes.log"
+[ "${NORM_S:-60}" != 0 ] && timeout "${NORM_S:-60}" python3 -m bench.norm_rows --out "$W/norm_rows_h200.json" > "$W/norm_rows.log" 2>&1; tail -2 "$W/norm_rows.log"
 pack

@@ -147,6 +147,14 @@ def entry_rows_ok(table, positions, ratio, per, E) -> bool:
             and table.shape[0] == positions.shape[0] and table.shape[1] >= 1 and ratio >= 1 and per >= 1 and E >= 0)
 
 
+def topk_rows_ok(scores, rows, k) -> bool:
+    from v4stack.kernels.triton_select import MAX_ENTRIES
+
+    return (scores.is_cuda and scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1
+            and rows.dtype == torch.int64 and rows.shape == scores.shape and rows.stride(1) == 1
+            and rows.device == scores.device and 1 <= k <= scores.shape[1] <= MAX_ENTRIES)
+
+
 refused: dict[str, str] = {}  # op -> why its kernel failed to build or run (then the reference serves)
 
 
@@ -210,5 +218,7 @@ def register_all(register) -> None:
              ref("ring_rows_reference")), device="cuda", accepts=_with("triton", ring_rows_ok))
     register("entry_rows", "triton_entry_rows", _guarded("entry_rows", _lazy("triton_layout", "entry_rows"),
              ref("entry_rows_reference")), device="cuda", accepts=_with("triton", entry_rows_ok))
+    register("topk_rows", "triton_topk_rows", _guarded("topk_rows", _lazy("triton_select", "topk_rows"),
+             ref("topk_rows_reference")), device="cuda", accepts=_with("triton", topk_rows_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
              ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

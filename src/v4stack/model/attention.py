@@ -166,9 +166,12 @@ class Attention(nn.Module):
                     idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
                 else:
                     iq, iw = self.indexer.project(qr, x, pos)
-                    vis = visible if visible is not None else b.shared(("closed", m), lambda: rows >= 0)
-                    sel, valid = self.indexer.select_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows, vis)
-                    idx.append(torch.where(valid, rows.gather(1, sel), -1))
+                    keys = ikeys.view(-1, ikeys.shape[-1])
+                    if visible is None:  # a decode step: the closed entries are the rows >= 0
+                        idx.append(self.indexer.choose_rows(iq, iw, keys, rows))
+                    else:
+                        sel, valid = self.indexer.select_rows(iq, iw, keys, rows, visible)
+                        idx.append(torch.where(valid, rows.gather(1, sel), -1))
             else:  # every HCA layer of this ratio reads the same candidates
                 idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
             pools.append(ents.view(-1, ents.shape[-1]))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from v4stack import ops
+from v4stack.ops import fused
 from v4stack.config import ModelConfig
 from v4stack.model.compressor import Compressor
 from v4stack.model.linear import Linear
@@ -85,3 +86,14 @@ class Indexer(nn.Module):
         scores = scores.masked_fill(~visible, float("-inf"))
         _, idx = ops.topk(scores, k, stable=True)
         return self._in_entry_order(idx, visible)
+
+    def choose_rows(self, q, w, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``select_rows`` where the visible entries are exactly the rows >= 0 (a decode step), as
+        the chosen pool rows ``[n, k']`` (-1: none) - ``rows.gather(1, sel)`` where valid, in one
+        op (``ops.fused.topk_rows``) instead of a sort, a sort and two gathers."""
+        n, E = rows.shape
+        k = min(self.topk, E)
+        if k == 0 or self.all_chosen(E):
+            return rows[:, :k] if k == 0 else rows
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return fused.topk_rows(ops.indexer_scores(q, w, keys, rows=rows).to(acc), rows, k)

@@ -30,6 +30,8 @@
 - ``ring_rows(positions, slots, R, W)``, ``entry_rows(table, positions, ratio, per, E)``: a
   decode step's ring destinations, window rows and compressed-entry rows, the index tensors its
   layers share (``triton_layout.py``: one kernel each instead of ~3-17 integer kernels).
+- ``topk_rows(scores, rows, k)``: the indexer's top-k as pool rows in entry order
+  (``triton_select.py``: one kernel instead of a radix sort, a sort and two gathers).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -171,6 +173,11 @@ def entry_rows_reference(table, positions, ratio: int, per: int, E: int):
     return torch.where(ok, blk * per + e % per, -1)
 
 
+def topk_rows_reference(scores, rows, k: int):
+    _, idx = ops.topk(scores.masked_fill(rows < 0, float("-inf")), k, stable=True)
+    return rows.gather(1, torch.sort(idx, dim=1).values)
+
+
 def moe_unsort_combine_reference(out, rank, indices, shared, out_dtype):
     T, k = indices.shape
     cd = torch.float64 if out.dtype == torch.float64 else torch.float32
@@ -197,6 +204,14 @@ register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cu
 register("rope", "torch_composite", rope_reference)
 register("ring_rows", "torch_composite", ring_rows_reference)
 register("entry_rows", "torch_composite", entry_rows_reference)
+register("topk_rows", "torch_composite", topk_rows_reference)
+
+
+def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The indexer's choice: per query the pool rows ``[n, k]`` of its ``k`` best ``scores [n, E]``
+    (entries whose ``rows [n, E]`` is -1 count as -inf; ties to the lower entry), in ascending
+    entry order; -1 where a chosen entry has no row (fewer than ``k`` entries)."""
+    return call("topk_rows", ops.get_mode(), str(scores.dtype)[6:], scores.device.type, scores, rows, k)
 
 
 def ring_rows(positions: torch.Tensor, slots: torch.Tensor, R: int, W: int = 0):

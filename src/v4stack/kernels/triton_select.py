@@ -1,0 +1,55 @@
+"""The indexer's choice in one kernel (Triton): per query, the pool rows of its ``k`` best-scored
+entries, in entry order.
+
+``topk_rows(scores [n, E], rows [n, E], k)`` is ``rows.gather(1, sort(topk(scores masked -inf where
+rows < 0, k, stable)))``: the top ``k`` by score, ties to the lower entry, listed in ascending entry
+order. One program per query holds its row of scores as order-preserving integer keys (``-0.0``
+taken as ``+0.0``, as a sort compares them equal), finds the ``k``-th largest key by a bitwise
+search from the top bit (32 counting passes), takes every key above it and the first ties in entry
+order, and writes the chosen rows by a running count. It replaces a radix sort of the scores, a
+sort of the chosen indices and two gathers (74 us for one CSA layer's queries at batch 64 and 16k
+tokens on an H200). Integer results: equal to the torch composition's for any non-NaN scores.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from v4stack.kernels.launch import launch, next_pow2
+
+MAX_ENTRIES = 16384  # one program holds a query's entries; wider rows take the torch composition
+
+
+@triton.jit
+def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EB)
+    inside = e < E
+    r = tl.load(ROWS + n * s_r + e, mask=inside, other=-1)
+    s = tl.load(S + n * s_s + e, mask=inside, other=float("-inf")).to(tl.float32)
+    s = tl.where(r >= 0, s, float("-inf"))
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # float order, as [0, 2^32)
+    key = tl.where(inside, key, -1)  # past E: below every entry
+    res = tl.zeros([], tl.int64)
+    for b in range(31, -1, -1):
+        cand = res | (tl.full([], 1, tl.int64) << b)
+        if tl.sum((key >= cand).to(tl.int32), 0) >= k:
+            res = cand
+    gt = key > res
+    eq = key == res
+    need = k - tl.sum(gt.to(tl.int32), 0)
+    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(OUT + n * s_o + pos, r, mask=sel)
+
+
+def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    n, E = scores.shape
+    out = torch.empty(n, k, dtype=torch.int64, device=scores.device)
+    if n and k:
+        eb = max(16, next_pow2(E))
+        launch(topk_rows_kernel, (n,), scores, rows, out, E, k, scores.stride(0), rows.stride(0), out.stride(0), EB=eb,
+               num_warps=min(16, max(4, eb // 512)))
+    return out

@@ -1,0 +1,63 @@
+"""The indexer's choice in one kernel (``kernels/triton_select.py``): under Triton's interpreter the
+kernel equals the torch composition (stable top-k, entry order, the pool rows) with ties, signed
+zeros, hidden entries and fewer entries than ``k``; the CPU dispatch runs the composition; on CUDA
+the kernel serves both modes with the same integers."""
+
+import pytest
+import torch
+
+from v4stack import ops
+from v4stack.ops import fused
+
+ts = pytest.importorskip("v4stack.kernels.triton_select")
+
+
+def _case(n, E, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, E, generator=g)
+    s[:, ::5] = 0.0  # ties at zero ...
+    s[0, 1::7] = -0.0  # ... of both signs (a sort compares them equal)
+    s[1 % n, : E // 2] = 1.5  # a long run of ties at the top
+    rows = torch.randint(0, 10 * E, (n, E), generator=g)
+    rows[:, E // 3 : E // 3 + 3] = -1  # hidden entries
+    rows[-1, k // 2 :] = -1  # a query with fewer entries than k
+    return s, rows
+
+
+@pytest.mark.parametrize("n,E,k", [(3, 40, 8), (5, 100, 32), (2, 7, 7), (4, 600, 512)])
+def test_topk_rows_kernel_is_the_stable_top_k_in_entry_order(n, E, k):
+    s, rows = _case(n, E, k, seed=n + E)
+    got = ts.topk_rows(s, rows, k)
+    want = fused.topk_rows_reference(s, rows, k)
+    assert torch.equal(got, want)
+    assert (got[-1] == -1).any()  # the short query's missing entries come out as -1
+    if k == E:  # every entry is chosen: ties cannot matter
+        return
+    # inverse control: ties broken towards the later entry choose other rows
+    flip = torch.flip(s, [1]).masked_fill(torch.flip(rows, [1]) < 0, float("-inf"))
+    _, idx = ops.topk(flip, k, stable=True)
+    later = rows.gather(1, torch.sort(E - 1 - idx, dim=1).values)
+    assert not torch.equal(later, want)
+
+
+def test_topk_rows_cpu_call_is_the_composition():
+    s, rows = _case(2, 50, 10, seed=1)
+    ops.reset_counters()
+    out = fused.topk_rows(s, rows, 10)
+    assert ops.counters()["topk_rows"] == {"torch_composite": 1}
+    assert torch.equal(out, fused.topk_rows_reference(s, rows, 10))
+
+
+@pytest.mark.gpu
+def test_topk_rows_on_cuda_serves_the_kernel_in_both_modes():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    s, rows = _case(64, 4100, 512, seed=3)
+    s, rows = s.cuda(), rows.cuda()
+    want = fused.topk_rows_reference(s.cpu(), rows.cpu(), 512)
+    for mode in ("invariant", "fast"):
+        with ops.mode(mode):
+            ops.reset_counters()
+            got = fused.topk_rows(s, rows, 512)
+            assert ops.counters()["topk_rows"] == {"triton_topk_rows": 1}
+            assert torch.equal(got.cpu(), want)
