@@ -195,3 +195,27 @@ def test_moe_layer_through_the_kernels_matches_the_composition(kernels_on_cpu, h
                 dispatch._resolved.clear()
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
         assert not torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("T,k,E", [(37, 6, 8), (5, 2, 3)])
+def test_joined_shared_expert_equals_the_padded_pairs(T, k, E):
+    """``joined``: one more pair a token for expert E with weight 1, as if the inputs were padded
+    (what the MoE did with two padded copies); the kernels equal the composition, and the combine
+    adds the joined expert last."""
+    idx, w = _routing(T, k, E, seed=T * k)
+    pad_i = torch.nn.functional.pad(idx, (0, 1), value=E)
+    pad_w = torch.nn.functional.pad(w, (0, 1), value=1.0)
+    want = fused.moe_route_reference(pad_i, pad_w, E + 1)
+    got = tr.moe_route(idx, w, E, joined=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(fused.moe_route_reference(idx, w, E, joined=True), want))
+    # inverse control: without the joined slot the offsets stop at T k
+    assert tr.moe_route(idx, w, E)[0][-1] == T * k != got[0][-1]
+    out = torch.randn(T * (k + 1), 16)
+    rank = got[2]
+    # the kernel with the joined slot = the kernel on the padded ids; the same for the composition
+    padded = tr.moe_unsort_combine(out, rank, pad_i, None, torch.float32)
+    assert torch.equal(tr.moe_unsort_combine(out, rank, idx, None, torch.float32, joined=True), padded)
+    ref = fused.moe_unsort_combine_reference(out, rank, pad_i, None, torch.float32)
+    assert torch.equal(fused.moe_unsort_combine_reference(out, rank, idx, None, torch.float32, joined=True), ref)
+    assert torch.allclose(padded, ref, rtol=1e-5, atol=1e-5)

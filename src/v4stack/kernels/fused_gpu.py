@@ -73,19 +73,19 @@ def moe_gate_ok(logits, bias, table, token_ids, k, scale) -> bool:
                                    and token_ids.device == dev)))
 
 
-def moe_route_ok(indices, weights, n_experts) -> bool:
+def moe_route_ok(indices, weights, n_experts, joined=False) -> bool:
     return (indices.is_cuda and indices.dtype == torch.int64 and indices.dim() == 2 and indices.is_contiguous()
             and weights.dtype == torch.float32 and weights.shape == indices.shape and weights.is_contiguous()
-            and weights.device == indices.device and 1 <= n_experts <= 1024 and indices.numel() < 2**31)
+            and weights.device == indices.device and 1 <= n_experts + joined <= 1024 and indices.numel() < 2**30)
 
 
-def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype) -> bool:
+def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype, joined=False) -> bool:
     fl = (torch.float32, torch.bfloat16, torch.float16)
-    P = indices.numel()
+    P = indices.shape[0] * (indices.shape[1] + joined) if indices.dim() == 2 else -1
     return (out.is_cuda and out.dim() == 2 and out.dtype in fl and out.stride(1) == 1 and out.shape[0] == P
             and rank.dtype == torch.int64 and rank.shape == (P,) and rank.is_contiguous() and rank.device == out.device
             and indices.dtype == torch.int64 and indices.dim() == 2 and indices.is_contiguous()
-            and indices.device == out.device and 1 <= indices.shape[1] <= 64 and out_dtype in fl
+            and indices.device == out.device and 1 <= indices.shape[1] + joined <= 64 and out_dtype in fl
             and (shared is None or (shared.dtype in fl and shared.shape == (indices.shape[0], out.shape[1])
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 

@@ -88,17 +88,25 @@ def moe_gate(logits: torch.Tensor, bias, table, token_ids, k: int, scale: float)
 
 
 @triton.jit
-def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: tl.constexpr):
+def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: tl.constexpr, JOIN: tl.constexpr):
     """Program ``e`` places expert ``e``'s pairs: a pass counting the pairs of lower experts (its
     first row) and its own, then one placing its pairs in pair order (a running count plus the
-    block's inclusive cumulative sum). Ids outside ``[0, E)`` are not placed."""
+    block's inclusive cumulative sum). Ids outside ``[0, E)`` are not placed. ``JOIN``: every
+    token has one more pair, its slot ``K``, for expert ``E - 1`` with weight 1 (the shared expert
+    joined to the routed ones; ``IDX`` / ``W`` hold the ``K`` routed slots)."""
     e = tl.program_id(0)
+    KJ: tl.constexpr = K + JOIN
     zero = tl.sum(tl.zeros([BP], tl.int32), 0)
     below = zero
     mine = zero
     for start in range(0, P, BP):
         p = start + tl.arange(0, BP)
-        ids = tl.load(IDX + p, mask=p < P, other=-1).to(tl.int32)
+        if JOIN:
+            real = (p < P) & (p % KJ < K)
+            ids = tl.where(real, tl.load(IDX + (p // KJ) * K + p % KJ, mask=real, other=-1).to(tl.int32),
+                           tl.where(p < P, E - 1, -1))
+        else:
+            ids = tl.load(IDX + p, mask=p < P, other=-1).to(tl.int32)
         below += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), 0)
         mine += tl.sum((ids == e).to(tl.int32), 0)
     tl.store(OFF + 1 + e, (below + mine).to(tl.int64))
@@ -108,22 +116,35 @@ def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: t
     for start in range(0, P, BP):
         p = start + tl.arange(0, BP)
         m = p < P
-        hit = (tl.load(IDX + p, mask=m, other=-1).to(tl.int32) == e) & m
+        if JOIN:
+            real = m & (p % KJ < K)
+            ids = tl.where(real, tl.load(IDX + (p // KJ) * K + p % KJ, mask=real, other=-1).to(tl.int32),
+                           tl.where(m, E - 1, -1))
+        else:
+            ids = tl.load(IDX + p, mask=m, other=-1).to(tl.int32)
+        hit = (ids == e) & m
         h = hit.to(tl.int32)
         pos = run + tl.cumsum(h, 0) - 1
         tl.store(ORDER + pos, p.to(tl.int64), mask=hit)
         tl.store(RANK + p, pos.to(tl.int64), mask=hit)
-        tl.store(TOK + pos, (p // K).to(tl.int64), mask=hit)
-        tl.store(WS + pos, tl.load(W + p, mask=hit, other=0.0), mask=hit)
+        tl.store(TOK + pos, (p // KJ).to(tl.int64), mask=hit)
+        if JOIN:
+            w = tl.where(p % KJ < K, tl.load(W + (p // KJ) * K + p % KJ, mask=hit & (p % KJ < K), other=0.0), 1.0)
+        else:
+            w = tl.load(W + p, mask=hit, other=0.0)
+        tl.store(WS + pos, w, mask=hit)
         run += tl.sum(h, 0)
 
 
-def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool = False):
     """``indices [T, k]`` expert ids in ``[0, E)``, ``weights [T, k]`` -> row offsets ``[E + 1]``,
     pair order ``[T k]`` (stable by expert), each pair's position in it ``[T k]``, each sorted
-    pair's token ``[T k]`` (int64) and weight ``[T k]`` (``weights``' dtype)."""
+    pair's token ``[T k]`` (int64) and weight ``[T k]`` (``weights``' dtype). ``joined``: as if
+    ``indices`` / ``weights`` had one more column, expert ``E`` with weight 1 (``E + 1`` experts,
+    ``T (k + 1)`` pairs) - the shared expert, without the padded copies."""
     T, k = indices.shape
-    P = T * k
+    P = T * (k + joined)
+    n_experts += joined
     dev = indices.device
     off = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     order = torch.empty(P, dtype=torch.int64, device=dev)
@@ -131,42 +152,49 @@ def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
     tok = torch.empty(P, dtype=torch.int64, device=dev)
     ws = torch.empty(P, dtype=weights.dtype, device=dev)
     launch(route_kernel, (n_experts,), indices, weights, off, order, rank, tok, ws, P, n_experts, K=k,
-           BP=max(16, min(1024, next_pow2(P))), num_warps=4)
+           BP=max(16, min(1024, next_pow2(P))), JOIN=joined, num_warps=4)
     return off, order, rank, tok, ws
 
 
 @triton.jit
-def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD: tl.constexpr, HAS_S: tl.constexpr):
+def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD: tl.constexpr, HAS_S: tl.constexpr,
+                  JOIN: tl.constexpr):
+    """``JOIN``: token ``n``'s pairs are ``k + 1``, the last one the shared expert's (after every
+    routed expert in the combine's order), ``IDX`` holding the ``k`` routed ids."""
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = d < D
     j = tl.arange(0, BK)
     ids = tl.load(IDX + n * k + j, mask=j < k, other=0)
+    if JOIN:
+        ids = tl.where(j == k, 1 << 30, ids)
+        k = k + 1
     # ``ops.moe_combine``'s order: slot j's rank in (expert id, slot) order
     before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))
     srt = tl.sum((before & (j < k)[None, :]).to(tl.int32), 1)
     acc = tl.zeros([BD], tl.float32)
     for r in range(0, k):
         slot = tl.sum(tl.where((srt == r) & (j < k), j, 0), 0)
-        row = tl.load(RANK + n * k + slot)
+        row = tl.load(RANK + n * k + slot)  # (k counts the joined slot)
         acc += tl.load(O + row * s_o + d, mask=dm, other=0.0).to(tl.float32)
     if HAS_S:
         acc = acc + tl.load(S + n * s_s + d, mask=dm, other=0.0).to(tl.float32)
     tl.store(Y + n * s_y + d, acc.to(Y.dtype.element_ty, fp_downcast_rounding="rtne"), mask=dm)
 
 
-def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, shared, out_dtype):
+def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, shared, out_dtype,
+                       joined: bool = False):
     """Per token ``t``: the sorted outputs ``out[rank[t k + j]]`` summed in fp32 in ascending
     expert id (ties in slot order), plus ``shared [T, d]`` (widened to fp32) if given, written in
-    ``out_dtype``."""
+    ``out_dtype``. ``joined``: ``moe_route(..., joined=True)``'s pairs (one more a token, added last)."""
     T, k = indices.shape
     D = out.shape[1]
     y = torch.empty(T, D, dtype=out_dtype, device=out.device)
     if T and D:
         bd = min(1024, next_pow2(D))
         launch(unsort_kernel, (T, -(-D // bd)), out, rank, indices, shared if shared is not None else out, y, k, D,
-               out.stride(0), shared.stride(0) if shared is not None else 0, y.stride(0), BK=max(2, next_pow2(k)),
-               BD=bd, HAS_S=shared is not None, num_warps=4)
+               out.stride(0), shared.stride(0) if shared is not None else 0, y.stride(0), BK=max(2, next_pow2(k + joined)),
+               BD=bd, HAS_S=shared is not None, JOIN=joined, num_warps=4)
     return y
 
 
@@ -182,7 +210,8 @@ def builds() -> dict:
         "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True, ACCURATE=True)),
         "moe_gate_e8": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True, ACCURATE=True)),
         "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False, ACCURATE=True)),
-        "moe_route": (route_kernel, route, dict(K=6, BP=1024)),
-        "moe_route_e8": (route_kernel, route, dict(K=7, BP=512)),
-        "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True)),
+        "moe_route": (route_kernel, route, dict(K=6, BP=1024, JOIN=False)),
+        "moe_route_e8": (route_kernel, route, dict(K=6, BP=512, JOIN=True)),
+        "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True, JOIN=False)),
+        "moe_unsort_combine_joined": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=False, JOIN=True)),
     }

@@ -115,17 +115,12 @@ class LocalGrouped:
         one more slot of every token with routing weight 1 - the combine adds it last, as it adds
         ``shared`` (ascending expert id), and times 1 is exact."""
         w1, w2, w3 = moe.stacked_weights(True) if shared_joins else moe.stacked_weights()
-        n = moe.n_experts
-        if shared_joins:
-            indices = torch.nn.functional.pad(indices, (0, 1), value=n)
-            weights = torch.nn.functional.pad(weights, (0, 1), value=1.0)
-            n += 1
-        # by expert, then pair id (token * k + slot)
-        offsets, order, rank, tok, ws = moe_route(indices, weights, n)
+        # by expert, then pair id (token * k + slot); joined: one more slot a token, expert E, weight 1
+        offsets, order, rank, tok, ws = moe_route(indices, weights, moe.n_experts, shared_joins)
         rows = x[tok].to(w1.dtype)
         act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
                          ws, w2.dtype)
-        return moe_unsort_combine(ops.grouped_linear(act, w2, offsets), rank, indices, shared, out_dtype)
+        return moe_unsort_combine(ops.grouped_linear(act, w2, offsets), rank, indices, shared, out_dtype, shared_joins)
 
 
 class MoE(nn.Module):

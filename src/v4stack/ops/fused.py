@@ -129,7 +129,11 @@ def moe_gate_reference(logits, bias, table, token_ids, k: int, scale: float):
     return idx, w / ops.sum(w, -1, keepdim=True) * scale
 
 
-def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool = False):
+    if joined:
+        indices = torch.nn.functional.pad(indices, (0, 1), value=n_experts)
+        weights = torch.nn.functional.pad(weights, (0, 1), value=1.0)
+        n_experts += 1
     k = indices.shape[1]
     ids, order = torch.sort(indices.reshape(-1), stable=True)  # by expert, then pair id (token * k + slot)
     # row offsets without a host sync (bincount would read the max on the host)
@@ -178,7 +182,9 @@ def topk_rows_reference(scores, rows, k: int):
     return rows.gather(1, torch.sort(idx, dim=1).values)
 
 
-def moe_unsort_combine_reference(out, rank, indices, shared, out_dtype):
+def moe_unsort_combine_reference(out, rank, indices, shared, out_dtype, joined: bool = False):
+    if joined:  # the joined slot's expert sorts after every routed one
+        indices = torch.nn.functional.pad(indices, (0, 1), value=1 << 30)
     T, k = indices.shape
     cd = torch.float64 if out.dtype == torch.float64 else torch.float32
     r = ops.moe_combine(out.to(cd)[rank].view(T, k, -1), indices)
@@ -297,22 +303,24 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tenso
                 k, scale)
 
 
-def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int):
+def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool = False):
     """``indices [T, k]`` (int64, in ``[0, n_experts)``), ``weights [T, k]`` -> the pairs ``p = t k
     + j`` stably sorted by expert: row offsets ``[n_experts + 1]`` (int64), the order ``[T k]``,
     its inverse ``rank`` (``order[rank[p]] == p``), each sorted pair's token ``order // k`` and
-    weight ``weights.flat[order]``."""
+    weight ``weights.flat[order]``. ``joined``: every token has one more pair, expert ``n_experts``
+    with weight 1 (the shared expert run as one more expert; no padded copies of the inputs)."""
     return call("moe_route", ops.get_mode(), str(weights.dtype)[6:], indices.device.type, indices, weights,
-                n_experts)
+                n_experts, joined)
 
 
 def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor | None,
-                       out_dtype):
+                       out_dtype, joined: bool = False):
     """The routed experts' sorted outputs ``out [T k, d]`` back per token and combined:
     ``ops.moe_combine(out.to(cd)[rank].view(T, k, d), indices)`` (``cd`` fp32, or fp64), plus
-    ``shared [T, d]`` widened to that dtype when given, returned in ``out_dtype``."""
+    ``shared [T, d]`` widened to that dtype when given, returned in ``out_dtype``. ``joined``: the
+    pairs of ``moe_route(..., joined=True)`` (``k + 1`` a token, the joined expert's added last)."""
     return call("moe_unsort_combine", ops.get_mode(), str(out.dtype)[6:], out.device.type, out, rank, indices, shared,
-                out_dtype)
+                out_dtype, joined)
 
 
 def tail_write(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, ratio: int,
