@@ -46,8 +46,8 @@ def rope_table_ok(positions, freqs) -> bool:
 
 def rope_ok(x, positions, freqs, inverse, table=None) -> bool:
     h = freqs.shape[0] if freqs.dim() == 1 else 0
-    return table_ok(table, positions, freqs) and (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dim() >= 2
-            and x.is_contiguous() and positions.dim() == 1 and positions.shape[0] == x.shape[0]
+    return (table_ok(table, positions, freqs) and x.is_cuda and x.dim() >= 2
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous() and positions.dim() == 1 and positions.shape[0] == x.shape[0]
             and positions.dtype == torch.int64 and positions.device == x.device and freqs.dtype == torch.float64
             and freqs.device == x.device and h >= 1 and h & (h - 1) == 0 and 2 * h <= x.shape[-1])
 

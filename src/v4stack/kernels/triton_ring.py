@@ -55,6 +55,7 @@ def builds() -> dict:
             **{f"rope_inplace{'' if b else '_nobarrier'}": (tm.rope_kernel, rope, dict(
                 SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=False, COPY=False, BARRIER=b)) for b in (True, False)},
             **{f"rope_table_dest{int(d)}": (tm.rope_kernel, table, dict(
-                SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d, COPY=d, BARRIER=not d, TABLE=True)) for d in (False, True)},
+                SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d, COPY=d, BARRIER=not d, TABLE=True))
+               for d in (False, True)},
             "rope_table": (tm.rope_table_kernel, dict(POS="*i64", FREQ="*fp64", CS="*fp32", T="i32"),
                            dict(HALF=32, BT=64))}

@@ -7,8 +7,8 @@
   launches ~8 kernels (softplus, sqrt, bias add, topk, gather, sum, division, scaling).
 - ``moe_route``: a counting sort of the ``P = T * k`` pairs by expert id, one program per
   expert: the pairs of lower experts and its own counted (the grouped GEMM's row offsets
-  ``[E + 1]``), then each of its pairs' rank in pair order, so the order equals a stable sort's. It also writes each sorted
-  pair's token (``pair // k``) and routing weight. It replaces a radix sort (27 us a call on an
+  ``[E + 1]``), then each of its pairs' rank in pair order, so the order equals a stable
+  sort's. It also writes each sorted pair's token (``pair // k``) and routing weight. It replaces a radix sort (27 us a call on an
   H200 at 384 pairs), ``searchsorted``, ``arange``, a division and a gather.
 - ``moe_unsort_combine``: the grouped GEMM's sorted outputs back per token, summed in
   ``ops.moe_combine``'s order (ascending expert id, fp32), plus the shared expert, cast to the

@@ -91,9 +91,8 @@ class Indexer(nn.Module):
         """``select_rows`` where the visible entries are exactly the rows >= 0 (a decode step), as
         the chosen pool rows ``[n, k']`` (-1: none) - ``rows.gather(1, sel)`` where valid, in one
         op (``ops.fused.topk_rows``) instead of a sort, a sort and two gathers."""
-        n, E = rows.shape
-        k = min(self.topk, E)
-        if k == 0 or self.all_chosen(E):
-            return rows[:, :k] if k == 0 else rows
+        E = rows.shape[1]
+        if self.all_chosen(E):  # every entry is chosen (none at all included)
+            return rows
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return fused.topk_rows(ops.indexer_scores(q, w, keys, rows=rows).to(acc), rows, k)
+        return fused.topk_rows(ops.indexer_scores(q, w, keys, rows=rows).to(acc), rows, self.topk)

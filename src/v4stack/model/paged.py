@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from v4stack.ops import fused
+
 
 @dataclass
 class Closing:
@@ -128,8 +130,6 @@ class Rings:
     @staticmethod
     def dest(b: StepBatch, R: int) -> torch.Tensor:
         """A decode step's ring row of every row (``R`` rows a slot), shared by the layers."""
-        from v4stack.ops import fused
-
         return b.shared(("ring_dest", R), lambda: fused.ring_rows(b.positions, b.slots, R)[0])
 
     def rows(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
