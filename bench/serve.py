@@ -54,6 +54,24 @@ def copy_bandwidth(device: str) -> float | None:
     return 10 * 2 * a.numel() * 4 / (ev0.elapsed_time(ev1) / 1e3)
 
 
+def matmul_rate(device: str, n: int = 8192) -> float | None:
+    """FLOP/s of a large bf16 matrix product (``n`` cubed), the device's dense rate as measured."""
+    if device != "cuda":
+        return None
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    for _ in range(10):
+        a @ b
+    ev1.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * n ** 3 / (ev0.elapsed_time(ev1) / 1e3)
+
+
 async def _client(c, model: str, prompt: list[int], max_tokens: int, out: list):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()

@@ -25,6 +25,14 @@ Roofline: the bytes one decode step must read, over the measured device copy ban
   of every closed entry plus ``min(top-k, entries)`` compressed entries, for an HCA layer every
   closed entry.
 ``fraction = roofline step time / measured step time``.
+
+Compute floor: the step's matrix work (``step_flops``: two FLOPs per weight element per token for
+every matrix but the embedding, the routed experts at ``k / E`` of theirs, the attention's scores
+and values over each layer's candidates, the indexer's scores over its entries) at the measured
+dense bf16 rate (``matmul_rate``, an 8192-cube product). Where it exceeds the bandwidth floor
+(flash4 at batch 256) the step is compute-bound and no kernel reaches the bandwidth roofline:
+``roofline_max_step_s = max(both floors)`` and ``fraction_of_max`` say how far the step is from the
+floor that binds.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import time
 import torch
 
 from bench.runner import write_result
-from bench.serve import copy_bandwidth
+from bench.serve import copy_bandwidth, matmul_rate
 from v4stack.config import ModelConfig, preset
 from v4stack.model import V4Model
 from v4stack.model.init import is_fp32_param
@@ -106,6 +114,31 @@ def step_bytes(model: V4Model, cfg: ModelConfig, batch: int, ctx: int, es: int) 
             "experts_touched": touched}
 
 
+def step_flops(model: V4Model, cfg: ModelConfig, batch: int, ctx: int) -> dict:
+    """The matrix FLOPs of one decode step of ``batch`` tokens (see the module's compute floor)."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    dense = experts = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name == "embed.weight" or name.endswith(".ape"):
+            continue
+        if ".ffn.experts." in name:
+            experts += p.numel()
+        else:
+            dense += p.numel()
+    weights = 2 * batch * (dense + experts * k / E)
+    attn = index = 0
+    for r in cfg.layer_ratios:
+        cands = cfg.sliding_window
+        if r and cfg.is_csa(r):
+            cands += min(cfg.index_topk, ctx // r)
+            index += 2 * cfg.index_n_heads * cfg.index_head_dim * (ctx // r)
+        elif r:
+            cands += ctx // r
+        attn += 4 * cfg.num_attention_heads * cfg.head_dim * cands
+    return {"weight_flops": int(weights), "attention_flops": int(batch * attn), "indexer_flops": int(batch * index),
+            "step_flops": int(weights + batch * (attn + index))}
+
+
 def fill(engine: Engine, batch: int, ctx: int, max_tokens: int, seed: int) -> list:
     """``batch`` running requests whose caches already hold ``ctx`` tokens (random pools)."""
     g = torch.Generator().manual_seed(seed)
@@ -135,7 +168,7 @@ def _sync(device: str) -> None:
 
 
 def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float,
-                overlap: bool = True, warmup: int = 6) -> dict:
+                overlap: bool = True, warmup: int = 6, rate: float | None = None) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
     per = -(-(ctx + steps + warmup + 8) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
@@ -162,10 +195,15 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     p50 = times[len(times) // 2]
     sb = step_bytes(model, cfg, batch, ctx, torch.empty((), dtype=model.dtype).element_size())
     floor = sb["step_bytes"] / bw if bw else None
+    sf = step_flops(model, cfg, batch, ctx)
+    compute = sf["step_flops"] / rate if rate else None
+    bound = max(floor, compute) if floor and compute else None
     res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "steps_timed": len(times),
            "step_s_p50": p50, "step_s_mean": mean, "warmup_s": warm_s, "steps_ahead": engine.stats.ahead,
            "tok_s": batch / p50, "roofline_step_s": floor, "roofline_tok_s": batch / floor if floor else None,
            "fraction": floor / p50 if floor else None, "fraction_mean": floor / mean if floor else None, **sb,
+           "compute_floor_s": compute, "roofline_max_step_s": bound, "fraction_of_max": bound / p50 if bound else None,
+           **sf,
            "cache_bytes_written_last_step": engine.stats.last_step_cache_bytes,
            "cuda_graph_replays": engine.runner.graphs.replays if engine.runner.graphs else 0,
            "cuda_graph_error": engine.runner.graphs.error if engine.runner.graphs else None}
@@ -195,7 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
-    payload = {"copy_bandwidth_GBps": bw / 1e9 if bw else None, "configs": {}, "runs": []}
+    rate = matmul_rate(a.device)
+    payload = {"copy_bandwidth_GBps": bw / 1e9 if bw else None, "matmul_TFLOPs": rate / 1e12 if rate else None,
+               "configs": {}, "runs": []}
     models = {}
     for name in a.configs.split(","):
         cfg = build_config(name)
@@ -210,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
             for ctx in map(int, a.contexts.split(",")):
                 for b, ov in ((b, ov) for b in map(int, a.batches.split(",")) for ov in map(int, a.overlap.split(","))):
                     try:
-                        r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup)
+                        r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup,
+                                        rate)
                     except Exception:  # record and go on: one failing point must not lose the rest
                         import traceback
 
@@ -223,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         roof = (f"  roofline {r['roofline_tok_s']:9.1f} tok/s ({100 * r['fraction']:.1f}%)"
                                 if r["fraction"] else "")
+                        if r["fraction_of_max"]:
+                            roof += (f" compute floor {r['compute_floor_s'] * 1e3:.2f} ms"
+                                     f" ({100 * r['fraction_of_max']:.1f}% of the binding floor)")
                         print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
                               f"{r['tok_s']:9.1f} tok/s{roof}", flush=True)
                     from v4stack.kernels.fused_gpu import refused

@@ -67,8 +67,15 @@ def linear(x, weight, tile=None):
         else:
             run(a, w, y, t, HALF_SPLIT, False)
     else:
-        run(a, w, y, tile or _tile(F32_TILES, F32_TILES_GRAPH, M, a.is_cuda), F32_SPLIT, True)
+        # a skinny output (the MoE gate's logits, N = experts) fills one column tile: the tile of
+        # the few-rows bucket spreads its rows over more programs (every tile gives the same bits)
+        rows = M if N > SKINNY_N else min(M, SKINNY_ROWS)
+        run(a, w, y, tile or _tile(F32_TILES, F32_TILES_GRAPH, rows, a.is_cuda), F32_SPLIT, True)
     return y if flat else y.view(*x.shape[:-1], N)
+
+
+SKINNY_N = 32  # fp32 outputs at most this wide take the tile of the bucket of SKINNY_ROWS rows
+SKINNY_ROWS = 64
 
 
 def hc_mix(flat, fn, eps, tile=None):
