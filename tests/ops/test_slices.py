@@ -161,21 +161,20 @@ def test_the_wrapper_serves_every_bucket():
     assert y.shape == (3, 1, 20)
 
 
-def test_a_skinny_fp32_output_takes_the_few_rows_tile_with_the_same_bits(monkeypatch):
-    # the MoE gate's logits (N = experts): the tile of the SKINNY_ROWS bucket, whatever M is; it
-    # gives the bits of the tile M's own bucket holds (the fixed K step, so the interpreter agrees)
-    M, N, K = 2 * tg.SKINNY_ROWS + 6, 8, 2 * tiles.F32_SPLIT
+def test_a_skinny_fp32_output_takes_a_narrow_tile_with_the_same_bits(monkeypatch):
+    # the MoE gate's logits (N = experts): F32_SKINNY_TILES' tile, which gives the bits of the
+    # tile M's own F32_TILES bucket holds (the fixed K step, so the interpreter agrees)
+    M, N, K = 80, 8, 2 * tiles.F32_SPLIT
     x, w = r(M, K), r(N, K)
-    own = tiles.pick(tiles.F32_TILES, M)
-    small = tiles.pick(tiles.F32_TILES, tg.SKINNY_ROWS)
+    own, narrow = tiles.pick(tiles.F32_TILES, M), tiles.pick(tiles.F32_SKINNY_TILES, M)
+    assert own != narrow and narrow["BN"] <= 32
     seen = []
     real = tg.run
     monkeypatch.setattr(tg, "run", lambda a, b, y, t, *rest, **kw: seen.append(t) or real(a, b, y, t, *rest, **kw))
     y = tg.linear(x, w)
-    assert seen == [small]
+    assert seen == [narrow]
     assert torch.equal(y, _run(x, w, own, tiles.F32_SPLIT, True, torch.float32))
-    wide = r(tg.SKINNY_N + 1, K)  # inverse control: a wider output keeps its row bucket's tile
-    tg.linear(x, wide)
+    tg.linear(x, r(tiles.F32_SKINNY_N + 1, K))  # inverse control: a wider output keeps F32_TILES' tile
     assert seen[-1] == own
 
 

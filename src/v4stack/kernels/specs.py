@@ -209,6 +209,7 @@ ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer":
 def tile_spec(table: str, t: dict) -> str:
     """The spec name of tile ``t`` of ``table`` (one per distinct index arithmetic)."""
     table = table.removesuffix("_GRAPH")  # the graph tables hold the same candidates
+    table = "F32_TILES" if table == "F32_SKINNY_TILES" else table
     form = ("two" if t.get("two") else "grid") if t.get("grid") else "fused"
     if table == "HALF_TILES":
         return f"half_{form}_{t['BM']}x{t['BN']}x{t['BK']}" + ("_tma" if t.get("tma") else "")
@@ -231,6 +232,7 @@ def finish_spec(table: str, t: dict) -> str | None:
 
 def _tile_builder(table: str, t: dict, name: str):
     table = table.removesuffix("_GRAPH")
+    table = "F32_TILES" if table == "F32_SKINNY_TILES" else table
     g, two = t.get("grid", False), t.get("two", False)
     if table == "HALF_TILES":
         # the TMA kernels' K steps within a slice: BK | SPLIT, as the slices kernel's (grid: ``tma_grid_kernel``)
@@ -269,7 +271,7 @@ def _active(*tables: str) -> list[str]:
     return names + [f for tb in tables for _, t in getattr(tiles, tb) if (f := finish_spec(tb, t))]
 
 
-GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F32_TILES_GRAPH"),
+GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F32_TILES_GRAPH", "F32_SKINNY_TILES"),
           # the grouped GEMM's TMA tiles run the fallback tile where TMA's terms do not hold
           "gemm_grouped": sorted({*_active("GROUPED_TILES", "GROUPED_TILES_GRAPH"),
                                   tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),

@@ -58,6 +58,12 @@ F32_CANDIDATES = (_t(64, 32, F32_BK, s=3, grid=True), _t(64, 64, F32_BK, s=3, gr
                   _t(16, 32, F32_BK, s=4, grid=True, two=True), _t(64, 32, F32_BK, s=3, grid=True, two=True),
                   _t(16, 32, F32_BK, s=4, grid=True, unroll=16))
 F32_TILES = ((64, F32_CANDIDATES[0]), (1 << 62, F32_CANDIDATES[1]))
+# fp32 outputs at most F32_SKINNY_N wide (the MoE gate's logits, N = experts) fill one narrow column
+# tile: narrow tiles with the grid form spread the rows over the SMs, where F32_TILES' wide ones
+# (picked at N = 4096) leave a few programs (bench/results/skinny_tiles_h200.json: 256 x 8 x 4096
+# 24.4 -> 5.9 us, 4096 x 64 x 4096 138 -> 51 us); every tile gives the same bits
+F32_SKINNY_N = 64
+F32_SKINNY_TILES = ((256, F32_CANDIDATES[11]), (1 << 62, F32_CANDIDATES[12]))
 # hc_mix (fp32 3xTF32, N <= 64 in one N tile): rows per program, K step F32_BK
 HC_CANDIDATES = (dict(BM=64, BK=F32_BK, num_warps=4, num_stages=3, grid=True),
                  dict(BM=128, BK=F32_BK, num_warps=8, num_stages=3, grid=True),
@@ -111,7 +117,8 @@ GRAPH = {"HALF_TILES": "HALF_TILES_GRAPH", "F32_TILES": "F32_TILES_GRAPH", "HC_T
 HALF_TILES_GRAPH, F32_TILES_GRAPH, HC_TILES_GRAPH, HC_HALF_TILES_GRAPH = HALF_TILES, F32_TILES, HC_TILES, HC_HALF_TILES
 GROUPED_TILES_GRAPH = GROUPED_TILES
 
-CANDIDATES = {"HALF_TILES": HALF_CANDIDATES, "F32_TILES": F32_CANDIDATES, "HC_TILES": HC_CANDIDATES,
+CANDIDATES = {"HALF_TILES": HALF_CANDIDATES, "F32_TILES": F32_CANDIDATES, "F32_SKINNY_TILES": F32_CANDIDATES,
+              "HC_TILES": HC_CANDIDATES,
               "HC_HALF_TILES": HC_CANDIDATES,
               "GROUPED_TILES": GROUPED_CANDIDATES}
 CANDIDATES.update({g: CANDIDATES[b] for b, g in GRAPH.items()})

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 
-from v4stack.kernels.tiles import (F32_SPLIT, F32_TILES, F32_TILES_GRAPH, FP8_BLOCK, FP8_TILES, HALF_SPLIT, HALF_TILES,
+from v4stack.kernels.tiles import (F32_SKINNY_N, F32_SKINNY_TILES, F32_SPLIT, F32_TILES, F32_TILES_GRAPH, FP8_BLOCK, FP8_TILES, HALF_SPLIT, HALF_TILES,
                                    HALF_TILES_GRAPH, HC_HALF_TILES, HC_HALF_TILES_GRAPH, HC_TILES, HC_TILES_GRAPH, pick,
                                    pick_call as _tile)
 from v4stack.kernels.triton_slices import run
@@ -67,15 +67,10 @@ def linear(x, weight, tile=None):
         else:
             run(a, w, y, t, HALF_SPLIT, False)
     else:
-        # a skinny output (the MoE gate's logits, N = experts) fills one column tile: the tile of
-        # the few-rows bucket spreads its rows over more programs (every tile gives the same bits)
-        rows = M if N > SKINNY_N else min(M, SKINNY_ROWS)
-        run(a, w, y, tile or _tile(F32_TILES, F32_TILES_GRAPH, rows, a.is_cuda), F32_SPLIT, True)
+        if tile is None and N <= F32_SKINNY_N:  # the MoE gate's logits: narrow tiles (tiles.py)
+            tile = pick(F32_SKINNY_TILES, M)
+        run(a, w, y, tile or _tile(F32_TILES, F32_TILES_GRAPH, M, a.is_cuda), F32_SPLIT, True)
     return y if flat else y.view(*x.shape[:-1], N)
-
-
-SKINNY_N = 32  # fp32 outputs at most this wide take the tile of the bucket of SKINNY_ROWS rows
-SKINNY_ROWS = 64
 
 
 def hc_mix(flat, fn, eps, tile=None):
