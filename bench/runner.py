@@ -67,6 +67,7 @@ def stamp() -> dict:
         "torch": getattr(torch, "__version__", None),
         "load_average": list(load) if load else None,
         "ops_counters": _ops_counters(),
+        **({"side": os.environ["V4STACK_SIDE"]} if os.environ.get("V4STACK_SIDE") else {}),  # an A/B run's side
     }
 
 
