@@ -60,17 +60,8 @@ def _summarise(prof, regions: tuple[str, ...], top: int = 60) -> dict:
             h[2] += len(ks)
             h[3] += sum(k.duration for k in ks)
     syncs = sum(1 for e in evs if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
-    cpu = {e.id: e for e in evs if e.device_type == torch.autograd.DeviceType.CPU}
-
-    def _region(k):  # the innermost named region above the host op that launched kernel k
-        e = cpu.get(getattr(k, "linked_correlation_id", -1))
-        while e is not None and e.name not in regions:
-            e = e.cpu_parent
-        return e.name if e is not None else ""
-
-    seq = []  # every kernel in launch order: where the step's device time goes, call by call
-    for e in sorted(dev, key=lambda e: e.time_range.start):
-        seq.append([_region(e), e.name[:60], round(e.device_time, 2)])
+    # every kernel in launch order (name, device us): where the step's time goes, call by call
+    seq = [[e.name[:60], round(e.device_time, 2)] for e in sorted(dev, key=lambda e: e.time_range.start)]
     return {
         "kernels": len(dev), "kernel_device_us": sum(e.device_time for e in dev),
         "kernel_span_us": (max(e.time_range.end for e in dev) - min(e.time_range.start for e in dev)) if dev else 0.0,
