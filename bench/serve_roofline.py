@@ -199,7 +199,8 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     compute = sf["step_flops"] / rate if rate else None
     bound = max(floor, compute) if floor and compute else None
     res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "steps_timed": len(times),
-           "step_s_p50": p50, "step_s_mean": mean, "step_s_sorted": times, "warmup_s": warm_s, "steps_ahead": engine.stats.ahead,
+           "step_s_p50": p50, "step_s_mean": mean, "step_s_sorted": times, "warmup_s": warm_s,
+           "steps_ahead": engine.stats.ahead,
            "tok_s": batch / p50, "roofline_step_s": floor, "roofline_tok_s": batch / floor if floor else None,
            "fraction": floor / p50 if floor else None, "fraction_mean": floor / mean if floor else None, **sb,
            "compute_floor_s": compute, "roofline_max_step_s": bound, "fraction_of_max": bound / p50 if bound else None,

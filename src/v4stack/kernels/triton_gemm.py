@@ -16,8 +16,8 @@ import triton.language as tl
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 
 from v4stack.kernels.tiles import (F32_SKINNY_N, F32_SKINNY_TILES, F32_SPLIT, F32_TILES, F32_TILES_GRAPH, FP8_BLOCK,
-                                   FP8_TILES, HALF_SPLIT, HALF_TILES, HALF_TILES_GRAPH, HC_HALF_TILES, HC_HALF_TILES_GRAPH,
-                                   HC_TILES, HC_TILES_GRAPH, pick, pick_call as _tile)
+                                   FP8_TILES, HALF_SPLIT, HALF_TILES, HALF_TILES_GRAPH, HC_HALF_TILES,
+                                   HC_HALF_TILES_GRAPH, HC_TILES, HC_TILES_GRAPH, pick, pick_call as _tile)
 from v4stack.kernels.triton_slices import run
 
 
