@@ -225,7 +225,9 @@ def test_train_cp2_follows_one_process(tmp_path):
     meta = json.loads((cp / "loss.json").read_text())["meta"]
     assert (meta["cp"], meta["dp"]) == (2, 1)
     ma, mb = ([r["mtp_loss"] for r in json.loads((d / "loss.json").read_text())["records"]] for d in (cp, one))
-    assert ma[0] == mb[0] and all(abs(x - y) <= 1e-5 for x, y in zip(ma, mb)), (ma, mb)
+    # step 1 bitwise; later steps drift by the CP split's fp32 summation order, relative to the loss
+    # (seen 1.6e-5 on a 5.8 MTP loss at step 3 on one CPU): a wrong split differs by far more
+    assert ma[0] == mb[0] and all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(ma, mb)), (ma, mb)
 
 
 @pytest.mark.slow
