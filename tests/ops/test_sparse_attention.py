@@ -83,3 +83,40 @@ def test_fused_launch_stops_at_the_last_visible_chunk_with_the_same_bits():
     cut = [idx[0], i1.clone()]
     cut[1][0, 100] = -1
     assert not torch.equal(ta.sparse_attention(q, pools, cut, sink, D ** -0.5, path="fused")[0], fused[0])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_online_kernel_matches_float64_and_reads_no_row_outside_its_pool(dtype, tol):
+    """Fast mode's many-row launch (online softmax, accumulated in place) agrees with float64 over
+    two pools, one pool and a padded list that stops at the last live chunk; an index outside
+    its pool is no candidate (the same bits as -1 there), while moving a visible candidate to
+    another row of the pool does change the output (the control: the comparison can fail)."""
+    ta = pytest.importorskip("v4stack.kernels.triton_attention_online")
+    ref = importlib.import_module("v4stack.ops.sparse_attention")
+    q, pools, idx, sink = _case(dtype)
+    dq, dp = q.double(), [p.double() for p in pools]
+    got = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref.reference(dq, dp, idx, sink.double(), D ** -0.5), atol=tol, rtol=tol)
+    one = ta.sparse_attention(q, pools[:1], idx[:1], sink, D ** -0.5, force=True)
+    torch.testing.assert_close(one.double(), ref.reference(dq, dp[:1], idx[:1], sink.double(), D ** -0.5), atol=tol,
+                               rtol=tol)
+    padded = [idx[0], torch.cat([idx[1], torch.full((T, 150), -1)], 1)]
+    assert torch.equal(ta.sparse_attention(q, pools, padded, sink, D ** -0.5, force=True), got)
+    wild, hidden = [idx[0].clone(), idx[1].clone()], [idx[0].clone(), idx[1].clone()]
+    wild[1][0, 3], hidden[1][0, 3] = 20 + 7, -1  # pool 1 holds 20 rows
+    wild[0][1, 0], hidden[0][1, 0] = -(1 << 40), -1
+    assert torch.equal(ta.sparse_attention(q, pools, wild, sink, D ** -0.5, force=True),
+                       ta.sparse_attention(q, pools, hidden, sink, D ** -0.5, force=True))
+    moved = [idx[0].clone(), idx[1]]
+    moved[0][0, 0] = (moved[0][0, 0] + 1) % 50
+    assert not torch.equal(ta.sparse_attention(q, pools, moved, sink, D ** -0.5, force=True)[0], got[0])
+
+
+def test_online_launch_only_where_the_table_launches_64_heads_fused():
+    from v4stack.kernels import attention_tiles as at
+
+    for rows in (1, 8, 64, 65, 256, 4096):
+        t = at.pick(rows, 64)
+        assert at.takes_online(rows, 64) == (t["path"] == "fused" and t["BH"] == 64 and not t["DV"])
+    assert not at.takes_online(1, 64)  # decode of one request: the split launch

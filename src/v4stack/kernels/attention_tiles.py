@@ -68,6 +68,13 @@ def pick(T: int, H: int, tiles=None) -> dict:
     return dict(t, BH=bh, path=path)
 
 
+def takes_online(T: int, H: int) -> bool:
+    """Where fast mode runs ``triton_attention_online``: rows whose bucket launches the 64-head
+    fused shape (the shape it was measured faster than, ``bench/attention_online.py``)."""
+    t = pick(T, H)
+    return t["path"] == "fused" and t["BH"] == 64 and not t["DV"]
+
+
 def block_heads() -> list[int]:
     """Every BH a candidate can launch with (the specs prove each)."""
     return sorted({t["BH"] for t in CANDIDATES} | {16, 32})

@@ -15,6 +15,7 @@ SLICES_SIG = _sig("X W Y P PSS CNT M N K Kf eps s_xm s_wn s_ym", [P, P, P, P, P,
 def kernels() -> dict:
     """name -> (jit function, signature, constexprs[, options]) at V4-Flash widths."""
     from v4stack.kernels import triton_attention as ta
+    from v4stack.kernels import triton_attention_online as tao
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
     from v4stack.kernels import triton_grouped_tma as tgt
@@ -29,6 +30,9 @@ def kernels() -> dict:
     return {
         "sparse_attention_fused": (ta.fused_kernel, _sig(attn_args + " O s_ot s_oh H scale NCH",
                                                          attn_types + [BF, I, I, I, F, I]), dict(cx, DV=512)),
+        "sparse_attention_online": (tao.online_kernel, _sig(attn_args + " O s_ot s_oh H scale2 NCH",
+                                                             attn_types + [BF, I, I, I, F, I]), dict(cx, BH=64),
+                                    dict(num_warps=8, num_stages=2)),
         "sparse_attention_split": (ta.split_kernel, _sig(attn_args + " Pm Pl Pa H scale NCH",
                                                          attn_types + [P, P, P, I, F, I]), cx),
         "sparse_attention_merge": (ta.merge_kernel, _sig("Pm Pl Pa Sink O s_ot s_oh H NCH",

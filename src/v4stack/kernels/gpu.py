@@ -17,6 +17,7 @@ import importlib.util
 import torch
 
 from v4stack.kernels import contracts as C
+from v4stack.kernels.attention_tiles import takes_online as _takes_online
 
 _grad_enabled = torch.is_grad_enabled
 
@@ -202,6 +203,11 @@ def register_all(register) -> None:
     register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=_grouped_mm_ok)
     register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=inv, device="cuda",
              accepts=_with("triton", C.grouped_linear))
+    # fast mode, many rows: the online-softmax launch (no fixed arithmetic across launch shapes)
+    register("sparse_attention", "triton_sparse_attention_online",
+             _lazy("triton_attention_online", "sparse_attention", "sparse_attention"), mode=fast, device="cuda",
+             accepts=_with("triton", lambda q, pools, idx, sink, scale: C.sparse_attention(q, pools, idx, sink, scale)
+                           and _takes_online(q.shape[0], q.shape[1])))
     for mode in (inv, fast):
         register("indexer_scores_rows", "triton_indexer_scores_rows", _lazy("triton_gemm", "indexer_scores_rows", "indexer"),
                  mode=mode, device="cuda", accepts=trit(C.indexer_scores_rows))

@@ -1,0 +1,112 @@
+"""Fast mode's sparse attention for many query rows (Triton): the fused launch with one output
+accumulator per column block, rescaled and accumulated in place.
+
+``triton_attention``'s fused kernel fixes the arithmetic for every launch shape: a chunk's
+``p @ v`` runs from zero and is folded into the row's sums afterwards, so the split launch (few
+rows) and the fused one give a row the same bits. That costs a second ``[heads, D]`` block of
+fp32 live per chunk: at 64 heads a program the kernel spills at 255 registers. Fast mode does
+not ask for bits that hold across launch shapes, so this kernel keeps the textbook online
+softmax instead: ``M' = max(M, max s)``, ``p = 2^(s - M')``, ``L' = L 2^(M - M') + sum p``,
+``A' = A 2^(M - M') + p @ v`` with ``A`` the MMA's own accumulator, scores in base 2 (the
+scale carries ``log2 e``). Measured on the H200 at V4-Flash widths (64 heads of 512, bf16,
+256 rows of 128 + 512 candidates): 178 -> 132 us a call; at 64 rows the table's 16-head split
+launch stays faster, so this runs only where the bucket table itself picks the 64-head fused
+launch (``bench/results/attention_online_h200.json``, ``bench/attention_online.py``).
+
+The reads and writes are ``fused_kernel``'s (the same helpers: index loads per chunk, pool
+rows only where ``0 <= idx < N``, stores of the program's heads), so its memory contract is
+the one ``specs.sparse_attention`` proves for that launch shape. It stops at a row's last
+visible chunk as the fused kernel does.
+"""
+
+import triton
+import triton.language as tl
+
+from v4stack.kernels.attention_tiles import CHUNK, pick, takes_online
+from v4stack.kernels.launch import cdiv, launch
+from v4stack.kernels.triton_attention import (_LIVE_BI, ROWS_PER_LAUNCH, _cols, _dot, _live_chunks, _q_blocks, _rows,
+                                              _store_out, blocks)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, H, scale2, NCH,
+                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, NB: tl.constexpr):
+    KB: tl.constexpr = D // NB
+    t = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(0) * BH + tl.arange(0, BH)
+    q0, q1, q2, q3 = _q_blocks(Q, t, h, s_qt, s_qh, H, KB, NB)
+    M = tl.load(Sink + h, mask=h < H, other=0.0) * 1.4426950408889634  # the sink, in base 2
+    L = tl.full([BH], 1.0, tl.float32)
+    A0 = tl.zeros([BH, KB], tl.float32)
+    A1 = A0
+    A2 = A0
+    A3 = A0
+    for c in range(0, _live_chunks(t, K0, I1, s_i1, K1, N1, NCH, CH, _LIVE_BI)):
+        row, ok = _rows(c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, D, CH)
+        k0 = _cols(row, ok, 0, KB)
+        s = _dot(q0, tl.trans(k0), None, IEEE)
+        k1 = k0
+        k2 = k0
+        k3 = k0
+        if NB > 1:
+            k1 = _cols(row, ok, KB, KB)
+            s = _dot(q1, tl.trans(k1), s, IEEE)
+        if NB > 2:
+            k2 = _cols(row, ok, 2 * KB, KB)
+            s = _dot(q2, tl.trans(k2), s, IEEE)
+            k3 = _cols(row, ok, 3 * KB, KB)
+            s = _dot(q3, tl.trans(k3), s, IEEE)
+        s = tl.where(ok[None, :], s * scale2, float("-inf"))
+        Mn = tl.maximum(M, tl.max(s, 1))
+        p = tl.exp2(s - Mn[:, None])
+        a = tl.exp2(M - Mn)
+        L = L * a + tl.sum(p, 1)
+        pv = p.to(k0.dtype)
+        A0 = _dot(pv, k0, A0 * a[:, None], IEEE)
+        if NB > 1:
+            A1 = _dot(pv, k1, A1 * a[:, None], IEEE)
+        if NB > 2:
+            A2 = _dot(pv, k2, A2 * a[:, None], IEEE)
+            A3 = _dot(pv, k3, A3 * a[:, None], IEEE)
+        M = Mn
+    _store_out(O, t, h, s_ot, s_oh, H, 0, A0, L, KB)
+    if NB > 1:
+        _store_out(O, t, h, s_ot, s_oh, H, KB, A1, L, KB)
+    if NB > 2:
+        _store_out(O, t, h, s_ot, s_oh, H, 2 * KB, A2, L, KB)
+        _store_out(O, t, h, s_ot, s_oh, H, 3 * KB, A3, L, KB)
+
+
+def sparse_attention(q, pools, idx, sink, scale: float, force: bool = False):
+    """``ops.sparse_attention`` in fast mode on CUDA (or the interpreter): this kernel where
+    ``attention_tiles.takes_online`` (or ``force``), else ``triton_attention``'s launch of the bucket table."""
+    import torch
+
+    from v4stack.kernels import triton_attention as ta
+
+    T, H, D = q.shape
+    if not (force or takes_online(T, H)):
+        return ta.sparse_attention(q, pools, idx, sink, scale)
+    p0, i0 = pools[0], idx[0]
+    p1, i1 = (pools[1], idx[1]) if len(pools) > 1 else (pools[0], idx[0][:, :0])
+    p0, p1 = p0.contiguous(), p1.contiguous()
+    i0, i1 = i0.contiguous(), i1.contiguous()
+    K0, K1 = i0.shape[1], i1.shape[1]
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    t = pick(T, H)
+    bh = t["BH"] if not force else min(64, max(16, 1 << max(0, H - 1).bit_length()))
+    s_i0 = i0.stride(0) if K0 else 0
+    s_i1 = i1.stride(0) if K1 else 0
+    nch = cdiv(K0 + K1, CHUNK)
+    sink = sink.float().contiguous()
+    for r0 in range(0, T, ROWS_PER_LAUNCH):
+        n = min(ROWS_PER_LAUNCH, T - r0)
+        launch(online_kernel, (cdiv(H, bh), n), q[r0:r0 + n], q.stride(0), q.stride(1), p0, i0[r0:r0 + n], s_i0, K0,
+               p0.shape[0], p1, i1[r0:r0 + n], s_i1, K1, p1.shape[0], sink, out[r0:r0 + n], out.stride(0),
+               out.stride(1), H, float(scale) * LOG2E, nch, D=D, BH=bh, CH=CHUNK, IEEE=q.dtype == torch.float32,
+               NB=blocks(D), num_warps=t["num_warps"], num_stages=t["num_stages"])
+    return out
