@@ -11,7 +11,7 @@ for i in 1 2; do
   for side in old new; do
     if [ $side = old ]; then P=$PWD/bench/ab_old/src:$PWD; C=${OLD_COMMIT:?}; else P=$PWD/src:$PWD; C=${V4STACK_COMMIT:?}; fi
     V4STACK_COMMIT=$C V4STACK_SIDE=$side PYTHONPATH=$P timeout "${AB_S:-150}" python3 -m bench.serve_roofline --device cuda \
-      --configs ${CONFIGS:-flash4,flash8} --modes fast --batches ${BATCHES:-64,256} --contexts 1024 --steps 12 \
+      --configs ${CONFIGS:-flash4,flash8} --modes fast --batches ${BATCHES:-64,256} --contexts ${CONTEXTS:-1024} --steps 12 \
       --point-budget-s 4 --out $OUT/ab_${side}_$i.json > $OUT/ab_${side}_$i.log 2>&1
     echo "== $side $i"; grep -E "^flash" $OUT/ab_${side}_$i.log
   done
