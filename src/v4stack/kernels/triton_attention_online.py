@@ -9,7 +9,7 @@ not ask for bits that hold across launch shapes, so this kernel keeps the textbo
 softmax instead: ``M' = max(M, max s)``, ``p = 2^(s - M')``, ``L' = L 2^(M - M') + sum p``,
 ``A' = A 2^(M - M') + p @ v`` with ``A`` the MMA's own accumulator, scores in base 2 (the
 scale carries ``log2 e``). Measured on the H200 at V4-Flash widths (64 heads of 512, bf16,
-256 rows of 128 + 512 candidates): 178 -> 132 us a call; at 64 rows the table's 16-head split
+256 rows of 128 + 512 candidates): 176 -> 130 us a call; at 64 rows the table's 16-head
 launch stays faster, so this runs only where the bucket table itself picks the 64-head fused
 launch (``bench/results/attention_online_h200.json``, ``bench/attention_online.py``).
 
