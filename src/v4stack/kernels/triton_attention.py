@@ -76,11 +76,10 @@ def _cols(row, ok, c0, W: tl.constexpr):
 
 
 @triton.jit
-def _scores(q0, q1, q2, q3, row, ok, sink, scale, KB: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
-    """The chunk's ``NB`` column blocks of ``KB`` (together the head width), its scores
-    ``q . k * scale`` as one MMA chain over the blocks in order (the K steps of one MMA over the
-    head width, in the same order), the chunk maximum ``m = max(sink, scores)`` and
-    ``p = exp(s - m)``."""
+def _logits(q0, q1, q2, q3, row, ok, scale, KB: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
+    """The chunk's ``NB`` column blocks of ``KB`` (together the head width) and its scores
+    ``q . k * scale`` (``-inf`` for no candidate) as one MMA chain over the blocks in order (the K
+    steps of one MMA over the head width, in the same order)."""
     k0 = _cols(row, ok, 0, KB)
     s = _dot(q0, tl.trans(k0), None, IEEE)
     k1 = k0
@@ -94,7 +93,13 @@ def _scores(q0, q1, q2, q3, row, ok, sink, scale, KB: tl.constexpr, NB: tl.const
         s = _dot(q2, tl.trans(k2), s, IEEE)
         k3 = _cols(row, ok, 3 * KB, KB)
         s = _dot(q3, tl.trans(k3), s, IEEE)
-    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    return k0, k1, k2, k3, tl.where(ok[None, :], s * scale, float("-inf"))
+
+
+@triton.jit
+def _scores(q0, q1, q2, q3, row, ok, sink, scale, KB: tl.constexpr, NB: tl.constexpr, IEEE: tl.constexpr):
+    """``_logits``' blocks, the chunk maximum ``m = max(sink, scores)`` and ``p = exp(s - m)``."""
+    k0, k1, k2, k3, s = _logits(q0, q1, q2, q3, row, ok, scale, KB, NB, IEEE)
     m = tl.maximum(sink, tl.max(s, 1))
     p = tl.exp(s - m[:, None])
     return k0, k1, k2, k3, m, p

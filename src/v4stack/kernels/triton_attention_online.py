@@ -24,7 +24,7 @@ import triton.language as tl
 
 from v4stack.kernels.attention_tiles import CHUNK, pick, takes_online
 from v4stack.kernels.launch import cdiv, launch
-from v4stack.kernels.triton_attention import (_LIVE_BI, ROWS_PER_LAUNCH, _cols, _dot, _live_chunks, _q_blocks, _rows,
+from v4stack.kernels.triton_attention import (_LIVE_BI, ROWS_PER_LAUNCH, _dot, _live_chunks, _logits, _q_blocks, _rows,
                                               _store_out, blocks)
 
 LOG2E = 1.4426950408889634
@@ -45,20 +45,7 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
     A3 = A0
     for c in range(0, _live_chunks(t, K0, I1, s_i1, K1, N1, NCH, CH, _LIVE_BI)):
         row, ok = _rows(c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, D, CH)
-        k0 = _cols(row, ok, 0, KB)
-        s = _dot(q0, tl.trans(k0), None, IEEE)
-        k1 = k0
-        k2 = k0
-        k3 = k0
-        if NB > 1:
-            k1 = _cols(row, ok, KB, KB)
-            s = _dot(q1, tl.trans(k1), s, IEEE)
-        if NB > 2:
-            k2 = _cols(row, ok, 2 * KB, KB)
-            s = _dot(q2, tl.trans(k2), s, IEEE)
-            k3 = _cols(row, ok, 3 * KB, KB)
-            s = _dot(q3, tl.trans(k3), s, IEEE)
-        s = tl.where(ok[None, :], s * scale2, float("-inf"))
+        k0, k1, k2, k3, s = _logits(q0, q1, q2, q3, row, ok, scale2, KB, NB, IEEE)
         Mn = tl.maximum(M, tl.max(s, 1))
         p = tl.exp2(s - Mn[:, None])
         a = tl.exp2(M - Mn)
