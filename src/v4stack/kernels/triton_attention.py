@@ -168,6 +168,17 @@ def _store_out(O, t, h, s_ot, s_oh, H, c0, A, L, VB: tl.constexpr):
 
 
 @triton.jit
+def _store_blocks(O, t, h, s_ot, s_oh, H, c0, A0, A1, A2, A3, L, VB: tl.constexpr, NB: tl.constexpr):
+    """The ``NB`` output blocks of ``VB`` columns from column ``c0``, each divided by ``L``."""
+    _store_out(O, t, h, s_ot, s_oh, H, c0, A0, L, VB)
+    if NB > 1:
+        _store_out(O, t, h, s_ot, s_oh, H, c0 + VB, A1, L, VB)
+    if NB > 2:
+        _store_out(O, t, h, s_ot, s_oh, H, c0 + 2 * VB, A2, L, VB)
+        _store_out(O, t, h, s_ot, s_oh, H, c0 + 3 * VB, A3, L, VB)
+
+
+@triton.jit
 def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, H, scale, NCH,
                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, DV: tl.constexpr,
                  NB: tl.constexpr):
@@ -205,12 +216,7 @@ def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink
             A3 = _fold(A3, _pv(p, k3, row, ok, dv0 + 3 * VB, VB, OWN, IEEE), a, b, keep)
         L = L * a + ls * b
         M = Mn
-    _store_out(O, t, h, s_ot, s_oh, H, dv0, A0, L, VB)
-    if NB > 1:
-        _store_out(O, t, h, s_ot, s_oh, H, dv0 + VB, A1, L, VB)
-    if NB > 2:
-        _store_out(O, t, h, s_ot, s_oh, H, dv0 + 2 * VB, A2, L, VB)
-        _store_out(O, t, h, s_ot, s_oh, H, dv0 + 3 * VB, A3, L, VB)
+    _store_blocks(O, t, h, s_ot, s_oh, H, dv0, A0, A1, A2, A3, L, VB, NB)
 
 
 @triton.jit

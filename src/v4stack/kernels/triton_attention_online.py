@@ -25,9 +25,10 @@ import triton.language as tl
 from v4stack.kernels.attention_tiles import CHUNK, pick, takes_online
 from v4stack.kernels.launch import cdiv, launch
 from v4stack.kernels.triton_attention import (_LIVE_BI, ROWS_PER_LAUNCH, _dot, _live_chunks, _logits, _q_blocks, _rows,
-                                              _store_out, blocks)
+                                              _store_blocks, blocks)
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     q0, q1, q2, q3 = _q_blocks(Q, t, h, s_qt, s_qh, H, KB, NB)
-    M = tl.load(Sink + h, mask=h < H, other=0.0) * 1.4426950408889634  # the sink, in base 2
+    M = tl.load(Sink + h, mask=h < H, other=0.0) * _LOG2E  # the sink, in base 2
     L = tl.full([BH], 1.0, tl.float32)
     A0 = tl.zeros([BH, KB], tl.float32)
     A1 = A0
@@ -58,12 +59,7 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
             A2 = _dot(pv, k2, A2 * a[:, None], IEEE)
             A3 = _dot(pv, k3, A3 * a[:, None], IEEE)
         M = Mn
-    _store_out(O, t, h, s_ot, s_oh, H, 0, A0, L, KB)
-    if NB > 1:
-        _store_out(O, t, h, s_ot, s_oh, H, KB, A1, L, KB)
-    if NB > 2:
-        _store_out(O, t, h, s_ot, s_oh, H, 2 * KB, A2, L, KB)
-        _store_out(O, t, h, s_ot, s_oh, H, 3 * KB, A3, L, KB)
+    _store_blocks(O, t, h, s_ot, s_oh, H, 0, A0, A1, A2, A3, L, KB, NB)
 
 
 def sparse_attention(q, pools, idx, sink, scale: float, force: bool = False):
