@@ -111,3 +111,27 @@ def test_static_decode_layout_equals_eager_bitwise(tiny_cfg):
     got = [r.output for r in static.generate(prompts, sp)]
     assert got == want
     assert static.runner.graphs.steps >= 15  # the decode steps took the static layout
+
+
+@torch.no_grad()
+def test_queries_handed_over_raw_where_the_attention_normalises_them(model64, monkeypatch):
+    """Where ``fused.normalises_queries`` says the attention kernel takes the queries' norm (fast
+    mode's many-row launch on CUDA), a serving step rotates the raw queries and calls
+    ``normed_sparse_attention``: the same logits as normalising first (float64, to 1e-12), on
+    every paged step; the control: handing the raw queries to the plain attention instead is far off."""
+    from v4stack import ops
+    from v4stack.ops import fused
+
+    seqs = [tokens(n, seed=50 + n)[0] for n in (23, 17)]
+    schedule = [[9, 5], [7, 12], [1, 1], [1, 1], [1, 0], [6, 1], [1, 1]]
+    want, _ = _drive(model64, seqs, schedule)
+    monkeypatch.setattr(fused, "normalises_queries", lambda q: True)
+    ops.reset_counters()
+    got, _ = _drive(model64, seqs, schedule)
+    assert ops.counters().get("normed_sparse_attention", {}).get("torch_composite", 0) > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
+    monkeypatch.setattr(fused, "normed_sparse_attention",
+                        lambda q, pools, idx, sink, scale, eps: ops.sparse_attention(q, pools, idx, sink, scale))
+    raw, _ = _drive(model64, seqs, schedule)
+    assert max(float((r - w).abs().max()) for r, w in zip(raw, want)) > 1e-3

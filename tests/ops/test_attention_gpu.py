@@ -80,3 +80,33 @@ def test_fast_mode_runs_the_online_launch_for_many_rows_only():
     fast, inv = runs["fast", 256][0], runs["invariant", 256][0]
     assert ((fast.double() - want).norm() / want.norm()).item() < 2e-2
     assert not torch.equal(fast, inv)  # another arithmetic: the counter above is not the only evidence
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_mode_takes_the_query_norm_in_the_online_launch():
+    """``normed_sparse_attention`` at 256 rows in fast mode: the online kernel with the norm on
+    its scores (``normalises_queries`` says so), close to float64 of normalise-then-attend with
+    raw queries far from unit norm; at one row, and in invariant mode, the composite (the
+    normalisation kernel, then the table's launch) and ``normalises_queries`` says no."""
+    from v4stack import ops
+    from v4stack.ops import core, fused
+
+    q, keys, mask, sink, scale = _data(T=256)
+    q = (q.float() * torch.linspace(0.2, 6.0, q.shape[1], device="cuda")[None, :, None]).bfloat16()
+    T, K, D = keys.shape
+    rows = torch.arange(T * K, device="cuda", dtype=torch.int32).view(T, K)
+    pools, idx = [keys.reshape(T * K, D)], [torch.where(mask, rows, torch.full_like(rows, -1))]
+    dq = q.double()
+    want = core.attention_with_sink(dq * torch.rsqrt(dq.pow(2).mean(-1, keepdim=True) + 1e-6), keys.double(), mask,
+                                    sink.double(), scale)
+    for mode, n, impl in (("fast", 256, "triton_normed_sparse_attention_online"), ("fast", 1, "torch_composite"),
+                          ("invariant", 256, "torch_composite")):
+        ops.reset_counters()
+        with ops.mode(mode):
+            assert fused.normalises_queries(q[:n]) == (impl != "torch_composite")
+            y = fused.normed_sparse_attention(q[:n], pools, [idx[0][:n]], sink, scale, 1e-6)
+        assert ops.counters()["normed_sparse_attention"] == {impl: 1}, (mode, n)
+        assert ((y.double() - want[:n]).norm() / want[:n].norm()).item() < 2e-2, (mode, n)
+    with ops.mode("fast"):  # the control: without the norm the same launch is far off
+        raw = ops.sparse_attention(q, pools, idx, sink, scale)
+    assert ((raw.double() - want).norm() / want.norm()).item() > 0.1

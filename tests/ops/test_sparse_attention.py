@@ -113,6 +113,31 @@ def test_online_kernel_matches_float64_and_reads_no_row_outside_its_pool(dtype, 
     assert not torch.equal(ta.sparse_attention(q, pools, moved, sink, D ** -0.5, force=True)[0], got[0])
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_online_kernel_normalises_the_queries_on_its_scores(dtype, tol):
+    """With ``q_eps`` the many-row launch is attention of the per-head RMS-normalised queries
+    (against float64 of the normalisation then the attention), with raw queries far from unit
+    norm; the control: the same launch without it is far from that reference."""
+    ta = pytest.importorskip("v4stack.kernels.triton_attention_online")
+    ref = importlib.import_module("v4stack.ops.sparse_attention")
+    q, pools, idx, sink = _case(dtype)
+    q = (q.float() * torch.linspace(0.2, 6.0, H)[None, :, None]).to(dtype)  # a scale a head
+    dq, dp = q.double(), [p.double() for p in pools]
+    normed = dq * torch.rsqrt(dq.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = ref.reference(normed, dp, idx, sink.double(), D ** -0.5)
+    got = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True, q_eps=1e-6)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    raw = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True)
+    assert (raw.double() - want).abs().max() > 20 * tol
+    # the op's composite (every device, every mode) is the same computation
+    torch.testing.assert_close(fused_ref().normed_sparse_attention(q, pools, idx, sink, D ** -0.5, 1e-6).double(),
+                               want, atol=tol, rtol=tol)
+
+
+def fused_ref():
+    return importlib.import_module("v4stack.ops.fused")
+
+
 def test_online_launch_only_where_the_table_launches_64_heads_fused():
     from v4stack.kernels import attention_tiles as at
 

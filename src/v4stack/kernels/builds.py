@@ -30,8 +30,8 @@ def kernels() -> dict:
     return {
         "sparse_attention_fused": (ta.fused_kernel, _sig(attn_args + " O s_ot s_oh H scale NCH",
                                                          attn_types + [BF, I, I, I, F, I]), dict(cx, DV=512)),
-        "sparse_attention_online": (tao.online_kernel, _sig(attn_args + " O s_ot s_oh H scale2 NCH",
-                                                             attn_types + [BF, I, I, I, F, I]), dict(cx, BH=64),
+        "sparse_attention_online": (tao.online_kernel, _sig(attn_args + " O s_ot s_oh H scale2 NCH qeps",
+                                                             attn_types + [BF, I, I, I, F, I, F]), dict(cx, BH=64, QN=True),
                                     dict(num_warps=8, num_stages=2)),
         "sparse_attention_split": (ta.split_kernel, _sig(attn_args + " Pm Pl Pa H scale NCH",
                                                          attn_types + [P, P, P, I, F, I]), cx),

@@ -32,12 +32,29 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
+def _sq(q):
+    f = q.to(tl.float32)
+    return tl.sum(f * f, 1)
+
+
+@triton.jit
 def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, H, scale2, NCH,
-                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, NB: tl.constexpr):
+                  qeps, D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, NB: tl.constexpr,
+                  QN: tl.constexpr = False):
+    """QN: each head's query is RMS-normalised first (weightless, ``qeps``) - as a factor on its
+    scores (``q . k`` is linear in ``q``), so the normalised query is never written."""
     KB: tl.constexpr = D // NB
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     q0, q1, q2, q3 = _q_blocks(Q, t, h, s_qt, s_qh, H, KB, NB)
+    sc = scale2
+    if QN:
+        sq = _sq(q0)
+        if NB > 1:
+            sq += _sq(q1)
+        if NB > 2:
+            sq += _sq(q2) + _sq(q3)
+        sc = (scale2 * tl.div_rn(1.0, tl.sqrt_rn(sq / D + qeps)))[:, None]
     M = tl.load(Sink + h, mask=h < H, other=0.0) * _LOG2E  # the sink, in base 2
     L = tl.full([BH], 1.0, tl.float32)
     A0 = tl.zeros([BH, KB], tl.float32)
@@ -46,7 +63,7 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
     A3 = A0
     for c in range(0, _live_chunks(t, K0, I1, s_i1, K1, N1, NCH, CH, _LIVE_BI)):
         row, ok = _rows(c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, D, CH)
-        k0, k1, k2, k3, s = _logits(q0, q1, q2, q3, row, ok, scale2, KB, NB, IEEE)
+        k0, k1, k2, k3, s = _logits(q0, q1, q2, q3, row, ok, sc, KB, NB, IEEE)
         Mn = tl.maximum(M, tl.max(s, 1))
         p = tl.exp2(s - Mn[:, None])
         a = tl.exp2(M - Mn)
@@ -62,15 +79,20 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
     _store_blocks(O, t, h, s_ot, s_oh, H, 0, A0, A1, A2, A3, L, KB, NB)
 
 
-def sparse_attention(q, pools, idx, sink, scale: float, force: bool = False):
+def sparse_attention(q, pools, idx, sink, scale: float, force: bool = False, q_eps: float | None = None):
     """``ops.sparse_attention`` in fast mode on CUDA (or the interpreter): this kernel where
-    ``attention_tiles.takes_online`` (or ``force``), else ``triton_attention``'s launch of the bucket table."""
+    ``attention_tiles.takes_online`` (or ``force``), else ``triton_attention``'s launch of the bucket table.
+    ``q_eps``: ``fused.normed_sparse_attention`` - the queries RMS-normalised per head first."""
     import torch
 
     from v4stack.kernels import triton_attention as ta
 
     T, H, D = q.shape
     if not (force or takes_online(T, H)):
+        if q_eps is not None:
+            from v4stack import ops
+
+            q = ops.rms_norm(q, None, q_eps)
         return ta.sparse_attention(q, pools, idx, sink, scale)
     p0, i0 = pools[0], idx[0]
     p1, i1 = (pools[1], idx[1]) if len(pools) > 1 else (pools[0], idx[0][:, :0])
@@ -90,6 +112,12 @@ def sparse_attention(q, pools, idx, sink, scale: float, force: bool = False):
         n = min(ROWS_PER_LAUNCH, T - r0)
         launch(online_kernel, (cdiv(H, bh), n), q[r0:r0 + n], q.stride(0), q.stride(1), p0, i0[r0:r0 + n], s_i0, K0,
                p0.shape[0], p1, i1[r0:r0 + n], s_i1, K1, p1.shape[0], sink, out[r0:r0 + n], out.stride(0),
-               out.stride(1), H, float(scale) * LOG2E, nch, D=D, BH=bh, CH=CHUNK, IEEE=q.dtype == torch.float32,
-               NB=blocks(D), num_warps=t["num_warps"], num_stages=t["num_stages"])
+               out.stride(1), H, float(scale) * LOG2E, nch, 0.0 if q_eps is None else float(q_eps), D=D, BH=bh,
+               CH=CHUNK, IEEE=q.dtype == torch.float32, NB=blocks(D), QN=q_eps is not None, num_warps=t["num_warps"], num_stages=t["num_stages"])
     return out
+
+
+def normed_sparse_attention(q, pools, idx, sink, scale: float, eps: float):
+    """``fused.normed_sparse_attention`` in fast mode on CUDA: the queries' per-head RMS factor
+    taken in the kernel, on the scores."""
+    return sparse_attention(q, pools, idx, sink, scale, q_eps=eps)

@@ -1,6 +1,8 @@
 """Attention for SWA-only, CSA and HCA layers: one shared-KV latent, window + compressed keys.
 
-Query: ``q = wq_b(q_norm(wq_a(x)))`` per head, weightless RMSNorm per head, RoPE on the tail.
+Query: ``q = wq_b(q_norm(wq_a(x)))`` per head, weightless RMSNorm per head, RoPE on the tail
+(where the attention kernel takes the norm on its scores - ``fused.normalises_queries`` - a
+serving step rotates the raw queries and hands them over: the rotation keeps a head's norm).
 Key = value: ``kv = kv_norm(wkv(x))`` with RoPE on the tail. Candidates for query ``t``: the window
 ``[t - n_win + 1, t]`` plus compressed entries (CSA: the indexer's top-k; HCA: every closed
 entry). A learned per-head sink logit joins the softmax denominator only. The output gets the
@@ -93,9 +95,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, segments, layer: int):
         N, H, c = x.shape[0], self.n_heads, self.head_dim
         qr = self.q_norm(self.wq_a(x))
-        q = ops.rms_norm(self.wq_b(qr).view(N, H, c), None, self.eps)
+        q = self.wq_b(qr).view(N, H, c)
         # a serving step (no autograd) rotates its fresh queries and outputs in place
         inplace = isinstance(segments, PagedStep) and not torch.is_grad_enabled() and rowwise._HOOK.get() is None
+        # and where the attention kernel takes the queries' norm on its scores, hands them over raw
+        q_eps = self.eps if inplace and fused.normalises_queries(q) else None
+        if q_eps is None:
+            q = ops.rms_norm(q, None, self.eps)
         # and shares one table of the angles' cosines and sines between its layers of a kind
         tab = segments.batch.shared(("rope_table", self.ratio != 0), lambda: self.rotary.table(positions)) \
             if inplace else None
@@ -109,7 +115,7 @@ class Attention(nn.Module):
         if self.kv_rounding is not None:
             kv = self.kv_rounding(kv)
         if isinstance(segments, PagedStep):
-            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab)
+            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab, q_eps=q_eps)
         elif hasattr(segments, "attention"):  # a context-parallel shard supplies its own candidates
             o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
@@ -133,10 +139,11 @@ class Attention(nn.Module):
         cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
         return self._attend(q, segments, cands)
 
-    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None):
+    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None, q_eps=None):
         """Attention by index over the pools: the window as ring rows, compressed entries through
         the block table; closing entries and the new ring rows are written into the pools. ``kv``
-        not ``roped`` yet (a decode step): rotated straight into the window ring."""
+        not ``roped`` yet (a decode step): rotated straight into the window ring. ``q_eps``: the
+        queries are not normalised yet (``fused.normed_sparse_attention`` does it)."""
         b, cache = ps.batch, ps.cache
         pos, W = b.positions, self.window
         ring = cache.state[("swa_kv", layer)]
@@ -175,7 +182,10 @@ class Attention(nn.Module):
             else:  # every HCA layer of this ratio reads the same candidates
                 idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
             pools.append(ents.view(-1, ents.shape[-1]))
-        out = ops.sparse_attention(q, pools, idx, self.attn_sink, self.scale)
+        if q_eps is None:
+            out = ops.sparse_attention(q, pools, idx, self.attn_sink, self.scale)
+        else:
+            out = fused.normed_sparse_attention(q, pools, idx, self.attn_sink, self.scale, q_eps)
         win.finish()
         return out
 

@@ -32,6 +32,9 @@
   layers share (``triton_layout.py``: one kernel each instead of ~3-17 integer kernels).
 - ``topk_rows(scores, rows, k)``: the indexer's top-k as pool rows in entry order
   (``triton_select.py``: one kernel instead of a radix sort, a sort and two gathers).
+- ``normed_sparse_attention(q, pools, idx, sink, scale, eps)``: the sparse attention of
+  per-head RMS-normalised queries (fast mode's many-row kernel takes the norm on its scores;
+  ``normalises_queries(q)`` says where, so the caller skips its own pass).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -45,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from v4stack import ops
-from v4stack.ops.dispatch import call, register
+from v4stack.ops.dispatch import call, register, resolve
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -200,6 +203,11 @@ def moe_unsort_combine_reference(out, rank, indices, shared, out_dtype, joined: 
     return r.to(out_dtype)
 
 
+def normed_sparse_attention_reference(q, pools, idx, sink, scale: float, eps: float):
+    return ops.sparse_attention(ops.rms_norm(q, None, eps), pools, idx, sink, scale)
+
+
+register("normed_sparse_attention", "torch_composite", normed_sparse_attention_reference)
 register("greedy_draw", "torch_composite", greedy_draw_reference)
 register("moe_gate", "torch_composite", moe_gate_reference)
 register("moe_route", "torch_composite", moe_route_reference)
@@ -240,6 +248,23 @@ def entry_rows(table: torch.Tensor, positions: torch.Tensor, ratio: int, per: in
     entry has not closed once the row's token is in (``e >= (positions + 1) // ratio``) or its
     block is -1."""
     return call("entry_rows", ops.get_mode(), "int64", positions.device.type, table, positions, ratio, per, E)
+
+
+def normed_sparse_attention(q: torch.Tensor, pools, idx, sink: torch.Tensor, scale: float, eps: float):
+    """``ops.sparse_attention`` of the queries RMS-normalised per head (weightless, ``eps``); a
+    kernel may take the normalisation as a factor on the scores instead of writing normalised
+    queries (fast mode's many-row launch on CUDA)."""
+    return call("normed_sparse_attention", ops.get_mode(), str(q.dtype)[6:], q.device.type, q, tuple(pools),
+                tuple(idx), sink, scale, eps)
+
+
+def normalises_queries(q: torch.Tensor) -> bool:
+    """Whether ``normed_sparse_attention`` of queries like ``q [T, H, D]`` runs a kernel that folds
+    the normalisation in - where it does, a caller that would normalise, rotate, then attend can
+    rotate the raw queries and hand them over (the rotation keeps a head's norm), saving the
+    normalisation's pass over the queries; elsewhere it normalises first, as before."""
+    return resolve("normed_sparse_attention", ops.get_mode(), str(q.dtype)[6:], q.device.type, q, None, None, None,
+                   0.0, 0.0).name != "torch_composite"
 
 
 def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
