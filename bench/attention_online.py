@@ -3,7 +3,8 @@ table's launch (``triton_attention``) on one GPU, writing stamped JSON: V4-Flash
 of 512, bf16), each row with its own 128-entry window pool and, for the compressed layers, its
 own compressed pool (4096 entries at 16k tokens for CSA, 128 for HCA at 16k, 256 visible of a
 512-entry top-k at 1k), at 64 / 256 / 1024 query rows. Per case: device time of both under CUDA
-graphs, the bytes of candidate rows read and the rate that makes, each one's largest error
+graphs (and of the online launch after the queries' RMS norm kernel against the launch that
+normalises the queries it loads, ``q_eps``), the bytes of candidate rows read and the rate that makes, each one's largest error
 against an fp32 torch reference over the same candidates, and which the fast-mode dispatch
 (``ops.sparse_attention``) runs.
 
@@ -74,12 +75,21 @@ def main(argv: list[str] | None = None) -> None:
                                                                               force=True)) * 1e6,
                        table_max_err=float((table.float() - want).abs().max()),
                        online_max_err=float((fast.float() - want).abs().max()))
+            # the queries' per-head RMS norm: a kernel of its own before the launch, or in the launch
+            row["norm_then_online_us"] = graph_time(lambda: online.sparse_attention(
+                ops.rms_norm(q, None, 1e-6), pools, idx, sink, scale, force=True)) * 1e6
+            row["normed_online_us"] = graph_time(lambda: online.sparse_attention(q, pools, idx, sink, scale, force=True,
+                                                                                 q_eps=1e-6)) * 1e6
+            normed = online.sparse_attention(q, pools, idx, sink, scale, force=True, q_eps=1e-6).float()
+            row["normed_vs_norm_then_max_err"] = float((normed - online.sparse_attention(
+                ops.rms_norm(q, None, 1e-6), pools, idx, sink, scale, force=True).float()).abs().max())
             row["table_GBps"] = row["bytes_read"] / row["table_us"] / 1e3
             row["online_GBps"] = row["bytes_read"] / row["online_us"] / 1e3
             out.append(row)
             print(f"{T:>5} rows {name:>8}: table {row['table_us']:7.1f} us ({row['table_GBps']:5.0f} GB/s), online "
                   f"{row['online_us']:7.1f} us ({row['online_GBps']:5.0f} GB/s), err {row['table_max_err']:.2e} / "
-                  f"{row['online_max_err']:.2e}, fast mode runs {row['fast_mode_runs']}", flush=True)
+                  f"{row['online_max_err']:.2e}, fast mode runs {row['fast_mode_runs']}; norm then online "
+                  f"{row['norm_then_online_us']:7.1f} us, normed online {row['normed_online_us']:7.1f} us", flush=True)
             del q, pools, idx, want, table, fast
             torch.cuda.empty_cache()
             write_result(a.out, {"widths": dict(H=H, D=D, window=WINDOW), "cases": out,

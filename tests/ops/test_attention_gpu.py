@@ -84,8 +84,8 @@ def test_fast_mode_runs_the_online_launch_for_many_rows_only():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fast_mode_takes_the_query_norm_in_the_online_launch():
-    """``normed_sparse_attention`` at 256 rows in fast mode: the online kernel with the norm on
-    its scores (``normalises_queries`` says so), close to float64 of normalise-then-attend with
+    """``normed_sparse_attention`` at 256 rows in fast mode: the online kernel normalising the
+    queries it loads (``normalises_queries`` says so), close to float64 of normalise-then-attend with
     raw queries far from unit norm; at one row, and in invariant mode, the composite (the
     normalisation kernel, then the table's launch) and ``normalises_queries`` says no."""
     from v4stack import ops

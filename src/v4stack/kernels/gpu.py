@@ -208,7 +208,7 @@ def register_all(register) -> None:
              _lazy("triton_attention_online", "sparse_attention", "sparse_attention"), mode=fast, device="cuda",
              accepts=_with("triton", lambda q, pools, idx, sink, scale: C.sparse_attention(q, pools, idx, sink, scale)
                            and _takes_online(q.shape[0], q.shape[1])))
-    # and with the queries' RMS normalisation folded into its scores (the model hands over raw queries
+    # and with the queries' RMS normalisation done on the loaded queries (the model hands over raw queries
     # where this accepts them; ``pools`` None: that question, asked before the candidates exist)
     register("normed_sparse_attention", "triton_normed_sparse_attention_online",
              _lazy("triton_attention_online", "normed_sparse_attention", "sparse_attention"), mode=fast, device="cuda",

@@ -38,23 +38,29 @@ def _sq(q):
 
 
 @triton.jit
+def _scaled(q, rs):
+    return (q.to(tl.float32) * rs).to(q.dtype)
+
+
+@triton.jit
 def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, H, scale2, NCH,
                   qeps, D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, NB: tl.constexpr,
                   QN: tl.constexpr = False):
-    """QN: each head's query is RMS-normalised first (weightless, ``qeps``) - as a factor on its
-    scores (``q . k`` is linear in ``q``), so the normalised query is never written."""
+    """QN: each head's query is RMS-normalised first (weightless, ``qeps``; fp32, rounded back to
+    the query dtype as the normalisation kernel would store it) in the program's registers, so the
+    normalised queries are never written and read back."""
     KB: tl.constexpr = D // NB
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     q0, q1, q2, q3 = _q_blocks(Q, t, h, s_qt, s_qh, H, KB, NB)
-    sc = scale2
     if QN:
         sq = _sq(q0)
         if NB > 1:
             sq += _sq(q1)
         if NB > 2:
             sq += _sq(q2) + _sq(q3)
-        sc = (scale2 * tl.div_rn(1.0, tl.sqrt_rn(sq / D + qeps)))[:, None]
+        rs = tl.div_rn(1.0, tl.sqrt_rn(sq / D + qeps))[:, None]
+        q0, q1, q2, q3 = _scaled(q0, rs), _scaled(q1, rs), _scaled(q2, rs), _scaled(q3, rs)
     M = tl.load(Sink + h, mask=h < H, other=0.0) * _LOG2E  # the sink, in base 2
     L = tl.full([BH], 1.0, tl.float32)
     A0 = tl.zeros([BH, KB], tl.float32)
@@ -63,7 +69,7 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
     A3 = A0
     for c in range(0, _live_chunks(t, K0, I1, s_i1, K1, N1, NCH, CH, _LIVE_BI)):
         row, ok = _rows(c * CH, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, D, CH)
-        k0, k1, k2, k3, s = _logits(q0, q1, q2, q3, row, ok, sc, KB, NB, IEEE)
+        k0, k1, k2, k3, s = _logits(q0, q1, q2, q3, row, ok, scale2, KB, NB, IEEE)
         Mn = tl.maximum(M, tl.max(s, 1))
         p = tl.exp2(s - Mn[:, None])
         a = tl.exp2(M - Mn)
@@ -119,5 +125,5 @@ def sparse_attention(q, pools, idx, sink, scale: float, force: bool = False, q_e
 
 def normed_sparse_attention(q, pools, idx, sink, scale: float, eps: float):
     """``fused.normed_sparse_attention`` in fast mode on CUDA: the queries' per-head RMS factor
-    taken in the kernel, on the scores."""
+    taken on the loaded queries, in registers."""
     return sparse_attention(q, pools, idx, sink, scale, q_eps=eps)

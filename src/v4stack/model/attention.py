@@ -1,7 +1,7 @@
 """Attention for SWA-only, CSA and HCA layers: one shared-KV latent, window + compressed keys.
 
 Query: ``q = wq_b(q_norm(wq_a(x)))`` per head, weightless RMSNorm per head, RoPE on the tail
-(where the attention kernel takes the norm on its scores - ``fused.normalises_queries`` - a
+(where the attention kernel normalises the queries it loads - ``fused.normalises_queries`` - a
 serving step rotates the raw queries and hands them over: the rotation keeps a head's norm).
 Key = value: ``kv = kv_norm(wkv(x))`` with RoPE on the tail. Candidates for query ``t``: the window
 ``[t - n_win + 1, t]`` plus compressed entries (CSA: the indexer's top-k; HCA: every closed
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         q = self.wq_b(qr).view(N, H, c)
         # a serving step (no autograd) rotates its fresh queries and outputs in place
         inplace = isinstance(segments, PagedStep) and not torch.is_grad_enabled() and rowwise._HOOK.get() is None
-        # and where the attention kernel takes the queries' norm on its scores, hands them over raw
+        # and where the attention kernel normalises the queries it loads, hands them over raw
         q_eps = self.eps if inplace and fused.normalises_queries(q) else None
         if q_eps is None:
             q = ops.rms_norm(q, None, self.eps)

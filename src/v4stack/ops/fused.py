@@ -33,7 +33,7 @@
 - ``topk_rows(scores, rows, k)``: the indexer's top-k as pool rows in entry order
   (``triton_select.py``: one kernel instead of a radix sort, a sort and two gathers).
 - ``normed_sparse_attention(q, pools, idx, sink, scale, eps)``: the sparse attention of
-  per-head RMS-normalised queries (fast mode's many-row kernel takes the norm on its scores;
+  per-head RMS-normalised queries (fast mode's many-row kernel normalises the queries it loads;
   ``normalises_queries(q)`` says where, so the caller skips its own pass).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
@@ -252,7 +252,7 @@ def entry_rows(table: torch.Tensor, positions: torch.Tensor, ratio: int, per: in
 
 def normed_sparse_attention(q: torch.Tensor, pools, idx, sink: torch.Tensor, scale: float, eps: float):
     """``ops.sparse_attention`` of the queries RMS-normalised per head (weightless, ``eps``); a
-    kernel may take the normalisation as a factor on the scores instead of writing normalised
+    kernel may normalise the queries as it loads them instead of writing normalised
     queries (fast mode's many-row launch on CUDA)."""
     return call("normed_sparse_attention", ops.get_mode(), str(q.dtype)[6:], q.device.type, q, tuple(pools),
                 tuple(idx), sink, scale, eps)
