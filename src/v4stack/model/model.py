@@ -69,7 +69,8 @@ class V4Model(nn.Module):
     # ---- shared trunk ---------------------------------------------------------------
 
     def _trunk(self, ids: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
-        x = rowwise.module_step(self.embed, self.embed, ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        e = rowwise.module_step(self.embed, self.embed, ids).unsqueeze(1)
+        x = torch.cat([e] * self.cfg.hc_mult, 1)  # the streams' copies (a broadcast copy runs ~2.6x slower on CUDA)
         for block in self.layers:
             x = block(x, positions, segments, ids)
         return x
