@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from v4stack import ops
+from v4stack.ops import fused
 
 T, H, D = 3, 4, 32
 
@@ -130,12 +131,8 @@ def test_online_kernel_normalises_the_queries_on_its_scores(dtype, tol):
     raw = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True)
     assert (raw.double() - want).abs().max() > 20 * tol
     # the op's composite (every device, every mode) is the same computation
-    torch.testing.assert_close(fused_ref().normed_sparse_attention(q, pools, idx, sink, D ** -0.5, 1e-6).double(),
+    torch.testing.assert_close(fused.normed_sparse_attention(q, pools, idx, sink, D ** -0.5, 1e-6).double(),
                                want, atol=tol, rtol=tol)
-
-
-def fused_ref():
-    return importlib.import_module("v4stack.ops.fused")
 
 
 def test_online_launch_only_where_the_table_launches_64_heads_fused():

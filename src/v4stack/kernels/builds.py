@@ -30,9 +30,10 @@ def kernels() -> dict:
     return {
         "sparse_attention_fused": (ta.fused_kernel, _sig(attn_args + " O s_ot s_oh H scale NCH",
                                                          attn_types + [BF, I, I, I, F, I]), dict(cx, DV=512)),
-        "sparse_attention_online": (tao.online_kernel, _sig(attn_args + " O s_ot s_oh H scale2 NCH qeps",
-                                                             attn_types + [BF, I, I, I, F, I, F]), dict(cx, BH=64, QN=True),
-                                    dict(num_warps=8, num_stages=2)),
+        **{name: (tao.online_kernel, _sig(attn_args + " O s_ot s_oh H scale2 NCH qeps",
+                                          attn_types + [BF, I, I, I, F, I, F]), dict(cx, BH=64, QN=qn),
+                  dict(num_warps=8, num_stages=2))
+           for name, qn in (("sparse_attention_online", False), ("sparse_attention_online_qn", True))},
         "sparse_attention_split": (ta.split_kernel, _sig(attn_args + " Pm Pl Pa H scale NCH",
                                                          attn_types + [P, P, P, I, F, I]), cx),
         "sparse_attention_merge": (ta.merge_kernel, _sig("Pm Pl Pa Sink O s_ot s_oh H NCH",

@@ -59,7 +59,7 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
             sq += _sq(q1)
         if NB > 2:
             sq += _sq(q2) + _sq(q3)
-        rs = tl.div_rn(1.0, tl.sqrt_rn(sq / D + qeps))[:, None]
+        rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, tl.full(sq.shape, D, tl.float32)) + qeps))[:, None]
         q0, q1, q2, q3 = _scaled(q0, rs), _scaled(q1, rs), _scaled(q2, rs), _scaled(q3, rs)
     M = tl.load(Sink + h, mask=h < H, other=0.0) * _LOG2E  # the sink, in base 2
     L = tl.full([BH], 1.0, tl.float32)
@@ -95,10 +95,8 @@ def sparse_attention(q, pools, idx, sink, scale: float, force: bool = False, q_e
 
     T, H, D = q.shape
     if not (force or takes_online(T, H)):
-        if q_eps is not None:
-            from v4stack import ops
-
-            q = ops.rms_norm(q, None, q_eps)
+        if q_eps is not None:  # the registration accepts only the online launch's shapes
+            raise ValueError(f"sparse_attention: q_eps needs the online launch, not taken at {T} rows x {H} heads")
         return ta.sparse_attention(q, pools, idx, sink, scale)
     p0, i0 = pools[0], idx[0]
     p1, i1 = (pools[1], idx[1]) if len(pools) > 1 else (pools[0], idx[0][:, :0])
