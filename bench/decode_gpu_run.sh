@@ -14,7 +14,7 @@ timeout "${CHECK_S:-120}" python3 -m bench.model_check --preset flash --set num_
 grep -iE "differ|steps|error" "$W/model_check.log" | tail -8
 pack
 timeout "${SERVE_S:-120}" python3 -m bench.serve_roofline --device cuda --configs ${CONFIGS:-flash4,flash8} --batches ${BATCHES:-1,16,64,256} \
-    --steps 8 --point-budget-s 4 --out "$W/serve_engine_h200.json" > "$W/serve_roofline.log" 2>&1
+    --steps ${STEPS:-8} --point-budget-s 4 --out "$W/serve_engine_h200.json" > "$W/serve_roofline.log" 2>&1
 grep -E "^flash" "$W/serve_roofline.log"
 pack
 [ "${PROFILE_S:-60}" != 0 ] && timeout "${PROFILE_S:-60}" python3 -m bench.serve_profile --device cuda --configs flash4 \

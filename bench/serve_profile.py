@@ -117,11 +117,12 @@ def _step_regions(engine):
     r = engine.runner
     pairs = [(engine.scheduler, "schedule", "engine.schedule"), (r, "build_decode", "runner.build_decode"),
              (r, "build", "runner.build"), (eng_mod, "sample_async", "engine.sample_launch"),
-             (ov_mod, "sample_async", "ahead.sample_launch"), (eng_mod, "launch_ahead", "engine.launch_ahead"),
+             (ov_mod, "sample_async", "ahead.sample_launch"), (eng_mod, "sample_greedy_async", "engine.greedy_launch"),
+             (ov_mod, "sample_greedy_async", "ahead.greedy_launch"), (eng_mod, "launch_ahead", "engine.launch_ahead"),
              (engine, "_collect", "engine.collect"),
-             (engine.cache, "plan_captures", "cache.plan_captures"), (engine.cache, "advance", "cache.advance")]
+             (engine.cache, "plan_captures", "cache.plan_captures"), (engine.cache, "advance_all", "cache.advance")]
     if r.graphs is not None:
-        pairs += [(r.graphs, "run", "graphs.run"), (r, "decode_host", "runner.decode_host")]
+        pairs += [(r.graphs, "run", "graphs.run"), (r, "decode_layout", "runner.decode_layout")]
     return [(o, a, label) for o, a, label in pairs if hasattr(o, a)]
 
 

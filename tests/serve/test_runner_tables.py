@@ -1,4 +1,4 @@
-"""The decode layout's block tables, kept per state slot between steps (``ModelRunner._slot_tables``):
+"""The decode layout's block tables, kept per state slot between steps (``ModelRunner._refresh_tables``):
 whatever the sequence of steps - blocks appended, a request freed and its slot refilled by another
 (a new, shorter list), a new admission - every step's table equals the one built from scratch
 (each request's blocks, then -1), while a step copies only the ids that are new to a slot."""

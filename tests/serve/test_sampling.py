@@ -207,3 +207,45 @@ def test_all_greedy_step_is_one_kernel_on_the_device_and_matches_the_cpu():
         assert [d.token for d in got] == [d.token for d in cpu]
         for a, b in zip(got, cpu):
             assert abs(a.logprob - b.logprob) < 1e-4 and abs(a.sampled_logprob - b.sampled_logprob) < 1e-4
+
+
+def test_plain_rows_draw_the_same_through_the_greedy_launch():
+    """``sample_greedy_async`` (rows that are all ``SamplingParams.plain``) gives the bits the
+    per-row path gives; ``plain`` is false for every parameter that needs the per-row path."""
+    from v4stack.serve.sampling import sample_greedy_async
+
+    x = _logits(9, v=300, seed=11)
+    rows = [Row(SamplingParams(max_tokens=4), b, b) for b in range(9)]
+    assert all(r.params.plain for r in rows)
+    want = sample(x, rows)
+    got = sample_greedy_async(x).collect()
+    assert [(d.token, d.logprob, d.sampled_logprob, d.top) for d in got] == \
+        [(d.token, d.logprob, d.sampled_logprob, d.top) for d in want]
+    for change in (dict(temperature=0.5), dict(logprobs=0), dict(logit_bias={3: 1.0}), dict(min_tokens=1),
+                   dict(repetition_penalty=1.1), dict(presence_penalty=0.1), dict(frequency_penalty=0.1)):
+        assert not SamplingParams(max_tokens=4, **change).plain, change
+    # inverse control: a row that asks for log-probabilities gets a report the greedy launch omits
+    asked = sample(x, [Row(SamplingParams(logprobs=0), b, b) for b in range(9)])
+    assert [d.top for d in asked] != [d.top for d in got]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_launches_in_flight_together_read_their_own_tokens():
+    """Two greedy launches unread at once (the overlapped engine's case) each read back their own
+    rows; a read buffer is reused by the next launch."""
+    from v4stack.serve import sampling as sm
+
+    xs = [_logits(16, v=129_280, seed=s).bfloat16() for s in (21, 22, 23)]
+    cpu = [[d.token for d in sm.sample(x.float(), [Row(SamplingParams(), b, b) for b in range(16)])] for x in xs]
+    key = ((16, 3), torch.float64)
+    sm._PINNED.free.pop(key, None)  # no buffer of this shape read before
+    a = sm.sample_greedy_async(xs[0].cuda())
+    b = sm.sample_greedy_async(xs[1].cuda())
+    assert a._host.data_ptr() != b._host.data_ptr()
+    assert [d.token for d in b.collect()] == cpu[1] and [d.token for d in a.collect()] == cpu[0]
+    reused = {a._pinned, b._pinned} == {None}
+    c = sm.sample_greedy_async(xs[2].cuda())
+    assert reused and len(sm._PINNED.free.get(key, [])) == 1  # one of the two read buffers taken again
+    assert [d.token for d in c.collect()] == cpu[2]
+    assert cpu[0] != cpu[1]  # control: the two launches' tokens differ, so a swap would show

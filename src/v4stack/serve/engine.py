@@ -23,7 +23,7 @@ from v4stack.serve.graphs import DecodeGraphs
 from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
 from v4stack.serve.overlap import InFlight, launch_ahead
-from v4stack.serve.sampling import Draw, Row, SamplingParams, sample_async, top_logprobs
+from v4stack.serve.sampling import Draw, Row, SamplingParams, sample_async, sample_greedy_async, top_logprobs
 from v4stack.serve.scheduler import Scheduler
 from v4stack.serve.spec_step import MTPStep
 
@@ -80,6 +80,7 @@ class EngineStats:
     last_step_cache_bytes: int = 0  # ... in the last step (O(new rows), never O(context))
     ahead: int = 0  # overlap: steps launched before the previous step's tokens were read
     wasted_rows: int = 0  # ... rows of those whose request had finished on the token in flight
+    device_wait_s: float = 0.0  # host time spent waiting for sampled tokens (the rest of a step is host work)
     drafted: int = 0  # speculative: drafts verified
     accepted: int = 0  # ... and accepted
     # per finished request: (arrival, first token time, token times, prompt tokens, prefix-hit tokens)
@@ -253,10 +254,14 @@ class Engine:
                 at.append(i)
         if not ready:
             return []
-        rows = [Row(r.params, r.params.seed, len(r.output), r.output, r.prompt, tuple(r.stop_ids)) for r in ready]
         batch = logits if len(at) == logits.shape[0] else logits[at]
-        with ops_mode(self.config.ops_mode):
-            sampled = sample_async(batch, rows)  # one call for the whole step
+        with ops_mode(self.config.ops_mode):  # one call for the whole step
+            if all(r.plain for r in ready):
+                sampled = sample_greedy_async(batch)
+            else:
+                rows = [Row(r.params, r.params.seed, len(r.output), r.output, r.prompt, tuple(r.stop_ids))
+                        for r in ready]
+                sampled = sample_async(batch, rows)
         inf = InFlight(ready, [r.cache for r in ready], sampled)
         if self.config.overlap and self.runner.graphed and not scoring:
             self._inflight = inf  # read by the next step(), after it launched its own step
@@ -264,33 +269,41 @@ class Engine:
         return self._collect(inf)
 
     def _collect(self, inf: InFlight) -> list[Request]:
-        """Read a step's sampled tokens and do the host work for them."""
+        """Read a step's sampled tokens and do the host work for them (once per step for every
+        request: kept to plain Python on local names)."""
         draws = inf.sampled.collect()
+        self.stats.device_wait_s += inf.sampled.wait_s
         done = []
         now = time.perf_counter()
+        st = self.stats
+        running = Status.RUNNING
         for req, rc, d in zip(inf.reqs, inf.caches, draws):
-            if req.status is not Status.RUNNING or req.cache is not rc:
-                self.stats.wasted_rows += 1  # finished (or taken out) while this step was in flight
+            if req.status is not running or req.cache is not rc:
+                st.wasted_rows += 1  # finished (or taken out) while this step was in flight
                 continue
             tok = d.token
-            p = len(req.prompt) + len(req.output)
+            out = req.output
+            p = len(req.prompt) + len(out)
             if rc.pos > p:  # overlap: the step after this one already fed the token as a placeholder
                 rc.tokens[p] = tok
-            req.output.append(tok)
+            out.append(tok)
             req.draws.append(d)
             req.token_times.append(now)
-            self.stats.tokens_generated += 1
+            st.tokens_generated += 1
             if req.first_token_at is None:
                 req.first_token_at = now
-                self.stats.ttft.append(now - req.arrival)
-                if len(self.stats.ttft) > 100_000:
-                    del self.stats.ttft[:50_000]
-            stopped = req.hit_stop()
+                st.ttft.append(now - req.arrival)
+                if len(st.ttft) > 100_000:
+                    del st.ttft[:50_000]
+            if req._stops is None:  # ``hit_stop`` without stop strings
+                stopped = tok in req.stop_ids and len(out) >= req.params.min_tokens
+            else:
+                stopped = req.hit_stop()
             if stopped:
                 req.stop_reason = tok
             if req.on_event is not None:
                 req.on_event(req, [tok], False)
-            if stopped or len(req.output) >= req.params.max_tokens:
+            if stopped or len(out) >= req.params.max_tokens:
                 self._finish(req, "stop" if stopped else "length")
                 done.append(req)
         return done

@@ -8,12 +8,14 @@ first step of a shape is captured into a graph (after a
 warm-up run on a side stream; re-running a decode step writes the same rows again, so the warm-up
 changes nothing); later steps of that shape copy their layout into the graph's static inputs
 and replay it. Every input of a static step is a view of one int64 buffer
-(``ModelRunner.decode_host`` / ``decode_batch``), so refreshing them is one transfer from pinned
+(``ModelRunner.decode_layout`` / ``decode_batch``), so refreshing them is one transfer from pinned
 memory. Graphs are captured and replayed under the engine's ops mode, so both modes get them.
 If a capture fails (an op that needs the host), the engine keeps running eagerly and records why.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -42,6 +44,7 @@ class DecodeGraphs:
         self.pool = None
         self.error: str | None = None
         self.replays = 0
+        self.replay_s = 0.0  # host time inside ``CUDAGraph.replay`` (the launch; a wait, if it blocks)
         self.steps = 0  # decode steps run in the static layout (replayed or eager)
 
     def _capture(self, batch: StepBatch):
@@ -67,9 +70,8 @@ class DecodeGraphs:
         self.steps += 1
         n = len(chunks)
         rows = _next_pow2(n)
-        width = _width(max(1, max(len(rc.blocks) for rc, _ in chunks)))
-        caps = runner.closing_caps(chunks, rows)  # steps where no entry closes skip the closing work
-        host = runner.decode_host(chunks, rows, width, caps)
+        # (steps where no entry closes skip the closing work: no closing slots)
+        width, caps, host = runner.decode_layout(chunks, rows, _width)
         key = (rows, width, caps)
         entry = self.graphs.get(key)
         if entry is None:
@@ -95,7 +97,9 @@ class DecodeGraphs:
         copied.record()
         if ids is not None:
             buf[:n].copy_(ids)
+        t0 = time.perf_counter()
         g.replay()
+        self.replay_s += time.perf_counter() - t0
         self.replays += 1
         self.cache.paged.bytes_written += per_step
         return out[:n]

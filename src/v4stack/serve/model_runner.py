@@ -31,12 +31,12 @@ class ModelRunner:
         self._arange: dict[int, torch.Tensor] = {}
         self.graphed = False
         self.graphs = None  # serve/graphs.py: DecodeGraphs, installed by the engine on CUDA
-        # decode steps' block tables, kept per state slot between steps (``_slot_tables``): a row is
+        # decode steps' block tables, kept per state slot between steps (``_refresh_tables``): a row is
         # written when its request's block list is new to the slot or has grown, so a step copies
         # O(new blocks) ids per request on the host, not the whole table
         n = cache.slots.n_slots + 1
         self._tab = np.full((n, 0), -1, dtype=np.int64)
-        self._tab_n = np.zeros(n, dtype=np.int64)
+        self._tab_n = [0] * n
         self._tab_of: list = [None] * n  # the block list each row mirrors (held: its id stays unique)
 
     def build(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]]) -> StepBatch:
@@ -92,15 +92,30 @@ class ModelRunner:
         caps = self.closing_caps(chunks, rows)
         return self.decode_batch(self.decode_host(chunks, rows, width, caps).to(self.device), rows, width, caps)
 
-    def closing_caps(self, chunks: list[tuple[RequestCache, list[int]]], rows: int) -> tuple[int, ...]:
+    def closing_caps(self, chunks: list[tuple[RequestCache, list[int]]], rows: int,
+                     pos: np.ndarray | None = None) -> tuple[int, ...]:
         """Closing slots per ratio of a decode step: 0 when no entry closes, else the next power of
-        two of the number of rows whose entry closes (at most ``rows``)."""
-        pos = np.fromiter((rc.pos for rc, _ in chunks), dtype=np.int64, count=len(chunks))
+        two of the number of rows whose entry closes (at most ``rows``). ``pos``: the chunks'
+        positions, when the caller has them."""
+        if pos is None:
+            pos = np.fromiter((rc.pos for rc, _ in chunks), dtype=np.int64, count=len(chunks))
         caps = []
         for r in self.ratios:
             n = int(np.count_nonzero((pos + 1) % r == 0))
             caps.append(0 if n == 0 else min(rows, 1 << (n - 1).bit_length()))
         return tuple(caps)
+
+    def decode_layout(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width_of):
+        """A static decode step's shape and host layout in one pass over the chunks: ``(width,
+        caps, host)`` with ``width = width_of(most blocks of a request)`` and ``host`` as
+        ``decode_host`` lays it out."""
+        n = len(chunks)
+        rcs = [rc for rc, _ in chunks]
+        pos = np.array([rc.pos for rc in rcs], dtype=np.int64)
+        slots = [rc.slot for rc in rcs]
+        width = width_of(max(1, self._refresh_tables(rcs, slots)))
+        caps = self.closing_caps(chunks, rows, pos)
+        return width, caps, self._layout([t[0] for _, t in chunks], pos, slots, n, rows, width, caps)
 
     def decode_host(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int,
                     caps: tuple[int, ...]) -> torch.Tensor:
@@ -108,20 +123,31 @@ class ModelRunner:
         ids, positions, ends, state slots ``[rows]`` each, the block table ``[rows, width]``, then
         per ratio the closing slots' request row, entry number and destination pool row
         (``[cap]`` each)."""
-        n, B, R, W = len(chunks), self.cache.B, rows, width
+        rcs = [rc for rc, _ in chunks]
+        slots = [rc.slot for rc in rcs]
+        self._refresh_tables(rcs, slots)
+        pos = np.array([rc.pos for rc in rcs], dtype=np.int64)
+        return self._layout([t[0] for _, t in chunks], pos, slots, len(chunks), rows, width, caps)
+
+    def _layout(self, ids_l, pos_n, slots_l, n: int, rows: int, width: int, caps: tuple[int, ...]) -> torch.Tensor:
+        B, R, W = self.cache.B, rows, width
         out = np.empty(4 * R + R * W + 3 * sum(caps), dtype=np.int64)
         ids, pos, end, slots = (out[i * R : (i + 1) * R] for i in range(4))
         table = out[4 * R : 4 * R + R * W].reshape(R, W)
-        ids[:n] = [toks[0] for _, toks in chunks]
+        ids[:n] = ids_l
         ids[n:] = 0
-        pos[:n] = [rc.pos for rc, _ in chunks]
+        pos[:n] = pos_n
         pos[n:] = 0
         np.add(pos, 1, out=end)
-        slots[:n] = [rc.slot for rc, _ in chunks]
+        slots[:n] = slots_l
         slots[n:] = self.cache.slots.scratch
         table[n:] = -1
         if n:
-            table[:n] = self._slot_tables(chunks, W)[slots[:n]]
+            tab = self._tab
+            if tab.shape[1] < W:
+                self._grow_tables(W)
+                tab = self._tab
+            table[:n] = tab[slots[:n], :W]
         off, scratch = 4 * R + R * W, self.cache.blocks.scratch
         for r, cap in zip(self.ratios, caps):
             if cap == 0:
@@ -137,29 +163,43 @@ class ModelRunner:
             off += 3 * cap
         return torch.from_numpy(out)
 
-    def _slot_tables(self, chunks: list[tuple[RequestCache, list[int]]], width: int) -> np.ndarray:
-        """The per-slot block tables ``[slots + 1, width]`` (-1 past a request's blocks), brought up
-        to date for ``chunks``: a slot whose request's block list is another list object than the
-        one its row mirrors (a new admission, a restore, a freed and re-filled slot: the cache
-        manager replaces the list, ``CacheManager.free`` / ``admit``) is rewritten, one whose list
-        grew gets the new ids only (block lists only ever grow in place)."""
+    def _grow_tables(self, need: int) -> None:
         tab = self._tab
-        need = max(width, max(len(rc.blocks) for rc, _ in chunks))
-        if tab.shape[1] < need:  # wider tables: the old rows carried over
-            grown = np.full((tab.shape[0], max(need, 2 * tab.shape[1])), -1, dtype=np.int64)
-            grown[:, : tab.shape[1]] = tab
-            self._tab = tab = grown
-        for rc, _ in chunks:
-            s, blocks = rc.slot, rc.blocks
-            n, have = len(blocks), int(self._tab_n[s])
-            if self._tab_of[s] is not blocks or n < have:
-                tab[s, :n] = blocks
-                tab[s, n : max(n, have)] = -1
-                self._tab_of[s] = blocks
-            elif n > have:
-                tab[s, have:n] = blocks[have:]
-            self._tab_n[s] = n
-        return tab[:, :width]
+        grown = np.full((tab.shape[0], max(need, 2 * tab.shape[1])), -1, dtype=np.int64)
+        grown[:, : tab.shape[1]] = tab
+        self._tab = grown
+
+    def _refresh_tables(self, rcs: list[RequestCache], slots: list[int]) -> int:
+        """Bring the per-slot block tables ``[slots + 1, *]`` (-1 past a request's blocks) up to
+        date for ``rcs``; returns the most blocks any of them has. A slot whose request's block
+        list is another list object than the one its row mirrors (a new admission, a restore, a
+        freed and re-filled slot: the cache manager replaces the list, ``CacheManager.free`` /
+        ``admit``) is rewritten, one whose list grew gets the new ids only (block lists only ever
+        grow in place); an unchanged one costs two comparisons."""
+        of, have_n = self._tab_of, self._tab_n
+        most = 0
+        stale = []
+        for rc, s in zip(rcs, slots):
+            blocks = rc.blocks
+            n = len(blocks)
+            if n > most:
+                most = n
+            if of[s] is not blocks or n != have_n[s]:
+                stale.append((s, blocks, n))
+        if stale:
+            if self._tab.shape[1] < most:
+                self._grow_tables(most)
+            tab = self._tab
+            for s, blocks, n in stale:
+                have = have_n[s]
+                if of[s] is not blocks or n < have:
+                    tab[s, :n] = blocks
+                    tab[s, n : max(n, have)] = -1
+                    of[s] = blocks
+                else:
+                    tab[s, have:n] = blocks[have:]
+                have_n[s] = n
+        return most
 
     def decode_batch(self, buf: torch.Tensor, rows: int, width: int, caps: tuple[int, ...]) -> StepBatch:
         """The ``StepBatch`` whose tensors are views into ``buf`` (``decode_host``'s layout on the
@@ -191,13 +231,17 @@ class ModelRunner:
         the chunks then carry a placeholder token each, which ``cache.advance`` records and the
         caller replaces with the real id once it is read back (``RequestCache.tokens``). Such a
         step must close no block (its hash would need the ids)."""
-        caps = self.cache.plan_captures(chunks) if ids is None else [{}] * len(chunks)
         before = self.cache.paged.bytes_written
         g = self.graphs
-        self.graphed = g is not None and not all_rows and not any(caps) and \
-            all(len(t) == 1 for _, t in chunks) and len(chunks) <= g.max_rows
-        if ids is not None and not self.graphed:
-            raise ValueError("run: device token ids need a static decode step")
+        if ids is None:
+            caps = self.cache.plan_captures(chunks)
+            self.graphed = g is not None and not all_rows and not any(caps) and \
+                all(len(t) == 1 for _, t in chunks) and len(chunks) <= g.max_rows
+        else:  # placeholder tokens, one per chunk: no block closes, so no capture is due
+            caps = None
+            self.graphed = g is not None and not all_rows and len(chunks) <= g.max_rows
+            if not self.graphed:
+                raise ValueError("run: device token ids need a static decode step")
         if self.graphed:
             logits = g.run(self, chunks, ids)
         else:
@@ -206,6 +250,5 @@ class ModelRunner:
                 batch.out_rows = None
             logits = self.model.step_paged(batch, self.cache.paged)
         self.last_bytes = self.cache.paged.bytes_written - before
-        for (rc, toks), c in zip(chunks, caps):
-            self.cache.advance(rc, toks, c)
+        self.cache.advance_all(chunks, caps)
         return logits

@@ -29,7 +29,7 @@ import torch
 from v4stack.ops.mode import mode as ops_mode
 from v4stack.serve.cache.manager import RequestCache
 from v4stack.serve.request import Request, Status
-from v4stack.serve.sampling import Row, Sampled, sample_async
+from v4stack.serve.sampling import Row, Sampled, sample_async, sample_greedy_async
 
 PLACEHOLDER = -1  # a fed token whose id is still on the device
 
@@ -56,33 +56,47 @@ def launch_ahead(eng, inf: InFlight) -> InFlight | None:
     sch = eng.scheduler
     if sch.waiting and len(sch.running) < sch.max_running:
         return None  # an admission may be due: schedule normally
-    live = [i for i, (r, rc) in enumerate(zip(inf.reqs, inf.caches)) if r.status is Status.RUNNING and r.cache is rc]
-    if len(live) != len(sch.running):
-        return None  # a request outside the in-flight step runs (prefill, attached)
     B = eng.cache.B
-    keep = []
-    for i in live:
-        req = inf.reqs[i]
+    live, keep, reqs, plain = 0, [], [], True
+    # one pass over the step's rows (this runs every decode step, for every request)
+    for i, (req, rc) in enumerate(zip(inf.reqs, inf.caches)):
+        if req.status is not Status.RUNNING or req.cache is not rc:
+            continue
+        live += 1
         index = len(req.output) + 1  # the draw after the one in flight
         if index >= req.params.max_tokens:
             continue  # finishes when the in-flight token is read
-        if _needs_host_tokens(req, index) or (req.cache.pos + 1) % B == 0:
+        if not req.plain:
+            if _needs_host_tokens(req, index):
+                return None
+            plain = False
+        if (rc.pos + 1) % B == 0:
             return None
         keep.append(i)
+        reqs.append(req)
+    if live != len(sch.running):
+        return None  # a request outside the in-flight step runs (prefill, attached)
     g = eng.runner.graphs
     if not keep or len(keep) > sch.budget or g is None or len(keep) > g.max_rows:
         return None
-    reqs = [inf.reqs[i] for i in keep]
-    if not all(eng.cache.reserve(r.cache, 1) for r in reqs):
-        return None  # (blocks taken so far serve these requests' next row anyway)
+    cm = eng.cache
+    for r in reqs:
+        rc = r.cache
+        if len(rc.blocks) * B <= rc.pos and not cm.reserve(rc, 1):
+            return None  # (blocks taken so far serve these requests' next row anyway)
     tok = inf.sampled.tokens
-    if keep != list(range(len(inf.reqs))):
+    if len(keep) != len(inf.reqs):
         tok = tok[torch.tensor(keep, dtype=torch.long).to(tok.device, non_blocking=True)]
-    chunks = [(r.cache, [PLACEHOLDER]) for r in reqs]
+    fed = [PLACEHOLDER]
+    chunks = [(r.cache, fed) for r in reqs]
     with ops_mode(eng.config.ops_mode):
         logits = eng.runner.run(chunks, ids=tok)
-        rows = [Row(r.params, r.params.seed, len(r.output) + 1, r.output, r.prompt, tuple(r.stop_ids)) for r in reqs]
-        sampled = sample_async(logits, rows)
+        if plain:
+            sampled = sample_greedy_async(logits)
+        else:
+            rows = [Row(r.params, r.params.seed, len(r.output) + 1, r.output, r.prompt, tuple(r.stop_ids))
+                    for r in reqs]
+            sampled = sample_async(logits, rows)
     st = eng.stats
     st.steps += 1
     st.ahead += 1

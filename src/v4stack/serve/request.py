@@ -41,10 +41,12 @@ class Request:
     stop_reason: int | None = None  # the id that finished it
     draws: list[Draw] = field(default_factory=list)  # per output token: its logprob (+ top-n)
     prompt_draws: list[Draw | None] | None = None  # per prompt token when prompt_logprobs is set
+    plain: bool = field(default=False, init=False)  # params.plain, read once per step per request
 
     def __post_init__(self):
         if self.params.seed is None:  # a fresh seed, recorded so the request can be replayed
             self.params = dataclasses.replace(self.params, seed=fresh_seed())
+        self.plain = self.params.plain
         if self.params.prompt_logprobs is not None and self.prompt_draws is None:
             self.prompt_draws = [None] * len(self.prompt)
         if not self.stop_ids:

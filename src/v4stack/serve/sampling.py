@@ -18,6 +18,7 @@ default.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing that reads the host's token lists (no penalties, bias or
+        ``min_tokens``) and no log-probability report: a row ``sample_greedy_async`` serves."""
+        return bool(self.temperature < GREEDY_BELOW and self.logprobs is None and not self.logit_bias
+                    and self.repetition_penalty == 1.0 and not self.presence_penalty
+                    and not self.frequency_penalty and self.min_tokens == 0)
 
 
 def fresh_seed() -> int:
@@ -222,14 +231,25 @@ class Sampled:
     the logits' device) can feed the next step before the host has seen them; ``collect()``
     waits for the one read-back and returns the ``Draw`` of every row."""
 
-    def __init__(self, tokens: torch.Tensor, host: torch.Tensor, done, lp: torch.Tensor, rows: list[Row]):
+    def __init__(self, tokens: torch.Tensor, host: torch.Tensor, done, lp: torch.Tensor | None,
+                 rows: list[Row] | None, pinned: "_Pinned | None" = None):
         self.tokens, self._host, self._done, self._lp, self._rows = tokens, host, done, lp, rows
+        self._pinned = pinned
+        self.wait_s = 0.0  # how long ``collect`` waited for the device
 
     def collect(self) -> list[Draw]:
         if self._done is not None:
+            t0 = time.perf_counter()
             self._done.synchronize()  # the step's one wait (only this step's work, not later launches)
+            self.wait_s = time.perf_counter() - t0
+        vals = self._host.tolist() if not isinstance(self._host, list) else self._host
+        if self._pinned is not None:  # read: the buffer may take the next step's tokens
+            self._pinned.put(self._host, self._done)
+            self._pinned, self._host, self._done = None, vals, None
+        draws = [Draw(int(t), c, None, p) for t, c, p in vals]
         rows = self._rows
-        draws = [Draw(int(t), c, None, p) for t, c, p in self._host.tolist()]
+        if rows is None:  # plain rows: no log-probability report
+            return draws
         want = [b for b in range(len(rows)) if rows[b].params.logprobs]
         if want:
             n = max(rows[b].params.logprobs for b in want)
@@ -242,6 +262,49 @@ class Sampled:
         return draws
 
 
+class _Pinned:
+    """Pinned host buffers for the read-back of sampled rows, reused once read: allocating pinned
+    memory every step costs the host far more than the copy (and can wait on the device)."""
+
+    def __init__(self):
+        self.free: dict[tuple, list] = {}
+
+    def take(self, shape: tuple, dtype: torch.dtype):
+        got = self.free.get((shape, dtype))
+        if got:
+            return got.pop()
+        return torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event()
+
+    def put(self, host: torch.Tensor, done) -> None:
+        pool = self.free.setdefault((tuple(host.shape), host.dtype), [])
+        if len(pool) < 8:
+            pool.append((host, done))
+
+
+_PINNED = _Pinned()
+
+
+def sample_greedy_async(logits: torch.Tensor) -> Sampled:
+    """``sample_async`` for rows that are all ``SamplingParams.plain``: the same draws, without a
+    per-row description (``collect`` gives no alternatives, as such rows ask for none). On CUDA
+    one kernel (ids and both log-probabilities) and one read-back into a reused pinned buffer."""
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits must be [rows, V], got {tuple(logits.shape)}")
+    if logits.device.type != "cuda":  # ``sample_async``'s greedy path, without per-row parameters
+        raw = logits.detach().float()
+        lp = _model_logprobs(raw)
+        tok = torch.argmax(raw, dim=-1)
+        one = torch.ones(raw.shape[0], 1, dtype=torch.float64)  # the policy temperature of a greedy row
+        out = torch.stack([tok.double(), lp.gather(1, tok[:, None])[:, 0].double(),
+                           _policy_logprob(raw, tok, one).double()], 1)
+        return Sampled(tok, out, None, lp, None)
+    tok, out = fused.greedy_draw(logits.detach())
+    host, done = _PINNED.take(tuple(out.shape), out.dtype)
+    host.copy_(out, non_blocking=True)
+    done.record(torch.cuda.current_stream(logits.device))
+    return Sampled(tok, host, done, None, None, _PINNED)
+
+
 def sample_async(logits: torch.Tensor, rows: list[Row]) -> Sampled:
     """``sample`` without its wait: every kernel is launched and the read-back is queued behind
     them (non-blocking into pinned memory, an event marks it); nothing waits until ``collect``."""
@@ -252,11 +315,10 @@ def sample_async(logits: torch.Tensor, rows: list[Row]) -> Sampled:
     if dev.type == "cuda" and all(greedy) and not any(r.params.logprobs or _touches(r) for r in rows):
         # the common decode step: one kernel (ids and both log-probabilities), one read-back
         tok, out = fused.greedy_draw(logits.detach())
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host, done = _PINNED.take(tuple(out.shape), out.dtype)
         host.copy_(out, non_blocking=True)
-        done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(dev))
-        return Sampled(tok, host, done, None, rows)
+        return Sampled(tok, host, done, None, rows, _PINNED)
     raw = logits.detach().float()
     lp = _model_logprobs(raw)
     prm = _row_params(rows, greedy, dev)

@@ -214,6 +214,23 @@ class CacheManager:
                 else:
                     self.snap_of[bid] = slot
 
+    def advance_all(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]] | None) -> None:
+        """``advance`` for every chunk of a step (``captures`` None: none). A decode token that
+        closes no block and finds the request's hashes up to date only moves the position and its
+        block's fill count (the common case, kept short: it runs for every request every step)."""
+        B, meta = self.B, self.blocks.meta
+        for i, (rc, toks) in enumerate(chunks):
+            c = captures[i] if captures is not None else None
+            pos = rc.pos + 1
+            j = pos // B
+            if len(toks) == 1 and not c and pos % B and len(rc.hashes) == j:
+                rc.tokens.append(toks[0])
+                rc.pos = pos
+                if j < len(rc.blocks):
+                    meta[rc.blocks[j]].filled = pos - j * B
+            else:
+                self.advance(rc, toks, c or {})
+
     def free(self, rc: RequestCache) -> None:
         for b in rc.blocks:
             self.blocks.decref(b)

@@ -1,0 +1,89 @@
+"""The engine's host time per decode step, with the model's device work taken out.
+
+    python -m bench.serve_host --batches 64,256 --context 1024 --out bench/results/serve_host_cpu.json
+
+A decode step under ``overlap`` costs the device its kernels and the host its Python: scheduling,
+the model runner's layout, the cache manager's book-keeping, sampling's launch and read-back,
+the engine's per-request stop checks and events. When the host's part is the longer one the
+device waits for it, so at large batches the host's time per step bounds the step. This bench
+measures that part alone: the tiny preset on the CPU, every request's cache holding ``context``
+tokens (``serve_roofline.fill``), and ``V4Model.step_paged`` answering with a fixed logits tensor
+of the right shape (so the step's device work - here CPU kernels - is nothing; everything else is
+the engine's own code, the static decode layout included). ``host_s_p50`` is the median wall time
+of one ``Engine.step``; ``--profile`` adds the top functions by own time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from bench.runner import write_result
+from bench.serve_roofline import build_config, fill, random_model
+from v4stack.serve.engine import Engine, EngineConfig
+
+
+def host_point(batch: int, ctx: int, steps: int, mode: str, profile: bool) -> dict:
+    cfg = build_config("tiny")
+    model = random_model(cfg, "cpu", torch.float32)
+    B = cfg.block_tokens
+    per = -(-(ctx + steps + 16) // B) + 1
+    eng = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
+                                     token_budget=max(batch, 256), max_running=batch, ops_mode=mode, overlap=True))
+    fixed = torch.randn(batch, cfg.vocab_size)
+
+    def answer(step, cache, hidden=False):  # the device's part of a step, taken out
+        n = step.ids.shape[0] if step.out_rows is None else step.out_rows.shape[0]
+        return fixed[:n] if n <= batch else torch.randn(n, cfg.vocab_size)
+
+    model.step_paged = answer
+    fill(eng, batch, ctx, steps + 12, seed=batch + ctx)
+    for _ in range(4):
+        eng.step()
+    times = []
+    prof = cProfile.Profile() if profile else None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        eng.step()
+        if prof is not None:
+            prof.disable()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    res = {"batch": batch, "context": ctx, "mode": mode, "steps": steps, "host_s_p50": times[len(times) // 2],
+           "host_s_min": times[0], "host_s_mean": sum(times) / len(times), "steps_ahead": eng.stats.ahead}
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        res["profile_top"] = s.getvalue()[-6000:]
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench serve-host", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--mode", default="fast")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default="bench/results/serve_host_cpu.json")
+    a = ap.parse_args(argv)
+    runs = [host_point(b, a.context, a.steps, a.mode, a.profile) for b in map(int, a.batches.split(","))]
+    for r in runs:
+        print(f"batch {r['batch']:4d} ctx {r['context']}: host p50 {r['host_s_p50'] * 1e3:.3f} ms "
+              f"(min {r['host_s_min'] * 1e3:.3f}, ahead {r['steps_ahead']})")
+        if "profile_top" in r:
+            print(r["profile_top"])
+    write_result(a.out, {"runs": runs})
+
+
+if __name__ == "__main__":
+    main()
