@@ -4,7 +4,8 @@ The first kernel runs one program per (row, chunk of ``CHUNK`` columns), so a ro
 read by many programs side by side (one program per row was latency-bound: ~90 us at batch 64
 on the H200). Each streams its columns once (any float dtype, read as fp32) in blocks of
 ``BLOCK``: each lane keeps its running maximum, the sum of ``exp(x - max)`` rescaled as the
-maximum rises, and the first column where its maximum was seen; the lanes are combined into the
+maximum rises (one exponential a column: ``exp(x - max)`` added, or on a new maximum the sum
+scaled by ``exp(max - x)`` plus one), and the first column where its maximum was seen; the lanes are combined into the
 chunk's ``(max, sum, first column)``. The second kernel combines a row's chunks the same way:
 ``M = max``, ``S = sum(s_c exp(m_c - M))``, the token is the smallest column holding ``M``
 (``torch.argmax``'s first maximum), and its log-probability is ``x[tok] - M - log S = -log S``.
@@ -35,11 +36,13 @@ def _lanes(X, r, c0, c1, s_x, BLOCK: tl.constexpr):
         col = v0 + offs
         ok = col < c1
         x = tl.load(X + r * s_x + col, mask=ok, other=float("-inf")).to(tl.float32)
-        nm = tl.maximum(mv, x)
-        keep = tl.where(mv == float("-inf"), 0.0, sv * tl.exp(mv - nm))
-        sv = keep + tl.where(ok, tl.exp(x - nm), 0.0)
-        iv = tl.where(x > mv, col, iv)  # strictly greater: a lane keeps its first maximum
-        mv = nm
+        up = x > mv  # strictly greater: a lane keeps its first maximum
+        # one exponential per column: the smaller of (x, max) against the larger
+        e = tl.exp(tl.where(up, mv - x, x - mv))
+        e = tl.where(x == float("-inf"), 0.0, e)  # a masked column (or a row of -inf) adds nothing
+        sv = tl.where(up, sv * e + 1.0, sv + e)
+        iv = tl.where(up, col, iv)
+        mv = tl.maximum(mv, x)
     return mv, sv, iv
 
 
