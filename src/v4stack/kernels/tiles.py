@@ -101,10 +101,7 @@ GROUPED_CANDIDATES = (_t(64, 32, 128), _t(64, 128, 64, s=3), _t(64, 64, 64), _t(
                       _t(128, 256, 64, w=8, s=3, tma=True), _t(128, 256, 64, w=8, s=3, tma=True, FLAT=True),
                       _t(64, 128, 128, s=3, tma=True), _t(64, 32, 128, tma=True), _t(64, 64, 64, tma=True, occ=2),
                       # decode (memory-bound, 9-65 experts): more column tiles in flight, deeper K steps
-                      _t(64, 64, 128, s=4, tma=True),
-                      # warp-specialised tile loops (the batch-256 decode calls: ~200 rows an expert)
-                      _t(64, 128, 64, tma=True, WS=True), _t(128, 128, 64, w=8, tma=True, WS=True),
-                      _t(128, 256, 64, w=8, s=3, tma=True, WS=True), _t(64, 256, 64, w=8, s=3, tma=True, WS=True))
+                      _t(64, 64, 128, s=4, tma=True))
 # a TMA tile where TMA's terms do not hold (fp32, unaligned rows) runs the table kernel with this tile
 GROUPED_FALLBACK = GROUPED_CANDIDATES[2]
 GROUPED_TILES = ((128, GROUPED_CANDIDATES[0]), (1 << 62, GROUPED_CANDIDATES[1]))

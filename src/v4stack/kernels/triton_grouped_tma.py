@@ -5,8 +5,6 @@ Rows sorted by expert (``offsets [E + 1]`` on the device), ``w [E, N, K]``. The 
 tile ids running expert after expert, found in the kernel from a prefix sum of the offsets); an
 output tile is (row tile ``m``, column tile ``n``), and ``min(#SM, bound)`` programs walk them
 with ``m`` fastest, so the programs in flight at once share an expert's weight tile through L2.
-``WS``: the tile loop warp-specialised (a producer warp group issuing the TMA loads ahead of the
-consumers' MMAs); the arithmetic of a tile is the same.
 
 X and W are read through TMA descriptors: X ``[T, K]`` in BM x BK boxes from the tile's first
 row (rows past the expert's end belong to the next expert or, past ``T``, read as zeros; their
@@ -29,7 +27,7 @@ from v4stack.kernels.launch import cdiv, next_pow2
 @triton.jit
 def grouped_tma_kernel(x_desc, w_desc, Y, Off, E, N, K, s_ym, EB: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, NUM_SMS: tl.constexpr,
-                       FLAT: tl.constexpr, WS: tl.constexpr = False):
+                       FLAT: tl.constexpr):
     e = tl.arange(0, EB)
     lo = tl.load(Off + e, mask=e < E, other=0).to(tl.int32)
     hi = tl.load(Off + e + 1, mask=e < E, other=0).to(tl.int32)
@@ -38,7 +36,7 @@ def grouped_tma_kernel(x_desc, w_desc, Y, Off, E, N, K, s_ym, EB: tl.constexpr, 
     num_m = tl.sum(tiles, 0)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    for t in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLAT, warp_specialize=WS):
+    for t in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLAT):
         m = t % num_m
         pn = t // num_m
         mine = tl.sum((ends <= m).to(tl.int32), 0)  # experts wholly before row tile m: m's expert
@@ -69,7 +67,7 @@ def usable(x, w) -> bool:
 def grouped_linear_tma(x, w, off, y, t):
     """``y[rows of e] = x[rows of e] @ w[e].T`` for contiguous ``x [T, K]``, ``w [E, N, K]``, int64
     ``off [E + 1]`` (rising from 0 to T) and ``y [T, N]``; ``t`` the tile (BM, BN, BK, warps,
-    stages, FLAT, occ, WS)."""
+    stages, FLAT, occ)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from v4stack.kernels.triton_tma import num_sms
@@ -82,6 +80,6 @@ def grouped_linear_tma(x, w, off, y, t):
     nsm = num_sms() * t.get("occ", 1)
     grid = (min(nsm, (min(E, T) + T // bm) * cdiv(N, bn)),)
     grouped_tma_kernel[grid](xd, wd, y, off, E, N, K, y.stride(0), EB=max(16, next_pow2(E)), BM=bm, BN=bn, BK=bk,
-                             NUM_SMS=nsm, FLAT=t.get("FLAT", False), WS=t.get("WS", False), num_warps=t["num_warps"],
+                             NUM_SMS=nsm, FLAT=t.get("FLAT", False), num_warps=t["num_warps"],
                              num_stages=t["num_stages"])
     return y
