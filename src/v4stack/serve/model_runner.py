@@ -109,13 +109,10 @@ class ModelRunner:
         """A static decode step's shape and host layout in one pass over the chunks: ``(width,
         caps, host)`` with ``width = width_of(most blocks of a request)`` and ``host`` as
         ``decode_host`` lays it out."""
-        n = len(chunks)
-        rcs = [rc for rc, _ in chunks]
-        pos = np.array([rc.pos for rc in rcs], dtype=np.int64)
-        slots = [rc.slot for rc in rcs]
-        width = width_of(max(1, self._refresh_tables(rcs, slots)))
+        rcs, pos, slots, most = self._gather(chunks)
+        width = width_of(max(1, most))
         caps = self.closing_caps(chunks, rows, pos)
-        return width, caps, self._layout([t[0] for _, t in chunks], pos, slots, n, rows, width, caps)
+        return width, caps, self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps)
 
     def decode_host(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int,
                     caps: tuple[int, ...]) -> torch.Tensor:
@@ -123,11 +120,16 @@ class ModelRunner:
         ids, positions, ends, state slots ``[rows]`` each, the block table ``[rows, width]``, then
         per ratio the closing slots' request row, entry number and destination pool row
         (``[cap]`` each)."""
+        rcs, pos, slots, _ = self._gather(chunks)
+        return self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps)
+
+    def _gather(self, chunks: list[tuple[RequestCache, list[int]]]):
+        """The chunks' caches, positions (int64 array) and state slots, with the per-slot block
+        tables brought up to date; also the most blocks any of them has."""
         rcs = [rc for rc, _ in chunks]
         slots = [rc.slot for rc in rcs]
-        self._refresh_tables(rcs, slots)
-        pos = np.array([rc.pos for rc in rcs], dtype=np.int64)
-        return self._layout([t[0] for _, t in chunks], pos, slots, len(chunks), rows, width, caps)
+        most = self._refresh_tables(rcs, slots)
+        return rcs, np.array([rc.pos for rc in rcs], dtype=np.int64), slots, most
 
     def _layout(self, ids_l, pos_n, slots_l, n: int, rows: int, width: int, caps: tuple[int, ...]) -> torch.Tensor:
         B, R, W = self.cache.B, rows, width

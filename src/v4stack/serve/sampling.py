@@ -313,12 +313,10 @@ def sample_async(logits: torch.Tensor, rows: list[Row]) -> Sampled:
     dev = logits.device
     greedy = [r.params.greedy for r in rows]
     if dev.type == "cuda" and all(greedy) and not any(r.params.logprobs or _touches(r) for r in rows):
-        # the common decode step: one kernel (ids and both log-probabilities), one read-back
-        tok, out = fused.greedy_draw(logits.detach())
-        host, done = _PINNED.take(tuple(out.shape), out.dtype)
-        host.copy_(out, non_blocking=True)
-        done.record(torch.cuda.current_stream(dev))
-        return Sampled(tok, host, done, None, rows, _PINNED)
+        # the common decode step: the plain rows' one kernel and one read-back, these rows' report
+        got = sample_greedy_async(logits)
+        got._rows = rows
+        return got
     raw = logits.detach().float()
     lp = _model_logprobs(raw)
     prm = _row_params(rows, greedy, dev)
