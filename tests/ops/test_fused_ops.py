@@ -166,3 +166,37 @@ def test_group_linear_as_grouped_rows_is_the_per_group_linears():
         other = group_linear_rows(x.roll(1, dims=1), w)
     assert not torch.equal(other[:, :6], group_linear_rows(x, w)[:, :6])
     assert not group_linear_ok(x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_swiglu_kernel_gives_the_unfused_kernels_bits():
+    """The experts' gate / up GEMMs and activation in one launch: every candidate tile gives the
+    bits of the three unfused kernels (two grouped GEMMs, then ``swiglu_act``), with empty
+    experts and experts of one row; the dispatch runs it in invariant mode. The controls: without
+    the routing weight, or with another clamp, the output differs (the comparison can fail)."""
+    from v4stack.kernels import fused_gpu
+    from v4stack.kernels import triton_grouped_swiglu as tgs
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, N, K = 9, 384, 512
+    counts = torch.tensor([192, 0, 3, 190, 64, 1, 200, 17, 256])
+    off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).cuda()
+    T = int(counts.sum())
+    x = torch.randn(T, K, device="cuda", generator=gen).bfloat16()
+    w1, w3 = ((torch.randn(E, N, K, device="cuda", generator=gen) / 8).bfloat16() for _ in range(2))
+    ws = torch.rand(T, device="cuda", generator=gen)
+    with ops.mode("invariant"):
+        want = fused.grouped_swiglu_reference(x, w1, w3, off, 1.5, ws, torch.bfloat16)
+        ops.reset_counters()
+        got = fused.grouped_swiglu(x, w1, w3, off, 1.5, ws, torch.bfloat16)
+        assert ops.counters()["grouped_swiglu"] == {"triton_grouped_swiglu": 1}
+    assert not fused_gpu.refused, fused_gpu.refused
+    assert torch.equal(got, want)
+    for t in tgs.CANDIDATES:
+        assert torch.equal(tgs.grouped_swiglu(x, w1, w3, off, 1.5, ws, torch.bfloat16, tile=t), want), t
+    assert not torch.equal(tgs.grouped_swiglu(x, w1, w3, off, 1.5, None, torch.bfloat16), want)
+    assert not torch.equal(tgs.grouped_swiglu(x, w1, w3, off, 0.5, ws, torch.bfloat16), want)
+    ref = fused.grouped_swiglu_reference(*(t.cpu().double() for t in (x, w1, w3)), off.cpu(), 1.5, ws.cpu().double(),
+                                         torch.float64)
+    torch.testing.assert_close(got.cpu().double(), ref, atol=2e-2, rtol=2e-2)

@@ -86,13 +86,19 @@ def test_fused_launch_stops_at_the_last_visible_chunk_with_the_same_bits():
     assert not torch.equal(ta.sparse_attention(q, pools, cut, sink, D ** -0.5, path="fused")[0], fused[0])
 
 
+@pytest.mark.parametrize("shape", [None, dict(DV=16), dict(CH=32), dict(DV=16, CH=16)],
+                         ids=["whole", "column_blocks", "chunk32", "both"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_online_kernel_matches_float64_and_reads_no_row_outside_its_pool(dtype, tol):
+def test_online_kernel_matches_float64_and_reads_no_row_outside_its_pool(dtype, tol, shape):
     """Fast mode's many-row launch (online softmax, accumulated in place) agrees with float64 over
     two pools, one pool and a padded list that stops at the last live chunk; an index outside
     its pool is no candidate (the same bits as -1 there), while moving a visible candidate to
-    another row of the pool does change the output (the control: the comparison can fail)."""
-    ta = pytest.importorskip("v4stack.kernels.triton_attention_online")
+    another row of the pool does change the output (the control: the comparison can fail). The
+    same for the launch split by output columns (``DV``) and for smaller chunks (``CH``)."""
+    import functools
+
+    tao = pytest.importorskip("v4stack.kernels.triton_attention_online")
+    ta = type("launch", (), {"sparse_attention": staticmethod(functools.partial(tao.sparse_attention, shape=shape))})
     ref = importlib.import_module("v4stack.ops.sparse_attention")
     q, pools, idx, sink = _case(dtype)
     dq, dp = q.double(), [p.double() for p in pools]
