@@ -86,8 +86,11 @@ def test_fused_launch_stops_at_the_last_visible_chunk_with_the_same_bits():
     assert not torch.equal(ta.sparse_attention(q, pools, cut, sink, D ** -0.5, path="fused")[0], fused[0])
 
 
-@pytest.mark.parametrize("shape", [None, dict(DV=16), dict(CH=32), dict(DV=16, CH=16)],
-                         ids=["whole", "column_blocks", "chunk32", "both"])
+SHAPES = [None, dict(DV=16), dict(CH=32), dict(DV=16, CH=16), dict(QR=True), dict(DV=16, QR=True)]
+SHAPE_IDS = ["whole", "column_blocks", "chunk32", "both", "reread_q", "column_blocks_reread_q"]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_online_kernel_matches_float64_and_reads_no_row_outside_its_pool(dtype, tol, shape):
     """Fast mode's many-row launch (online softmax, accumulated in place) agrees with float64 over
@@ -120,8 +123,9 @@ def test_online_kernel_matches_float64_and_reads_no_row_outside_its_pool(dtype, 
     assert not torch.equal(ta.sparse_attention(q, pools, moved, sink, D ** -0.5, force=True)[0], got[0])
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_online_kernel_normalises_the_queries_on_its_scores(dtype, tol):
+def test_online_kernel_normalises_the_queries_on_its_scores(dtype, tol, shape):
     """With ``q_eps`` the many-row launch is attention of the per-head RMS-normalised queries
     (against float64 of the normalisation then the attention), with raw queries far from unit
     norm; the control: the same launch without it is far from that reference."""
@@ -132,9 +136,9 @@ def test_online_kernel_normalises_the_queries_on_its_scores(dtype, tol):
     dq, dp = q.double(), [p.double() for p in pools]
     normed = dq * torch.rsqrt(dq.pow(2).mean(-1, keepdim=True) + 1e-6)
     want = ref.reference(normed, dp, idx, sink.double(), D ** -0.5)
-    got = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True, q_eps=1e-6)
+    got = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True, q_eps=1e-6, shape=shape)
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
-    raw = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True)
+    raw = ta.sparse_attention(q, pools, idx, sink, D ** -0.5, force=True, shape=shape)
     assert (raw.double() - want).abs().max() > 20 * tol
     # the op's composite (every device, every mode) is the same computation
     torch.testing.assert_close(fused.normed_sparse_attention(q, pools, idx, sink, D ** -0.5, 1e-6).double(),
