@@ -56,7 +56,7 @@ def kernels() -> dict:
                                          ["tensordesc<bf16[64, 64]>", "tensordesc<bf16[128, 64]>",
                                           "tensordesc<bf16[128, 64]>", BF, "*i64", P, I, I, I, I, F]),
                                     dict(EB=16, BM=64, BN=128, BK=64, NUM_SMS=132, CLAMP=True, HAS_W=True,
-                                         FLAT=False), dict(num_warps=4, num_stages=3)),
+                                         FLAT=False), dict(num_warps=8, num_stages=3)),
         "gemm_fp32_tf32x3": (ts.slices_kernel, SLICES_SIG, dict(SPLIT=256, BM=64, BN=32, BK=32, TF32X3=True, RMS=False,
                                                                 GRID=True, UNR=8, TWO=False),
                              dict(num_warps=4, num_stages=3)),
