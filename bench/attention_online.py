@@ -50,7 +50,7 @@ def compiled(kernel) -> list[dict]:
         for k in cache[0].values():
             out.append(dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
                             shared=getattr(k.metadata, "shared", None), warps=getattr(k.metadata, "num_warps", None),
-                            consts={n: v for n, v in getattr(k.src, "constants", {}).items()
+                            consts={str(n): v for n, v in getattr(k.src, "constants", {}).items()
                                     if isinstance(v, (int, bool))} if hasattr(k, "src") else None))
     return out
 

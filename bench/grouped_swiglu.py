@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="bench grouped-swiglu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/grouped_swiglu_h200.json")
-    ap.add_argument("--tokens", default="16,64,256")
+    ap.add_argument("--tokens", default="16,64,128,192,256")
     a = ap.parse_args(argv)
     rows = []
     for tokens in map(int, a.tokens.split(",")):

@@ -83,3 +83,34 @@ def test_shared_expert_joins_the_grouped_gemms_with_the_same_bits(model64):
         assert w1.shape[0] == moe.n_experts + 1 and se.w1.weight.data_ptr() == w1[-1].data_ptr()
     with torch.enable_grad():
         assert not moe._shared_joins()  # training keeps the shared expert apart
+
+
+def test_router_weight_widened_once_and_again_after_a_change():
+    """A bf16 router's fp32 weight is one kept copy (no cast a call) that follows the weight: an
+    in-place update and a replaced tensor both give the new weight's choice. The control: the
+    first choice is not the updated weight's (a stale copy would be seen)."""
+    from v4stack.config import preset
+    from v4stack.model.moe import Gate
+
+    cfg = preset("tiny")
+    gate = Gate(cfg, hashed=False).bfloat16()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=gen))
+        x = torch.randn(16, cfg.hidden_size, generator=gen).bfloat16()
+        first = gate(x, None)[0]
+        assert gate._weight_in(torch.float32) is gate._weight_in(torch.float32)
+        gate.weight.mul_(-1)  # in place: the best experts become the worst
+        flipped = gate(x, None)[0]
+        assert torch.equal(flipped, Gate.forward(_fresh(gate, cfg), x, None)[0])
+        assert not torch.equal(flipped, first)
+        gate.weight.data = torch.randn(gate.weight.shape, generator=gen).bfloat16()  # replaced
+        assert torch.equal(gate(x, None)[0], Gate.forward(_fresh(gate, cfg), x, None)[0])
+
+
+def _fresh(gate, cfg):
+    from v4stack.model.moe import Gate
+
+    g = Gate(cfg, hashed=False).bfloat16()
+    g.load_state_dict(gate.state_dict())
+    return g

@@ -180,7 +180,7 @@ def test_grouped_swiglu_kernel_gives_the_unfused_kernels_bits():
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     E, N, K = 9, 384, 512
-    counts = torch.tensor([192, 0, 3, 190, 64, 1, 200, 17, 256])
+    counts = torch.tensor([256, 0, 3, 250, 192, 1, 200, 17, 256])  # 131 rows a expert: the fused launch's
     off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).cuda()
     T = int(counts.sum())
     x = torch.randn(T, K, device="cuda", generator=gen).bfloat16()
@@ -191,6 +191,10 @@ def test_grouped_swiglu_kernel_gives_the_unfused_kernels_bits():
         ops.reset_counters()
         got = fused.grouped_swiglu(x, w1, w3, off, 1.5, ws, torch.bfloat16)
         assert ops.counters()["grouped_swiglu"] == {"triton_grouped_swiglu": 1}
+        small = torch.tensor([0, 9, 9, 9, 9, 9, 9, 9, 9, 9]).cumsum(0).cuda()  # 9 rows a expert: the three kernels
+        ops.reset_counters()
+        fused.grouped_swiglu(x[:81], w1, w3, small, 1.5, ws[:81], torch.bfloat16)
+        assert ops.counters()["grouped_swiglu"] == {"torch_composite": 1}
     assert not fused_gpu.refused, fused_gpu.refused
     assert torch.equal(got, want)
     for t in tgs.CANDIDATES:

@@ -33,9 +33,9 @@ def swiglu_act_ok(gate, up, limit, weight, out_dtype) -> bool:
 
 
 def grouped_swiglu_ok(x, w1, w3, offsets, limit, weight, out_dtype) -> bool:
-    """The fused kernel where the unfused grouped GEMM would run the project's kernel (fast mode
-    takes ``torch._grouped_mm`` at some row counts; there the three kernels stay), its TMA terms
-    hold and ``swiglu_act``'s kernel would take the activation."""
+    """The fused kernel where it was measured faster (``FUSED_FROM_ROWS`` rows a expert and more),
+    where the unfused grouped GEMM would run the project's kernel (fast mode takes
+    ``torch._grouped_mm`` at some row counts; there the three kernels stay) and its TMA terms hold."""
     from v4stack import ops
     from v4stack.kernels import triton_grouped_swiglu as tgs
     from v4stack.ops.dispatch import resolve
@@ -46,8 +46,8 @@ def grouped_swiglu_ok(x, w1, w3, offsets, limit, weight, out_dtype) -> bool:
             and (weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[0] and weight.is_contiguous()
                                     and weight.dtype == torch.float32 and weight.device == x.device))):
         return False
-    return resolve("grouped_linear", ops.get_mode(), str(w1.dtype)[6:], "cuda", x, w1, offsets).name \
-        == "triton_grouped_gemm"
+    return -(-x.shape[0] // w1.shape[0]) >= tgs.FUSED_FROM_ROWS and resolve(
+        "grouped_linear", ops.get_mode(), str(w1.dtype)[6:], "cuda", x, w1, offsets).name == "triton_grouped_gemm"
 
 
 def table_ok(table, positions, freqs) -> bool:

@@ -63,11 +63,16 @@ def grouped_swiglu_kernel(x_desc, w1_desc, w3_desc, Y, Off, WT, E, N, K, s_ym, l
 
 
 # the tile of every call unless one is given (bench/grouped_swiglu.py sweeps the candidates). Two
-# [BM, BN] fp32 accumulators: at 64 x 128 four warps spill (ptxas: 916 bytes a thread), eight do not
-TILE = dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3, occ=1, FLAT=False)
-CANDIDATES = (TILE, dict(TILE, num_stages=4), dict(TILE, num_stages=2, occ=2),
-              dict(TILE, BN=64, num_warps=4, num_stages=4), dict(TILE, BN=64, num_warps=4, num_stages=4, occ=2),
-              dict(TILE, BM=128, BN=64, num_stages=4), dict(TILE, num_warps=4))
+# [BM, BN] fp32 accumulators: at 64 x 128 four warps spill (ptxas: 916 bytes a thread), eight do not.
+# Measured on the H200 at the flash4 engine's calls (bench/results/grouped_swiglu_h200.json): at
+# 1792 rows (199 a expert) 64 x 64 two a SM took 131 us against 138 us for the three kernels;
+# at 448 rows (50 a expert) 93 against 91, at 112 rows 99 against 82. So the dispatch takes it
+# from FUSED_FROM_ROWS rows a expert only.
+TILE = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4, occ=2, FLAT=False)
+FUSED_FROM_ROWS = 128
+CANDIDATES = (TILE, dict(TILE, occ=1), dict(TILE, BN=128, num_warps=8, num_stages=3, occ=1),
+              dict(TILE, BN=128, num_warps=8, occ=1), dict(TILE, BN=128, num_warps=8, num_stages=2, occ=2),
+              dict(TILE, BM=128, num_warps=8, occ=1), dict(TILE, BN=128, num_stages=3, occ=1))
 
 
 def usable(x, w1, w3, out_dtype) -> bool:

@@ -65,13 +65,18 @@ def _outputs(N, n, device):
     return pre, torch.empty_like(pre), torch.empty(N, n, n, dtype=torch.float32, device=device)
 
 
-def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
+SPLIT_LAUNCH = dict(rows=16, warps=1)  # rows a program and its warps, for every N
+
+
+def hc_split(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float,
+             launch_shape: dict | None = None):
     N = mix.shape[0]
     pre, post, comb = _outputs(N, n, mix.device)
     if N:
-        rows = 16
+        sh = launch_shape or SPLIT_LAUNCH
+        rows = sh["rows"]
         launch(hc_split_kernel, (triton.cdiv(N, rows),), mix, scale, base, pre, post, comb, N, mix.stride(0),
-               float(eps), NH=n, ITERS=iters, ROWS=rows, num_warps=1)
+               float(eps), NH=n, ITERS=iters, ROWS=rows, num_warps=sh["warps"])
     return pre, post, comb
 
 

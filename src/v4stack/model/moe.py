@@ -80,10 +80,24 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
+    _cast: tuple | None = None  # (key, the weight in the compute dtype)
+
+    def _weight_in(self, cd: torch.dtype) -> torch.Tensor:
+        """The router weight in the compute dtype: without autograd a widened copy kept until the
+        weight changes (its storage, its in-place version, the dtype), not one cast a call."""
+        w = self.weight
+        if w.dtype == cd or (torch.is_grad_enabled() and w.requires_grad):
+            return w.to(cd)
+        # the storage is held with the copy, so no other weight can take its address meanwhile
+        key = (w.data_ptr(), w._version, w.device, cd)
+        if self._cast is None or self._cast[0] != key:
+            self._cast = (key, w.detach().to(cd), w.untyped_storage())
+        return self._cast[1]
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """-> (expert indices ``[N, k]``, routing weights ``[N, k]`` in the compute dtype)."""
         cd = compute_dtype(x.dtype)
-        logits = ops.linear(x.to(cd), self.weight.to(cd))
+        logits = ops.linear(x.to(cd), self._weight_in(cd))
         if self.hashed:
             return moe_gate(logits, None, self.tid2eid, token_ids, self.topk, self.scale)
         return moe_gate(logits, self.bias.to(cd), None, None, self.topk, self.scale)
