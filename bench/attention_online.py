@@ -6,12 +6,9 @@ own compressed pool (4096 entries at 16k tokens for CSA, 128 for HCA at 16k, 256
 graphs (and of the online launch after the queries' RMS norm kernel against the launch that
 normalises the queries it loads, ``q_eps``), the bytes of candidate rows read and the rate that makes, each one's largest error
 against an fp32 torch reference over the same candidates, and which the fast-mode dispatch
-(``ops.sparse_attention``) runs. With ``--sweep`` the online launch's shapes of ``SWEEP`` instead
-(heads a program, output columns a program ``DV``, candidates a chunk ``CH``, warps, stages): each
-one's device time, largest error and the compiled kernel's registers and spills a thread.
+(``ops.sparse_attention``) runs.
 
     python -m bench.attention_online --out bench/results/attention_online_h200.json
-    python -m bench.attention_online --sweep --rows 64,256 --out bench/results/attention_online_sweep_h200.json
 """
 
 from __future__ import annotations
@@ -30,60 +27,6 @@ from v4stack.kernels.attention_tiles import pick, takes_online
 H, D, WINDOW = 64, 512, 128
 # name: (compressed candidates a row, visible of them, compressed entries a request)
 LAYERS = {"window": (0, 0, 0), "csa_1k": (512, 256, 256), "csa_16k": (512, 512, 4096), "hca_16k": (128, 128, 128)}
-
-
-def _s(BH=64, DV=0, CH=64, w=8, st=2, QR=False, QN=True):
-    return dict(BH=BH, DV=DV, CH=CH, num_warps=w, num_stages=st, QR=QR, QN=QN)
-
-
-# QN: the queries normalised in the launch, as the model calls it (``normed_sparse_attention``)
-SWEEP = (_s(QN=False), _s(), _s(CH=32), _s(CH=32, st=3), _s(CH=16), _s(CH=32, QR=True), _s(w=16),
-         _s(DV=256, CH=32), _s(DV=256, CH=32, QR=True), _s(DV=256, CH=16, QR=True), _s(DV=128, CH=32, QR=True),
-         _s(DV=128, CH=32), _s(DV=256), _s(DV=128, CH=32, w=4, st=3), _s(DV=256, CH=32, st=3),
-         _s(BH=16, w=4), _s(BH=16, DV=256, CH=32, w=4))
-
-
-def compiled(kernel) -> list[dict]:
-    """Registers, spills and shared memory of every compiled variant of ``kernel`` so far."""
-    out = []
-    for cache in kernel.device_caches.values():
-        for k in cache[0].values():
-            out.append(dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
-                            shared=getattr(k.metadata, "shared", None), warps=getattr(k.metadata, "num_warps", None),
-                            consts={str(n): v for n, v in getattr(k.src, "constants", {}).items()
-                                    if isinstance(v, (int, bool))} if hasattr(k, "src") else None))
-    return out
-
-
-def sweep(rows: list[int], out_path: str) -> None:
-    out = []
-    for T in rows:
-        for name, (k1, visible, entries) in LAYERS.items():
-            q, pools, idx, sink, scale = case(T, k1, visible, entries)
-            want = reference(q, pools, idx, sink, scale)
-            normed = reference(ops.rms_norm(q.float(), None, 1e-6).to(q.dtype), pools, idx, sink, scale)
-            for sh in SWEEP:
-                r = dict(rows=T, layer=name, shape=sh, bytes_read=T * (WINDOW + visible) * D * 2)
-                launch = {k: v for k, v in sh.items() if k != "QN"}
-                eps = 1e-6 if sh["QN"] else None
-                try:
-                    got = online.sparse_attention(q, pools, idx, sink, scale, force=True, shape=launch, q_eps=eps)
-                    r["max_err"] = float((got.float() - (normed if sh["QN"] else want)).abs().max())
-                    r["us"] = graph_time(lambda: online.sparse_attention(q, pools, idx, sink, scale, force=True,
-                                                                         shape=launch, q_eps=eps)) * 1e6
-                    r["GBps"] = r["bytes_read"] / r["us"] / 1e3
-                    print(f"{T:>5} {name:>8} {sh}: {r['us']:7.1f} us ({r['GBps']:5.0f} GB/s) err {r['max_err']:.2e}",
-                          flush=True)
-                except Exception as e:  # noqa: BLE001  (a shape the compiler refuses is a result)
-                    r["error"] = f"{type(e).__name__}: {e}"[:400]
-                    print(f"{T:>5} {name:>8} {sh}: {r['error'][:160]}", flush=True)
-                out.append(r)
-            del q, pools, idx, want, normed
-            torch.cuda.empty_cache()
-            write_result(out_path, {"widths": dict(H=H, D=D, window=WINDOW), "sweep": out,
-                                    "compiled": {"online_kernel": compiled(online.online_kernel),
-                                                 "online_cols_kernel": compiled(online.online_cols_kernel)},
-                                    "device_name": torch.cuda.get_device_name()})
 
 
 def case(T: int, k1: int, visible: int, entries: int, seed: int = 0):
@@ -113,10 +56,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/attention_online_h200.json")
     ap.add_argument("--rows", default="64,256,1024")
-    ap.add_argument("--sweep", action="store_true", help="the online launch's shapes of SWEEP")
     a = ap.parse_args(argv)
-    if a.sweep:
-        return sweep(list(map(int, a.rows.split(","))), a.out)
     out = []
     for T in map(int, a.rows.split(",")):
         for name, (k1, visible, entries) in LAYERS.items():

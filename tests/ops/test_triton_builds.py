@@ -10,8 +10,7 @@ pytest.importorskip("triton")
 from tests.ops.hopper import check, ptx  # noqa: E402
 
 FAST = ("sparse_attention_fused", "gemm_fp32_tf32x3", "gemm_bf16_small")
-SLOW = ("sparse_attention_split", "sparse_attention_online", "sparse_attention_online_qn", "sparse_attention_online_cols",
-        "grouped_swiglu_bf16_tma", "sparse_attention_merge", "grouped_gemm_bf16", "grouped_gemm_bf16_tma", "hc_mix", "hc_mix_bf16_streams",
+SLOW = ("sparse_attention_split", "sparse_attention_online", "sparse_attention_online_qn", "sparse_attention_merge", "grouped_gemm_bf16", "grouped_gemm_bf16_tma", "hc_mix", "hc_mix_bf16_streams",
         "indexer_scores", "fp8_gemm", "weighted_pool", "moe_combine", "rms_norm", "softmax_row",
         "log_softmax_chunks", "gemm_bf16_mid", "gemm_bf16_large")
 

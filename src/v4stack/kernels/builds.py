@@ -18,7 +18,6 @@ def kernels() -> dict:
     from v4stack.kernels import triton_attention_online as tao
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
-    from v4stack.kernels import triton_grouped_swiglu as tgs
     from v4stack.kernels import triton_grouped_tma as tgt
     from v4stack.kernels import triton_ring as ring
     from v4stack.kernels import triton_route as route
@@ -35,9 +34,6 @@ def kernels() -> dict:
                                           attn_types + [BF, I, I, I, F, I, F]), dict(cx, BH=64, QN=qn),
                   dict(num_warps=8, num_stages=2))
            for name, qn in (("sparse_attention_online", False), ("sparse_attention_online_qn", True))},
-        "sparse_attention_online_cols": (tao.online_cols_kernel, _sig(attn_args + " O s_ot s_oh H scale2 NCH qeps",
-                                                                      attn_types + [BF, I, I, I, F, I, F]),
-                                         dict(cx, BH=64, QN=False, DV=256), dict(num_warps=8, num_stages=2)),
         "sparse_attention_split": (ta.split_kernel, _sig(attn_args + " Pm Pl Pa H scale NCH",
                                                          attn_types + [P, P, P, I, F, I]), cx),
         "sparse_attention_merge": (ta.merge_kernel, _sig("Pm Pl Pa Sink O s_ot s_oh H NCH",
@@ -51,12 +47,6 @@ def kernels() -> dict:
                                                                           I, I, I, I]),
                                   dict(EB=16, BM=128, BN=256, BK=64, NUM_SMS=132, FLAT=True),
                                   dict(num_warps=8, num_stages=3)),
-        "grouped_swiglu_bf16_tma": (tgs.grouped_swiglu_kernel,
-                                    _sig("x_desc w1_desc w3_desc Y Off WT E N K s_ym limit",
-                                         ["tensordesc<bf16[64, 64]>", "tensordesc<bf16[128, 64]>",
-                                          "tensordesc<bf16[128, 64]>", BF, "*i64", P, I, I, I, I, F]),
-                                    dict(EB=16, BM=64, BN=128, BK=64, NUM_SMS=132, CLAMP=True, HAS_W=True,
-                                         FLAT=False), dict(num_warps=8, num_stages=3)),
         "gemm_fp32_tf32x3": (ts.slices_kernel, SLICES_SIG, dict(SPLIT=256, BM=64, BN=32, BK=32, TF32X3=True, RMS=False,
                                                                 GRID=True, UNR=8, TWO=False),
                              dict(num_warps=4, num_stages=3)),

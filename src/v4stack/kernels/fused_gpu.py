@@ -32,24 +32,6 @@ def swiglu_act_ok(gate, up, limit, weight, out_dtype) -> bool:
                                     and weight.dtype == torch.float32 and weight.device == gate.device)))
 
 
-def grouped_swiglu_ok(x, w1, w3, offsets, limit, weight, out_dtype) -> bool:
-    """The fused kernel where it was measured faster (``FUSED_FROM_ROWS`` rows a expert and more),
-    where the unfused grouped GEMM would run the project's kernel (fast mode takes
-    ``torch._grouped_mm`` at some row counts; there the three kernels stay) and its TMA terms hold."""
-    from v4stack import ops
-    from v4stack.kernels import triton_grouped_swiglu as tgs
-    from v4stack.ops.dispatch import resolve
-
-    if not (x.is_cuda and x.dim() == 2 and w1.dim() == 3 and x.dtype in (torch.bfloat16, torch.float16)
-            and offsets.is_cuda and offsets.dim() == 1 and offsets.shape[0] == w1.shape[0] + 1
-            and w1.shape[2] == x.shape[1] and tgs.usable(x, w1, w3, out_dtype)
-            and (weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[0] and weight.is_contiguous()
-                                    and weight.dtype == torch.float32 and weight.device == x.device))):
-        return False
-    return -(-x.shape[0] // w1.shape[0]) >= tgs.FUSED_FROM_ROWS and resolve(
-        "grouped_linear", ops.get_mode(), str(w1.dtype)[6:], "cuda", x, w1, offsets).name == "triton_grouped_gemm"
-
-
 def table_ok(table, positions, freqs) -> bool:
     return table is None or (table.dtype == torch.float32 and table.is_contiguous() and table.device == positions.device
                              and tuple(table.shape) == (positions.shape[0], 2, freqs.shape[0]))
@@ -212,9 +194,6 @@ def register_all(register) -> None:
              accepts=_with("triton", C.hc_write))
     register("swiglu_act", "triton_swiglu_act", _guarded("swiglu_act", _lazy("triton_mhc", "swiglu_act"),
              ref("swiglu_act_reference")), device="cuda", accepts=_with("triton", swiglu_act_ok))
-    register("grouped_swiglu", "triton_grouped_swiglu", _guarded("grouped_swiglu",
-             _lazy("triton_grouped_swiglu", "grouped_swiglu"), ref("grouped_swiglu_reference")), device="cuda",
-             accepts=_with("triton", grouped_swiglu_ok))
     register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
              device="cuda", accepts=_with("triton", rope_ok))
     register("moe_gate", "triton_moe_gate", _guarded("moe_gate", _lazy("triton_route", "moe_gate"),

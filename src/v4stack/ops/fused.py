@@ -9,9 +9,6 @@
   the streams ``x [N, n, d]`` (one pair of kernels on CUDA).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
   (times the routing weight) between their GEMMs, one kernel on CUDA.
-- ``grouped_swiglu(x, w1, w3, offsets, limit, weight, out_dtype)``: the experts' gate and up
-  grouped GEMMs and ``swiglu_act`` between them (``triton_grouped_swiglu.py``: one persistent
-  kernel instead of three, the same bits).
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
   len(freqs)`` channels by ``positions * freqs`` (``model/rope.py``).
 - ``moe_gate(logits, bias, table, token_ids, k, scale)``: the router after its projection:
@@ -92,10 +89,6 @@ def swiglu_act_reference(gate, up, limit: float, weight, out_dtype):
     if weight is not None:
         act = act * weight.to(cd).unsqueeze(-1)
     return act.to(out_dtype)
-
-
-def grouped_swiglu_reference(x, w1, w3, offsets, limit: float, weight, out_dtype):
-    return swiglu_act(ops.grouped_linear(x, w1, offsets), ops.grouped_linear(x, w3, offsets), limit, weight, out_dtype)
 
 
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -226,7 +219,6 @@ register("rope_table", "torch_composite", rope_table_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
-register("grouped_swiglu", "torch_composite", grouped_swiglu_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
@@ -294,15 +286,6 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch
     returned in ``out_dtype`` (the next GEMM's); ``limit`` 0 disables the clamps."""
     return call("swiglu_act", ops.get_mode(), str(gate.dtype)[6:], gate.device.type, gate, up, limit, weight,
                 out_dtype)
-
-
-def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets: torch.Tensor, limit: float,
-                   weight: torch.Tensor | None, out_dtype) -> torch.Tensor:
-    """``swiglu_act(grouped_linear(x, w1, offsets), grouped_linear(x, w3, offsets), limit, weight,
-    out_dtype)``: the experts' activation from their sorted rows ``x [T, K]`` (``w1`` / ``w3``
-    ``[E, N, K]``, ``offsets [E + 1]``, routing ``weight [T]`` or None)."""
-    return call("grouped_swiglu", ops.get_mode(), str(w1.dtype)[6:], x.device.type, x, w1, w3, offsets, limit,
-                weight, out_dtype)
 
 
 def group_linear(x: torch.Tensor, w: torch.Tensor, fp=None) -> torch.Tensor:
