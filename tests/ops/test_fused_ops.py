@@ -56,6 +56,25 @@ def test_swiglu_act_kernel_matches_float64(limit):
     assert got.abs().max() <= (limit * limit * w.max() if limit else float("inf"))
 
 
+@pytest.mark.parametrize("D", [300, 2500])
+def test_hc_read_norm_kernel_is_the_read_then_the_norm_and_row_local(D):
+    """The mHC read and the RMS norm in one row kernel: against float64 of the read rounded to the
+    streams' dtype then the norm, one block and several (D past 1024); a row alone gives the bits
+    it gets in a batch. The control: other read weights change the output."""
+    tr = pytest.importorskip("v4stack.kernels.triton_rows")
+    x = (torch.randn(9, 4, D, generator=g) * 3).bfloat16()
+    pre = torch.rand(9, 4, generator=g) + 0.1
+    w = (torch.rand(D, generator=g) + 0.5).bfloat16()
+    got = tr.hc_read_norm(x, pre, w, 1e-6)
+    read = (pre[:, :, None].double() * x.double()).sum(1).bfloat16().double()
+    want = read * torch.rsqrt(read.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)
+    assert torch.equal(tr.hc_read_norm(x[4:5].clone(), pre[4:5].clone(), w, 1e-6)[0], got[4])
+    assert torch.equal(tr.hc_read_norm(x, pre, None, 1e-6), tr.rms_norm(tr.hc_read(x, pre), None, 1e-6))
+    assert not torch.allclose(tr.hc_read_norm(x, pre.flip(1), w, 1e-6).float(), got.float(), atol=1e-2)
+    assert torch.equal(fused.hc_read_norm(x, pre, w, 1e-6), fused.hc_read_norm_reference(x, pre, w, 1e-6))
+
+
 @pytest.mark.parametrize("shape", [(5, 3, 48), (6, 40)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_kernel_matches_float64(shape, inverse):
@@ -128,6 +147,18 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
     assert ops.counters()["rope"] == {"triton_rope": 1}
     torch.testing.assert_close(y.double(), fused.rope_reference(x.double(), pos, freqs, False), atol=2e-2, rtol=1e-2)
     assert torch.equal(fused.rope(x[7:8].clone(), pos[7:8], freqs)[0], y[7])
+    xs3 = (torch.randn(70, 4, 4096, device="cuda") * 3).bfloat16()
+    pre3 = torch.rand(70, 4, device="cuda") + 0.1
+    w3 = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
+    for mode in ("invariant", "fast"):
+        with ops.mode(mode):
+            ops.reset_counters()
+            rn = fused.hc_read_norm(xs3, pre3, w3, 1e-6)
+            assert ops.counters()["hc_read_norm"] == {"triton_hc_read_norm": 1}
+            assert torch.equal(fused.hc_read_norm(xs3[33:34].clone(), pre3[33:34].clone(), w3, 1e-6)[0], rn[33])
+    torch.testing.assert_close(rn.double(), fused.hc_read_norm_reference(xs3.cpu().double(), pre3.cpu().double(),
+                                                                         w3.cpu().double(), 1e-6).cuda(),
+                               atol=3e-2, rtol=2e-2)
     gt, up, rw = (torch.randn(33, 2048, device="cuda") * 3).bfloat16(), torch.randn(33, 2048, device="cuda").bfloat16(), \
         torch.rand(33, device="cuda")
     ops.reset_counters()

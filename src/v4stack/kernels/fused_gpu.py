@@ -32,6 +32,15 @@ def swiglu_act_ok(gate, up, limit, weight, out_dtype) -> bool:
                                     and weight.dtype == torch.float32 and weight.device == gate.device)))
 
 
+def hc_read_norm_ok(x, pre, weight, eps) -> bool:
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    return (x.is_cuda and x.dim() == 3 and x.dtype in fl and 1 <= x.shape[1] <= 16 and x.shape[2] >= 1
+            and pre.is_cuda and pre.dtype == torch.float32 and tuple(pre.shape) == tuple(x.shape[:2])
+            and pre.device == x.device
+            and (weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[2] and weight.dtype in fl
+                                    and weight.device == x.device)))
+
+
 def table_ok(table, positions, freqs) -> bool:
     return table is None or (table.dtype == torch.float32 and table.is_contiguous() and table.device == positions.device
                              and tuple(table.shape) == (positions.shape[0], 2, freqs.shape[0]))
@@ -194,6 +203,9 @@ def register_all(register) -> None:
              accepts=_with("triton", C.hc_write))
     register("swiglu_act", "triton_swiglu_act", _guarded("swiglu_act", _lazy("triton_mhc", "swiglu_act"),
              ref("swiglu_act_reference")), device="cuda", accepts=_with("triton", swiglu_act_ok))
+    register("hc_read_norm", "triton_hc_read_norm", _guarded("hc_read_norm",
+             _lazy("triton_rows", "hc_read_norm"), ref("hc_read_norm_reference")), device="cuda",
+             accepts=_with("triton", hc_read_norm_ok))
     register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
              device="cuda", accepts=_with("triton", rope_ok))
     register("moe_gate", "triton_moe_gate", _guarded("moe_gate", _lazy("triton_route", "moe_gate"),

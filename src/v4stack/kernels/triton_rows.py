@@ -206,6 +206,51 @@ def hc_read(x, pre):
 
 
 @triton.jit
+def _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB: tl.constexpr, BD: tl.constexpr):
+    """``hc_read_kernel``'s columns ``[d0, d0 + BD)`` of row ``r``, rounded to the streams' dtype."""
+    d = d0 + tl.arange(0, BD)
+    j = tl.arange(0, NB)
+    m2 = (j < n)[:, None] & (d < D)[None, :]
+    x = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    p = tl.load(Pre + r * s_pn + j, mask=j < n, other=0.0).to(tl.float32)
+    return tl.sum(p[:, None] * x, 0).to(X.dtype.element_ty).to(tl.float32), d
+
+
+@triton.jit
+def hc_read_norm_kernel(X, Pre, W, Y, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS_W: tl.constexpr, NB: tl.constexpr,
+                        BD: tl.constexpr):
+    """One row a program: the mHC read (``hc_read_kernel``'s sum over the streams, rounded to the
+    streams' dtype as it stores it) and its RMS norm, without writing the read. Two passes over
+    the columns in blocks of BD: the sum of squares (per lane, then one tree), then the read
+    again (the same bits) times ``1 / sqrt`` and the weight."""
+    r = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BD], tl.float32)
+    for d0 in range(0, D, BD):
+        y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
+        acc += y * y
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(acc, 0), Df) + eps))
+    for d0 in range(0, D, BD):
+        y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
+        y = y * inv
+        if HAS_W:
+            y = y * tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(Y + r * s_yn + d, y.to(Y.dtype.element_ty), mask=d < D)
+
+
+def hc_read_norm(x, pre, weight, eps):
+    """``rms_norm(hc_read(x, pre), weight, eps)`` per token in one launch (``fused.hc_read_norm``)."""
+    N, n, D = x.shape
+    xc, pc = x.contiguous(), pre.contiguous()
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    if N and D:
+        w = weight.contiguous() if weight is not None else y
+        launch(hc_read_norm_kernel, (N,), xc, pc, w, y, n, D, float(D), xc.stride(0), xc.stride(1), pc.stride(0),
+               y.stride(0), float(eps), HAS_W=weight is not None, NB=max(2, next_pow2(n)),
+               BD=min(1024, next_pow2(D)))
+    return y
+
+
+@triton.jit
 def hc_write_kernel(X, Out, Post, Comb, Y, n, D, s_xn, s_xj, s_on, s_pn, s_cn, s_cj, s_yn, s_yk,
                     NB: tl.constexpr, BD: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)

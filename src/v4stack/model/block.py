@@ -7,7 +7,7 @@ from torch import nn
 
 from v4stack.config import ModelConfig
 from v4stack.model.attention import Attention, Segment
-from v4stack.model.mhc import hc_coefficients, hc_parameters, hc_read, hc_write
+from v4stack.model.mhc import hc_coefficients, hc_parameters, hc_write, read_norm
 from v4stack.model.moe import MoE
 from v4stack.model import rowwise
 from v4stack.model.norm import RMSNorm
@@ -31,9 +31,9 @@ class Block(nn.Module):
         """Streams ``x [N, n_hc, d]`` -> new streams."""
         pre, post, comb = rowwise.step(hc_coefficients, x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
                                        self.iters, self.hc_eps, self.norm_eps, params=(1, 2, 3))
-        y = self.attn(self.attn_norm(hc_read(x, pre)), positions, segments, self.layer_id)
+        y = self.attn(read_norm(x, pre, self.attn_norm), positions, segments, self.layer_id)
         x = hc_write(x, y, post, comb)
         pre, post, comb = rowwise.step(hc_coefficients, x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                        self.iters, self.hc_eps, self.norm_eps, params=(1, 2, 3))
-        y = self.ffn(self.ffn_norm(hc_read(x, pre)), token_ids)
+        y = self.ffn(read_norm(x, pre, self.ffn_norm), token_ids)
         return hc_write(x, y, post, comb)

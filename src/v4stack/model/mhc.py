@@ -15,7 +15,8 @@ from torch import nn
 
 from v4stack import ops
 from v4stack.model.linear import compute_dtype
-from v4stack.ops.fused import hc_pre, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
+from v4stack.model import rowwise
+from v4stack.ops.fused import hc_pre, hc_read_norm, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
 
 
 def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -42,6 +43,12 @@ def hc_coefficients(x, fn, base, scale, iters: int, eps: float, norm_eps: float)
 def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Sublayer input before its norm: ``sum_j pre_j x_j`` -> ``[N, d]`` in x's dtype."""
     return ops.hc_read(x, pre)
+
+
+def read_norm(x: torch.Tensor, pre: torch.Tensor, norm) -> torch.Tensor:
+    """A sublayer's normalised input: ``norm(hc_read(x, pre))`` for an ``RMSNorm`` ``norm``, one row
+    step over its weight (one kernel on CUDA, ``fused.hc_read_norm``)."""
+    return rowwise.step(hc_read_norm, x, pre, norm.weight, norm.eps, params=(2,))
 
 
 def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@
   concatenated); fast mode on CUDA runs it as one batched GEMM.
 - ``hc_pre(x, fn, scale, base, n, iters, eps, norm_eps)``: the projection and ``hc_split`` from
   the streams ``x [N, n, d]`` (one pair of kernels on CUDA).
+- ``hc_read_norm(x, pre, weight, eps)``: a sublayer's input, ``rms_norm(hc_read(x, pre), weight,
+  eps)`` (``triton_rows.py``: one row kernel, the read never written).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
   (times the routing weight) between their GEMMs, one kernel on CUDA.
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
@@ -89,6 +91,10 @@ def swiglu_act_reference(gate, up, limit: float, weight, out_dtype):
     if weight is not None:
         act = act * weight.to(cd).unsqueeze(-1)
     return act.to(out_dtype)
+
+
+def hc_read_norm_reference(x, pre, weight, eps: float):
+    return ops.rms_norm(ops.hc_read(x, pre), weight, eps)
 
 
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -219,6 +225,7 @@ register("rope_table", "torch_composite", rope_table_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
+register("hc_read_norm", "torch_composite", hc_read_norm_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
@@ -286,6 +293,12 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch
     returned in ``out_dtype`` (the next GEMM's); ``limit`` 0 disables the clamps."""
     return call("swiglu_act", ops.get_mode(), str(gate.dtype)[6:], gate.device.type, gate, up, limit, weight,
                 out_dtype)
+
+
+def hc_read_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The normalised sublayer input ``rms_norm(hc_read(x, pre), weight, eps)``: streams ``x [N, n,
+    d]``, ``pre [N, n]`` -> ``[N, d]`` in ``x``'s dtype."""
+    return call("hc_read_norm", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, pre, weight, eps)
 
 
 def group_linear(x: torch.Tensor, w: torch.Tensor, fp=None) -> torch.Tensor:
