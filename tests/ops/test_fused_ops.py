@@ -56,6 +56,18 @@ def test_swiglu_act_kernel_matches_float64(limit):
     assert got.abs().max() <= (limit * limit * w.max() if limit else float("inf"))
 
 
+def test_hc_head_pre_kernel_matches_float64_and_is_row_local():
+    """The head's stream weights from bf16 streams read in the projection's kernel: against float64
+    of the same formula (the composite), a row alone as in the batch; the control: another bias."""
+    x = (torch.randn(11, 4, 64, generator=g) * 2).bfloat16()
+    fn, scale, base = torch.randn(4, 256, generator=g) / 8, torch.rand(1, generator=g) + 0.5, torch.randn(4, generator=g)
+    got = tm.hc_head_pre(x, fn, scale, base, 1e-6, 1e-6)
+    want = fused.hc_head_pre_reference(x.double(), fn.double(), scale.double(), base.double(), 1e-6, 1e-6)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tm.hc_head_pre(x[3:4].clone(), fn, scale, base, 1e-6, 1e-6)[0], got[3])
+    assert not torch.allclose(tm.hc_head_pre(x, fn, scale, base + 0.5, 1e-6, 1e-6), got, atol=1e-3)
+
+
 @pytest.mark.parametrize("D", [300, 2500])
 def test_hc_read_norm_kernel_is_the_read_then_the_norm_and_row_local(D):
     """The mHC read and the RMS norm in one row kernel: against float64 of the read rounded to the
@@ -159,6 +171,17 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
     torch.testing.assert_close(rn.double(), fused.hc_read_norm_reference(xs3.cpu().double(), pre3.cpu().double(),
                                                                          w3.cpu().double(), 1e-6).cuda(),
                                atol=3e-2, rtol=2e-2)
+    # the head's stream weights from the bf16 streams (read in the projection's kernel): the bits of
+    # the projection of the streams copied to fp32, then the sigmoid
+    fnh = torch.randn(4, 4 * 4096, device="cuda") / 64
+    sch, bah = torch.rand(1, device="cuda") + 0.5, torch.randn(4, device="cuda")
+    with ops.mode("invariant"):
+        ops.reset_counters()
+        ph = fused.hc_head_pre(xs3, fnh, sch, bah, 1e-6, 1e-6)
+        assert ops.counters()["hc_head_pre"] == {"triton_hc_head_pre": 1}
+        mixh = ops.hc_mix(xs3.reshape(70, -1).float(), fnh, 1e-6)
+        torch.testing.assert_close(ph, torch.sigmoid(mixh * sch + bah) + 1e-6, atol=1e-6, rtol=1e-6)
+        assert torch.equal(fused.hc_head_pre(xs3[5:6].clone(), fnh, sch, bah, 1e-6, 1e-6)[0], ph[5])
     gt, up, rw = (torch.randn(33, 2048, device="cuda") * 3).bfloat16(), torch.randn(33, 2048, device="cuda").bfloat16(), \
         torch.rand(33, device="cuda")
     ops.reset_counters()

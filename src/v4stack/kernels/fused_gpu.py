@@ -32,6 +32,25 @@ def swiglu_act_ok(gate, up, limit, weight, out_dtype) -> bool:
                                     and weight.dtype == torch.float32 and weight.device == gate.device)))
 
 
+def hc_head_pre_ok(x, fn, scale, base, eps, norm_eps) -> bool:
+    """Where the projection would run the project's ``hc_mix`` on the streams copied to fp32 (the
+    kernel reads them as they are, widening each value: the same products)."""
+    from v4stack import ops
+    from v4stack.ops.dispatch import resolve
+
+    if not (x.is_cuda and x.dim() == 3 and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16,
+                                                                                torch.float16)
+            and 1 <= x.shape[1] <= 16 and x.shape[1] & (x.shape[1] - 1) == 0
+            and fn.dtype == torch.float32 and fn.is_contiguous() and fn.device == x.device
+            and tuple(fn.shape) == (x.shape[1], x.shape[1] * x.shape[2])
+            and scale.dtype == torch.float32 and base.dtype == torch.float32 and scale.is_contiguous()
+            and base.is_contiguous() and scale.device == x.device and base.device == x.device
+            and base.shape[0] == x.shape[1]):
+        return False
+    flat = torch.empty(x.shape[0], fn.shape[1], dtype=torch.float32, device="meta")
+    return resolve("hc_mix", ops.get_mode(), "float32", "cuda", flat, fn, norm_eps).name == "triton_hc_mix"
+
+
 def hc_read_norm_ok(x, pre, weight, eps) -> bool:
     fl = (torch.float32, torch.bfloat16, torch.float16)
     return (x.is_cuda and x.dim() == 3 and x.dtype in fl and 1 <= x.shape[1] <= 16 and x.shape[2] >= 1
@@ -203,6 +222,8 @@ def register_all(register) -> None:
              accepts=_with("triton", C.hc_write))
     register("swiglu_act", "triton_swiglu_act", _guarded("swiglu_act", _lazy("triton_mhc", "swiglu_act"),
              ref("swiglu_act_reference")), device="cuda", accepts=_with("triton", swiglu_act_ok))
+    register("hc_head_pre", "triton_hc_head_pre", _guarded("hc_head_pre", _lazy("triton_mhc", "hc_head_pre"),
+             ref("hc_head_pre_reference")), device="cuda", accepts=_with("triton", hc_head_pre_ok))
     register("hc_read_norm", "triton_hc_read_norm", _guarded("hc_read_norm",
              _lazy("triton_rows", "hc_read_norm"), ref("hc_read_norm_reference")), device="cuda",
              accepts=_with("triton", hc_read_norm_ok))

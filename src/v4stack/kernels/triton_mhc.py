@@ -97,6 +97,32 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
 
 
 @triton.jit
+def hc_head_kernel(MIX, SCALE, BASE, PRE, N, s_mix, eps, NH: tl.constexpr, ROWS: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = r < N
+    h = tl.arange(0, NH)
+    m = tl.load(MIX + r[:, None] * s_mix + h[None, :], mask=ok[:, None], other=0.0)
+    pre = _sigmoid(m * tl.load(SCALE) + tl.load(BASE + h)[None, :]) + eps
+    tl.store(PRE + r[:, None] * NH + h[None, :], pre, mask=ok[:, None])
+
+
+def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float):
+    """The head's stream weights from the streams ``x [M, n, d]`` (read and widened in the
+    projection's kernel, ``hc_pre``'s way: no fp32 copy of them): ``hc_mix`` then one kernel for
+    ``sigmoid(mix * scale + base) + eps``."""
+    from v4stack.kernels.triton_gemm import hc_mix
+
+    M, n = x.shape[0], x.shape[1]
+    pre = torch.empty(M, n, dtype=torch.float32, device=x.device)
+    if M:
+        mix = hc_mix(x.reshape(M, -1), fn, norm_eps)
+        rows = 16
+        launch(hc_head_kernel, (triton.cdiv(M, rows),), mix, scale, base, pre, M, mix.stride(0), float(eps), NH=n,
+               ROWS=rows, num_warps=1)
+    return pre
+
+
+@triton.jit
 def rope_kernel(X, Y, POS, FREQ, CS, DEST, M, D, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
                 BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr = True, BARRIER: tl.constexpr = True,
                 TABLE: tl.constexpr = False):

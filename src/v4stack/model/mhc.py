@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from v4stack import ops
-from v4stack.model.linear import compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import hc_pre, hc_read_norm, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
+from v4stack.ops.fused import hc_head_pre, hc_pre, hc_read_norm, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
 
 
 def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -27,12 +26,6 @@ def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, n
         nn.Parameter(torch.empty(width, dtype=torch.float32)),
         nn.Parameter(torch.empty(1 if head else 3, dtype=torch.float32)),
     )
-
-
-def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    cd = compute_dtype(x.dtype)
-    flat = x.reshape(x.shape[0], -1).to(cd)
-    return ops.hc_mix(flat, fn.to(cd), norm_eps)
 
 
 def hc_coefficients(x, fn, base, scale, iters: int, eps: float, norm_eps: float):
@@ -58,6 +51,4 @@ def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
 
 def hc_head(x, fn, base, scale, eps: float, norm_eps: float) -> torch.Tensor:
     """Final stream mixing ``pre = sigmoid(mix * scale + base) + eps`` (no Sinkhorn) -> ``[N, d]``."""
-    mix = _mix(x, fn, norm_eps)
-    pre = ops.sigmoid(mix * scale.to(mix.dtype) + base.to(mix.dtype)) + eps
-    return hc_read(x, pre)
+    return hc_read(x, hc_head_pre(x, fn, scale, base, eps, norm_eps))

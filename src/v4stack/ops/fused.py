@@ -7,6 +7,9 @@
   concatenated); fast mode on CUDA runs it as one batched GEMM.
 - ``hc_pre(x, fn, scale, base, n, iters, eps, norm_eps)``: the projection and ``hc_split`` from
   the streams ``x [N, n, d]`` (one pair of kernels on CUDA).
+- ``hc_head_pre(x, fn, scale, base, eps, norm_eps)``: the hyper-connection head's stream weights
+  ``sigmoid(hc_mix(x) * scale + base) + eps`` from the streams (two kernels on CUDA, the streams
+  read in the projection's kernel instead of copied to fp32 first).
 - ``hc_read_norm(x, pre, weight, eps)``: a sublayer's input, ``rms_norm(hc_read(x, pre), weight,
   eps)`` (``triton_rows.py``: one row kernel, the read never written).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
@@ -91,6 +94,12 @@ def swiglu_act_reference(gate, up, limit: float, weight, out_dtype):
     if weight is not None:
         act = act * weight.to(cd).unsqueeze(-1)
     return act.to(out_dtype)
+
+
+def hc_head_pre_reference(x, fn, scale, base, eps: float, norm_eps: float):
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32  # the model's compute dtype
+    mix = ops.hc_mix(x.reshape(x.shape[0], -1).to(cd), fn.to(cd), norm_eps)
+    return ops.sigmoid(mix * scale.to(mix.dtype) + base.to(mix.dtype)) + eps
 
 
 def hc_read_norm_reference(x, pre, weight, eps: float):
@@ -226,6 +235,7 @@ register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
 register("hc_read_norm", "torch_composite", hc_read_norm_reference)
+register("hc_head_pre", "torch_composite", hc_head_pre_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
@@ -293,6 +303,13 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch
     returned in ``out_dtype`` (the next GEMM's); ``limit`` 0 disables the clamps."""
     return call("swiglu_act", ops.get_mode(), str(gate.dtype)[6:], gate.device.type, gate, up, limit, weight,
                 out_dtype)
+
+
+def hc_head_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+                norm_eps: float) -> torch.Tensor:
+    """The head's stream weights ``pre [N, n]`` (compute dtype) from the streams ``x [N, n, d]``:
+    ``sigmoid(hc_mix(x, fn) * scale + base) + eps``."""
+    return call("hc_head_pre", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, eps, norm_eps)
 
 
 def hc_read_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
