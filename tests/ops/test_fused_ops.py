@@ -28,19 +28,33 @@ def test_hc_split_kernel_matches_float64_and_is_row_local():
     assert not torch.allclose(tm.hc_split(mix, scale, base, 4, 2, 1e-6)[2], comb, atol=1e-4)
 
 
-def test_hc_pre_kernel_matches_float64_and_is_row_local():
+def test_hc_pre_kernel_matches_float64_and_is_row_local(monkeypatch):
+    """hc_pre against float64, a row alone as in the batch, and the bits of the projection then
+    the split; at 9 rows the projection's tile sums its partials in a second launch, which then
+    does the split as well (the fused launch is seen taken: the bits are checked on it)."""
+    from v4stack.kernels import triton_gemm as tg
+
     x = torch.randn(9, 4, 80, generator=g).bfloat16()  # K = 320: two fixed slices, the last one cut
     fn = torch.randn(24, 320, generator=g) * 0.05
     _, scale, base = _mix(1)
+    fused_split = []
+    mix = tg.hc_mix
+
+    def spy(*a, **kw):
+        out = mix(*a, **kw)
+        fused_split.append(kw.get("finish") is not None and out[1] is not None)
+        return out
+
+    monkeypatch.setattr(tg, "hc_mix", spy)
     got = tm.hc_pre(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+    monkeypatch.setattr(tg, "hc_mix", mix)
+    assert fused_split == [True]
     want = fused.hc_pre_reference(x.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6, 1e-6)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
     alone = tm.hc_pre(x[6:7].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
     assert all(torch.equal(a[0], b[6]) for a, b in zip(alone, got))
     # the bits of the projection then the split, called one after the other
-    from v4stack.kernels import triton_gemm as tg
-
     two = tm.hc_split(tg.hc_mix(x.reshape(9, -1).float(), fn, 1e-6), scale, base, 4, 20, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(got, two))
 

@@ -73,9 +73,10 @@ def linear(x, weight, tile=None):
     return y if flat else y.view(*x.shape[:-1], N)
 
 
-def hc_mix(flat, fn, eps, tile=None):
+def hc_mix(flat, fn, eps, tile=None, finish=None):
     """mHC projection ``(flat @ fn.T) * (1 / sqrt(mean(flat^2) + eps))``: 3xTF32 in the fixed fp32
-    K slices (``flat`` fp32, or any float dtype read and widened in the kernel: ``hc_pre``)."""
+    K slices (``flat`` fp32, or any float dtype read and widened in the kernel: ``hc_pre``).
+    ``finish(p, pss, S, y, M, K)``: ``triton_slices.run``'s; then ``(y, what it returned or None)``."""
     import torch
 
     N, K = fn.shape
@@ -87,7 +88,12 @@ def hc_mix(flat, fn, eps, tile=None):
     if M:
         tables = (HC_TILES, HC_TILES_GRAPH) if x.dtype == torch.float32 else (HC_HALF_TILES, HC_HALF_TILES_GRAPH)
         t = dict(tile or _tile(*tables, M, x.is_cuda), BN=max(16, next_pow2(N)))
-        run(x, fn.contiguous(), y, t, F32_SPLIT, True, rms_eps=eps)
+        done = run(x, fn.contiguous(), y, t, F32_SPLIT, True, rms_eps=eps,
+                   finish=None if finish is None else lambda p, pss, S: finish(p, pss, S, y, M, K))
+        if finish is not None:
+            return y, done
+    if finish is not None:
+        return y, None
     return y.view(*flat.shape[:-1], N)
 
 

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from v4stack.kernels.launch import launch
+from v4stack.kernels.launch import launch, next_pow2
+from v4stack.kernels.triton_slices import FINISH_BN, _finish_rows
 
 
 @triton.jit
@@ -47,7 +48,13 @@ def _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH: tl.constexpr, IT
 @triton.jit
 def hc_split_kernel(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps,
                     NH: tl.constexpr, ITERS: tl.constexpr, ROWS: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    _split_rows(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, tl.program_id(0), NH, ITERS, ROWS)
+
+
+@triton.jit
+def _split_rows(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, pm, NH: tl.constexpr, ITERS: tl.constexpr,
+                ROWS: tl.constexpr):
+    r = pm.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = r < N
     h = tl.arange(0, NH)
     jk = h[:, None] * NH + h[None, :]  # [n, n]: row j, column k
@@ -58,6 +65,18 @@ def hc_split_kernel(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps,
     c = tl.load(MIX + r[:, None, None] * s_mix + 2 * NH + jk[None, :, :], mask=ok[:, None, None], other=0.0) \
         * tl.load(SCALE + 2) + tl.load(BASE + 2 * NH + jk)[None, :, :]
     _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH, ITERS)
+
+
+@triton.jit
+def finish_split_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, M, N, MN, Kf, norm_eps, s_ym, eps,
+                        S: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, NH: tl.constexpr, ITERS: tl.constexpr):
+    """``hc_pre``'s two last launches as one, one row a program (one warp): ``finish_kernel``'s sum
+    of the projection's partials into ``Y`` (the mix), then ``hc_split_kernel``'s work on that row
+    (one row, one warp: ``SPLIT_LAUNCH``'s shape, so the same bits as the two kernels)."""
+    pm = tl.program_id(0)
+    _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
+    tl.debug_barrier()  # the row's mix, stored by the warp's lanes, is read back by other lanes
+    _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1)
 
 
 def _outputs(N, n, device):
@@ -87,13 +106,26 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
     """mHC coefficients straight from the streams ``x [M, n, d]`` (any float dtype, widened in the
     kernel: no fp32 copy of them): the projection is ``triton_gemm.hc_mix`` itself (its fixed K
     slices, 3xTF32, the RMS factor) and the split ``hc_split`` - so the coefficients are those of
-    ``hc_split(hc_mix(x))`` bit for bit. Two kernels: the projection's one and the split's one."""
+    ``hc_split(hc_mix(x))`` bit for bit. Where the projection's tile sums its partials in a second
+    launch, that launch does the split too (``finish_split_kernel``): two kernels either way."""
     from v4stack.kernels.triton_gemm import hc_mix
 
     M = x.shape[0]
     if M == 0:
         return _outputs(M, n, x.device)
-    return hc_split(hc_mix(x.reshape(M, -1), fn, norm_eps), scale, base, n, iters, eps)
+    N = fn.shape[0]
+    if not (SPLIT_LAUNCH == dict(rows=1, warps=1) and N <= FINISH_BN):
+        return hc_split(hc_mix(x.reshape(M, -1), fn, norm_eps), scale, base, n, iters, eps)
+    out = _outputs(M, n, x.device)
+
+    def finish(p, pss, S, y, M, K):
+        launch(finish_split_kernel, (M,), p, pss, y, scale, base, *out, M, N, M * N, float(K), float(norm_eps),
+               y.stride(0), float(eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters, num_warps=1,
+               num_stages=1)
+        return out
+
+    mix, done = hc_mix(x.reshape(M, -1), fn, norm_eps, finish=finish)
+    return done if done is not None else hc_split(mix, scale, base, n, iters, eps)
 
 
 @triton.jit

@@ -185,8 +185,15 @@ def finish_kernel(P, PSS, Y, M, N, MN, Kf, eps, s_ym, S: tl.constexpr, SP: tl.co
     load (SP = S rounded up to a power of two; the slices past S read as +0.0, which changes no
     sum: a sum started from +0.0 is never -0.0), so they are in flight together; the adds then
     take the columns in order (``_add_in_order``). MN = M * N, the partials' slice stride."""
-    rows = (tl.program_id(0) * FR + tl.arange(0, FR)).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    _finish_rows(P, PSS, Y, M, N, MN, Kf, eps, s_ym, tl.program_id(0), tl.program_id(1), S, SP, FR, BN, RMS)
+
+
+@triton.jit
+def _finish_rows(P, PSS, Y, M, N, MN, Kf, eps, s_ym, pm, pn, S: tl.constexpr, SP: tl.constexpr, FR: tl.constexpr,
+                 BN: tl.constexpr, RMS: tl.constexpr):
+    """``finish_kernel``'s work for its program ``(pm, pn)`` (also run by ``triton_mhc``'s fused split)."""
+    rows = (pm * FR + tl.arange(0, FR)).to(tl.int64)
+    cols = pn * BN + tl.arange(0, BN)
     rmask = rows < M
     omask = rmask[:, None] & (cols < N)[None, :]
     j = tl.arange(0, SP).to(tl.int64)
@@ -250,12 +257,14 @@ def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLI
 FINISH_BN = 32  # columns per program of ``finish_kernel``
 
 
-def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
+def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None, finish=None):
     """Launch ``slices_kernel`` for ``y = a @ w.T`` (``a [M, K]``, ``w [N, K]`` rows contiguous,
     ``y [M, N]``); ``rms_eps``: hc_mix's RMS factor with that eps. The grid form is used when the
     tile asks for it, K has more than one slice and the tiles fit the counters; with ``two`` its
     partials are added by ``finish_kernel`` (``fr`` rows per program) instead of each tile's last
-    program. ``unroll``: partials the last program loads at once while adding them."""
+    program. ``unroll``: partials the last program loads at once while adding them. ``finish``: a
+    callable ``(p, pss, S)`` that launches its own kernel for that sum instead; then its return
+    value is returned (None where the tile does not take the two-launch form)."""
     from v4stack.kernels.launch import cdiv, launch, next_pow2
 
     M, K = a.shape
@@ -275,9 +284,11 @@ def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None):
            float(rms_eps or 0.0), a.stride(0), w.stride(0), y.stride(0), SPLIT=split, BM=tile["BM"], BN=tile["BN"],
            BK=tile["BK"], TF32X3=tf32x3, RMS=rms, GRID=grid, UNR=8 if two else unr, TWO=two, num_warps=tile["num_warps"],
            num_stages=tile["num_stages"])
+    if two and finish is not None:
+        return finish(p, pss, S)
     if two:
         fr = tile.get("fr", 4)
         launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, y, M, N, M * N, float(K),
                float(rms_eps or 0.0), y.stride(0), S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=rms, num_warps=max(1, fr * FINISH_BN // 32),
                num_stages=1)
-    return y
+    return y if finish is None else None
