@@ -100,7 +100,7 @@ def _model_regions():
     from v4stack.model import attention, block, compressor, indexer, mhc, model, moe, rope
 
     return (
-        (block, "hc_coefficients", "mhc.coefficients"), (block, "hc_read", "mhc.read"),
+        (block, "hc_coefficients", "mhc.coefficients"), (block, "read_norm", "mhc.read_norm"),
         (block, "hc_write", "mhc.write"), (model, "hc_head", "mhc.head"),
         (attention.Attention, "forward", "attention"), (attention.Attention, "_close", "attention.close"),
         (rope.Rotary, "apply", "rope"), (indexer.Indexer, "select_rows", "indexer.select"),
