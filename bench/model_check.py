@@ -32,7 +32,7 @@ from bench.runner import write_result
 from v4stack import check, ops
 
 BISECT = ("none", "linear", "grouped_linear", "sparse_attention", "attention_with_sink", "indexer_scores", "hc_mix",
-          "rms_norm", "softmax", "hc_read", "hc_write", "weighted_pool", "moe_combine")
+          "rms_norm", "softmax", "hc_read", "hc_read_norm", "hc_head_pre", "hc_write", "weighted_pool", "moe_combine")
 
 
 @contextlib.contextmanager
