@@ -81,6 +81,11 @@ def cases(T: int, dev: str):
     out["hc_split"] = lambda: tm2.hc_split(mix, scale, base, n, cfg.hc_sinkhorn_iters, 1e-6)
     pre = torch.rand(T, n, device=dev, generator=g)
     out["hc_read"] = lambda: ops.hc_read(x, pre)
+    wn = torch.rand(d, device=dev, dtype=torch.bfloat16, generator=g) + 0.5
+    out["hc_read then rms_norm"] = lambda: ops.rms_norm(ops.hc_read(x, pre), wn, 1e-6)
+    out["hc_read_norm"] = lambda: fused.hc_read_norm(x, pre, wn, 1e-6)
+    out["hc_pre (projection and split)"] = lambda: fused.hc_pre(x, fn, scale, base, n, cfg.hc_sinkhorn_iters, 1e-6,
+                                                                1e-6)
     o = torch.randn(T, d, device=dev, dtype=torch.bfloat16, generator=g)
     comb = torch.rand(T, n, n, device=dev, generator=g)
     out["hc_write"] = lambda: ops.hc_write(x, o, pre, comb)

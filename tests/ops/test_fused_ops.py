@@ -82,10 +82,10 @@ def test_hc_head_pre_kernel_matches_float64_and_is_row_local():
     assert not torch.allclose(tm.hc_head_pre(x, fn, scale, base + 0.5, 1e-6, 1e-6), got, atol=1e-3)
 
 
-@pytest.mark.parametrize("D", [300, 2500])
+@pytest.mark.parametrize("D", [300, 2500, 5000])
 def test_hc_read_norm_kernel_is_the_read_then_the_norm_and_row_local(D):
     """The mHC read and the RMS norm in one row kernel: against float64 of the read rounded to the
-    streams' dtype then the norm, one block and several (D past 1024); a row alone gives the bits
+    streams' dtype then the norm, in one block (up to 4096 wide) and in several; a row alone gives the bits
     it gets in a batch. The control: other read weights change the output."""
     tr = pytest.importorskip("v4stack.kernels.triton_rows")
     x = (torch.randn(9, 4, D, generator=g) * 3).bfloat16()

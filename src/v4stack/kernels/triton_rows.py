@@ -218,35 +218,49 @@ def _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB: tl.constexpr, BD: tl.
 
 @triton.jit
 def hc_read_norm_kernel(X, Pre, W, Y, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS_W: tl.constexpr, NB: tl.constexpr,
-                        BD: tl.constexpr):
+                        BD: tl.constexpr, ONE: tl.constexpr):
     """One row a program: the mHC read (``hc_read_kernel``'s sum over the streams, rounded to the
-    streams' dtype as it stores it) and its RMS norm, without writing the read. Two passes over
-    the columns in blocks of BD: the sum of squares (per lane, then one tree), then the read
-    again (the same bits) times ``1 / sqrt`` and the weight."""
+    streams' dtype as it stores it) and its RMS norm, without writing the read. ONE (the row in
+    one block of BD columns): the read is loaded once and kept; else two passes over the blocks,
+    the sum of squares (per lane, then one tree) and the read again (the same bits) scaled."""
     r = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([BD], tl.float32)
-    for d0 in range(0, D, BD):
-        y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
-        acc += y * y
-    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(acc, 0), Df) + eps))
-    for d0 in range(0, D, BD):
-        y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
+    if ONE:
+        y, d = _read_block(X, Pre, r, 0, n, D, s_xn, s_xj, s_pn, NB, BD)
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + eps))
         y = y * inv
         if HAS_W:
             y = y * tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
         tl.store(Y + r * s_yn + d, y.to(Y.dtype.element_ty), mask=d < D)
+    else:
+        acc = tl.zeros([BD], tl.float32)
+        for d0 in range(0, D, BD):
+            y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
+            acc += y * y
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(acc, 0), Df) + eps))
+        for d0 in range(0, D, BD):
+            y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
+            y = y * inv
+            if HAS_W:
+                y = y * tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
+            tl.store(Y + r * s_yn + d, y.to(Y.dtype.element_ty), mask=d < D)
+
+
+READ_NORM_ONE = 4096  # widest row read in one block (one load of the streams, no second pass)
 
 
 def hc_read_norm(x, pre, weight, eps):
-    """``rms_norm(hc_read(x, pre), weight, eps)`` per token in one launch (``fused.hc_read_norm``)."""
+    """``rms_norm(hc_read(x, pre), weight, eps)`` per token in one launch (``fused.hc_read_norm``).
+    Rows up to ``READ_NORM_ONE`` wide are one block of eight warps: one round trip to memory a row
+    (a program per row is few programs at decode batch sizes, so the latency of each counts)."""
     N, n, D = x.shape
     xc, pc = x.contiguous(), pre.contiguous()
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     if N and D:
         w = weight.contiguous() if weight is not None else y
+        one = D <= READ_NORM_ONE
         launch(hc_read_norm_kernel, (N,), xc, pc, w, y, n, D, float(D), xc.stride(0), xc.stride(1), pc.stride(0),
                y.stride(0), float(eps), HAS_W=weight is not None, NB=max(2, next_pow2(n)),
-               BD=min(1024, next_pow2(D)))
+               BD=next_pow2(D) if one else 1024, ONE=one, num_warps=8 if one else 4)
     return y
 
 
