@@ -1,6 +1,7 @@
 """Launch shapes of the mHC split kernel (``triton_mhc.hc_split``: rows a program, warps) on one GPU
 at 64 and 256 rows (the flash4 engine's decode steps), writing stamped JSON: each shape's device
-time under CUDA graphs and whether it gives the default shape's bits (16 rows, one warp).
+time under CUDA graphs and whether it gives the bits of 16 rows, one warp (``bits_equal_default``: the
+default shape when this was measured; the default is now one row, one warp).
 
     python -m bench.hc_split_rows --out bench/results/hc_split_rows_h200.json
 """

@@ -226,11 +226,8 @@ def hc_read_norm_kernel(X, Pre, W, Y, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS
     r = tl.program_id(0).to(tl.int64)
     if ONE:
         y, d = _read_block(X, Pre, r, 0, n, D, s_xn, s_xj, s_pn, NB, BD)
-        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + eps))
-        y = y * inv
-        if HAS_W:
-            y = y * tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
-        tl.store(Y + r * s_yn + d, y.to(Y.dtype.element_ty), mask=d < D)
+        _store_normed(Y, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + eps)), D, s_yn,
+                      HAS_W)
     else:
         acc = tl.zeros([BD], tl.float32)
         for d0 in range(0, D, BD):
@@ -239,10 +236,15 @@ def hc_read_norm_kernel(X, Pre, W, Y, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS
         inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(acc, 0), Df) + eps))
         for d0 in range(0, D, BD):
             y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
-            y = y * inv
-            if HAS_W:
-                y = y * tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
-            tl.store(Y + r * s_yn + d, y.to(Y.dtype.element_ty), mask=d < D)
+            _store_normed(Y, W, r, d, y, inv, D, s_yn, HAS_W)
+
+
+@triton.jit
+def _store_normed(Y, W, r, d, y, inv, D, s_yn, HAS_W: tl.constexpr):
+    y = y * inv
+    if HAS_W:
+        y = y * tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(Y + r * s_yn + d, y.to(Y.dtype.element_ty), mask=d < D)
 
 
 READ_NORM_ONE = 4096  # widest row read in one block (one load of the streams, no second pass)
