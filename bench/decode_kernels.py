@@ -104,6 +104,26 @@ def cases(T: int, dev: str):
     out["moe_route"] = lambda: fused.moe_route(idx1, w1, E + 1)
     out["pad idx + w"] = lambda: (torch.nn.functional.pad(idx, (0, 1), value=E),
                                   torch.nn.functional.pad(w, (0, 1), value=1.0))
+    # a CSA layer's projections of x: six GEMMs, or one over the packed weight (model/packed.py)
+    xr = torch.randn(T, d, device=dev, dtype=torch.bfloat16, generator=g)
+    widths = (cfg.q_lora_rank, D, 2 * D, 2 * D, 2 * cfg.index_head_dim, 2 * cfg.index_head_dim)
+    ws = [torch.randn(n_, d, device=dev, dtype=torch.bfloat16, generator=g) * d ** -0.5 for n_ in widths]
+    wp = torch.cat(ws)
+    out["x projections, six GEMMs"] = lambda: [ops.linear(xr, w_) for w_ in ws]
+    out["x projections, packed"] = lambda: ops.linear(xr, wp).split(list(widths), -1)
+    sep, pk = [ops.linear(xr, w_) for w_ in ws], ops.linear(xr, wp).split(list(widths), -1)
+    out["x projections bits equal"] = f"equal={all(torch.equal(a_, b_) for a_, b_ in zip(sep, pk))}"
+    # the indexer's scores at 16k context (4096 entries of ratio 4), keys by index from the pool
+    iq = torch.randn(T, cfg.index_n_heads, cfg.index_head_dim, device=dev, dtype=torch.bfloat16, generator=g)
+    iw = torch.randn(T, cfg.index_n_heads, device=dev, dtype=torch.bfloat16, generator=g)
+    ipool = torch.randn(T * 4096, cfg.index_head_dim, device=dev, dtype=torch.bfloat16, generator=g)
+    irows = torch.randperm(T * 4096, device=dev, generator=g).view(T, 4096)
+    out["indexer 4096 keys, one block a program"] = lambda: tg.indexer_scores(iq, iw, ipool, irows, nblk=1)
+    out["indexer 4096 keys"] = lambda: tg.indexer_scores(iq, iw, ipool, irows)
+    eq = torch.equal(tg.indexer_scores(iq, iw, ipool, irows, nblk=1), tg.indexer_scores(iq, iw, ipool, irows, nblk=4))
+    isc = tg.indexer_scores(iq, iw, ipool, irows)
+    out["topk_rows 512 of 4096"] = lambda: fused.topk_rows(isc, irows, cfg.index_topk)
+    out["indexer blocks bits equal"] = f"equal={eq}, nblk={tg.indexer_blocks(T, 4096)}"
     return out
 
 
@@ -121,6 +141,7 @@ def main(argv=None) -> None:
                 for name, fn in cases(T, "cuda").items():
                     if isinstance(fn, str):  # a check's outcome, not a timing
                         res.append({"mode": mode, "rows": T, "case": name, "value": fn})
+                        print(f"{mode:9s} T={T:4d} {name:24s} {fn}", flush=True)
                         continue
                     try:
                         t = graph_time(fn)

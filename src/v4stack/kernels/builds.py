@@ -22,6 +22,7 @@ def kernels() -> dict:
     from v4stack.kernels import triton_ring as ring
     from v4stack.kernels import triton_route as route
     from v4stack.kernels import triton_rows as tr
+    from v4stack.kernels import triton_select as tsel
     from v4stack.kernels import triton_slices as ts
 
     attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 N0 P1 I1 s_i1 K1 N1 Sink"
@@ -69,7 +70,12 @@ def kernels() -> dict:
                                 dict(num_warps=4, num_stages=3)),
         "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
                                                    [BF, BF, BF, "*i64", BF] + [I] * 10),
-                           dict(D=128, BH=64, BS=64, IEEE=False, INDEXED=True)),
+                           dict(D=128, BH=64, BS=64, IEEE=False, INDEXED=True, NBLK=1)),
+        "indexer_scores_blocks": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
+                                                          [BF, BF, BF, "*i64", BF] + [I] * 10),
+                                  dict(D=128, BH=64, BS=64, IEEE=False, INDEXED=True, NBLK=4)),
+        "topk_rows": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o", [P, "*i64", "*i64"] + [I] * 5),
+                      dict(EB=4096), dict(num_warps=8)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
                      dict(BM=64, BN=128, BK=128, SB=128)),
         "softmax_row": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]), dict(LOG=False, BLOCK=4096)),

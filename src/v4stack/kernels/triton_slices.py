@@ -87,12 +87,18 @@ def _tf32_split(x):
 def _mma(a, b, acc, TF32X3: tl.constexpr):
     """One K step. bf16 / fp16: the MMA chain continues in ``acc``. fp32: the step's three TF32
     products (``lo*hi``, ``hi*lo``, ``hi*hi``) chained from zero, then added to ``acc`` in IEEE fp32
-    (the tensor cores' own accumulation then spans one step only)."""
+    (the tensor cores' own accumulation then spans one step only). A bf16 / fp16 ``a`` under
+    TF32X3 (``hc_pre`` reading the streams) has ``lo = 0``: its first product is all zeros and is
+    skipped, the chain then starting from zero at ``hi*lo_w`` as it would after adding zeros."""
     if TF32X3:
-        ah, al = _tf32_split(a.to(tl.float32))
         bh, bl = _tf32_split(b)
-        step = tl.dot(al, bh, input_precision="tf32")
-        step = tl.dot(ah, bl, step, input_precision="tf32")
+        if a.dtype == tl.float32:
+            ah, al = _tf32_split(a)
+            step = tl.dot(al, bh, input_precision="tf32")
+            step = tl.dot(ah, bl, step, input_precision="tf32")
+        else:  # a bf16 / fp16 value is exact in TF32: its lo, and the lo*hi_w product, are zero
+            ah = a.to(tl.float32)
+            step = tl.dot(ah, bl, input_precision="tf32")
         step = tl.dot(ah, bh, step, input_precision="tf32")
         acc = acc + step
     else:

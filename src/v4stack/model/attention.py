@@ -27,6 +27,7 @@ from v4stack.model.compressor import Compressor
 from v4stack.model.indexer import Indexer
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model.norm import RMSNorm
+from v4stack.model import packed
 from v4stack.model.paged import PagedStep, Rings, entry_rows, take
 from v4stack.model.quant import grouped_weight
 from v4stack.model.rope import Rotary
@@ -92,12 +93,27 @@ class Attention(nn.Module):
             if csa:
                 self.indexer = Indexer(cfg, ratio, self.rotary)
 
+    def x_linears(self) -> list[Linear]:
+        """The linears that read the layer's input rows ``x``: ``wq_a``, ``wkv``, then the
+        compressor's ``wkv`` / ``wgate`` and the indexer compressor's where the layer has them
+        (``packed``: a serving step runs them as one GEMM)."""
+        lins = [self.wq_a, self.wkv]
+        for comp in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
+            if comp is not None:
+                lins += [comp.wkv, comp.wgate]
+        return lins
+
+    def pack_projections(self) -> bool:
+        return packed.pack(self, self.x_linears())
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, segments, layer: int):
         N, H, c = x.shape[0], self.n_heads, self.head_dim
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(N, H, c)
         # a serving step (no autograd) rotates its fresh queries and outputs in place
         inplace = isinstance(segments, PagedStep) and not torch.is_grad_enabled() and rowwise._HOOK.get() is None
+        # and runs the projections of x as one GEMM where they are packed
+        xp = packed.run(self, self.x_linears(), x) if inplace else None
+        qr = self.q_norm(self.wq_a(x) if xp is None else xp[0])
+        q = self.wq_b(qr).view(N, H, c)
         # and where the attention kernel normalises the queries it loads, hands them over raw
         q_eps = self.eps if inplace and fused.normalises_queries(q) else None
         if q_eps is None:
@@ -106,7 +122,7 @@ class Attention(nn.Module):
         tab = segments.batch.shared(("rope_table", self.ratio != 0), lambda: self.rotary.table(positions)) \
             if inplace else None
         q = self.rotary.apply_(q, positions, table=tab) if inplace else self.rotary.apply(q, positions)
-        kv = self.kv_norm(self.wkv(x))
+        kv = self.kv_norm(self.wkv(x) if xp is None else xp[1])
         # a decode step rotates its window rows straight into the ring (``_paged``)
         direct = (isinstance(segments, PagedStep) and segments.batch.decode and self.kv_rounding is None
                   and rowwise._HOOK.get() is None)
@@ -115,7 +131,7 @@ class Attention(nn.Module):
         if self.kv_rounding is not None:
             kv = self.kv_rounding(kv)
         if isinstance(segments, PagedStep):
-            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab, q_eps=q_eps)
+            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab, q_eps=q_eps, xp=xp)
         elif hasattr(segments, "attention"):  # a context-parallel shard supplies its own candidates
             o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
@@ -139,11 +155,12 @@ class Attention(nn.Module):
         cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
         return self._attend(q, segments, cands)
 
-    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None, q_eps=None):
+    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None, q_eps=None, xp=None):
         """Attention by index over the pools: the window as ring rows, compressed entries through
         the block table; closing entries and the new ring rows are written into the pools. ``kv``
         not ``roped`` yet (a decode step): rotated straight into the window ring. ``q_eps``: the
-        queries are not normalised yet (``fused.normed_sparse_attention`` does it)."""
+        queries are not normalised yet (``fused.normed_sparse_attention`` does it). ``xp``: the
+        packed projections of ``x`` (``x_linears``' order), or None."""
         b, cache = ps.batch, ps.cache
         pos, W = b.positions, self.window
         ring = cache.state[("swa_kv", layer)]
@@ -164,11 +181,12 @@ class Attention(nn.Module):
         if self.compressor is not None:
             m = self.ratio
             ents = cache.blocks[("compressed_kv", layer)]
-            self._close(self.compressor, x, pos, ps, "compressor_tail", ents, layer)
+            self._close(self.compressor, x, pos, ps, "compressor_tail", ents, layer, None if xp is None else xp[2:4])
             rows, visible = b.shared(("entries", m), lambda: self._entries(b, m, cache.block_tokens))
             if self.indexer is not None:
                 ikeys = cache.blocks[("index_keys", layer)]
-                self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer)
+                self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer,
+                            None if xp is None else xp[4:6])
                 if self.indexer.all_chosen(rows.shape[1]):  # every entry fits the top-k: nothing to score
                     idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
                 else:
@@ -205,18 +223,20 @@ class Attention(nn.Module):
         visible = torch.arange(rows.shape[1], device=pos.device).unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)
         return rows, visible & (rows >= 0)
 
-    def _close(self, comp: Compressor, x, pos, ps: PagedStep, kind: str, pool: torch.Tensor, layer: int):
+    def _close(self, comp: Compressor, x, pos, ps: PagedStep, kind: str, pool: torch.Tensor, layer: int, proj=None):
         """Feed this step's rows to ``comp``'s tail rings and write the entries that close straight
-        into ``pool`` through the step's slot mapping."""
+        into ``pool`` through the step's slot mapping. ``proj``: ``(comp.wkv(x), comp.wgate(x))``
+        already computed (the packed projections), or None."""
         b, cache = ps.batch, ps.cache
         state = cache.state[(kind, layer)]
         if b.decode and rowwise._HOOK.get() is None:
             # ``comp.project``'s rows straight into the tail rings (one kernel on CUDA, same bits)
-            fused.tail_write(comp.wkv(x), comp.wgate(x), comp.ape, pos, comp.ratio, state[0], state[1],
+            kvp, gp = (comp.wkv(x), comp.wgate(x)) if proj is None else proj
+            fused.tail_write(kvp, gp, comp.ape, pos, comp.ratio, state[0], state[1],
                              Rings.dest(b, state[0].shape[1]), compute_dtype(x.dtype))
             rings = Rings(state, None, b, cache)
         else:
-            rings = Rings(state, comp.project(x, pos), b, cache)
+            rings = Rings(state, comp.project(x, pos, proj), b, cache)
         cl = b.closing.get(comp.ratio)
         if cl is not None and cl.seq.numel():
             m = comp.ratio

@@ -38,11 +38,13 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(ratio, self.coff * width, dtype=torch.float32))
         self.norm = RMSNorm(width, eps)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``x [N, d]`` -> (kv, score) ``[N, coff*width]`` in the compute dtype."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor, proj=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``x [N, d]`` -> (kv, score) ``[N, coff*width]`` in the compute dtype; ``proj``:
+        ``(wkv(x), wgate(x))`` already computed, or None."""
         cd = compute_dtype(x.dtype)
-        kv = self.wkv(x).to(cd)
-        score = self.wgate(x).to(cd) + rowwise.step(_ape_rows, positions, self.ape, self.ratio, cd, params=(1,))
+        pk, pg = (self.wkv(x), self.wgate(x)) if proj is None else proj
+        kv = pk.to(cd)
+        score = pg.to(cd) + rowwise.step(_ape_rows, positions, self.ape, self.ratio, cd, params=(1,))
         return kv, score
 
     def pool_rows(self, kv: torch.Tensor, score: torch.Tensor, blocks: torch.Tensor, dtype) -> torch.Tensor:

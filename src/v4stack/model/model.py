@@ -58,6 +58,13 @@ class V4Model(nn.Module):
             p.data = p.data.to(torch.float32 if keep32 else dtype)
         return self
 
+    # ---- serving layout -------------------------------------------------------------
+
+    def pack_projections(self) -> int:
+        """Pack each attention layer's projections of its input into one weight (``packed``): a
+        serving step then runs them as one GEMM. Returns the layers packed; idempotent."""
+        return sum(bool(m.pack_projections()) for m in self.modules() if m is not self and hasattr(m, "pack_projections"))
+
     # ---- expert backend -------------------------------------------------------------
 
     def set_expert_backend(self, factory) -> "V4Model":

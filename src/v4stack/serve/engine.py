@@ -90,6 +90,7 @@ class EngineStats:
 class Engine:
     def __init__(self, model: V4Model, config: EngineConfig | None = None):
         self.model = model.eval()
+        self.model.pack_projections()  # each layer's projections of x as one GEMM (model/packed.py)
         self.config = (config or EngineConfig()).validate()
         c = self.config
         self.cache = CacheManager(model.cfg, model.dtype, c.n_blocks, c.n_slots, c.n_snapshots,
