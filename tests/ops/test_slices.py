@@ -210,10 +210,20 @@ def test_on_the_gpu_every_candidate_gives_the_rows_computed_alone():
     assert ts.counters(xf.device).abs().sum() == 0
     # bf16 streams widened in the kernel: the bits of their fp32 copy (the sum of squares is
     # reduced by an MMA, so the load's register layout does not enter)
-    # (and the zero lo * hi_w product skipped for them changes nothing), at the tiles of 70 and 256 rows
-    for m in (70, 256):
-        hb = xh[:m].bfloat16() if m <= xh.shape[0] else rc(m, 16384).bfloat16()
-        assert torch.equal(tg.hc_mix(hb, fn, 1e-6), tg.hc_mix(hb.float(), fn, 1e-6)), m
+    hb = xh[:70].bfloat16()
+    assert torch.equal(tg.hc_mix(hb, fn, 1e-6), tg.hc_mix(hb.float(), fn, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_bf16_streams_give_their_fp32_copy_bits_at_the_shipped_tiles():
+    """hc_pre reads the bf16 streams and skips their zero ``lo * hi_w`` product: the bits of the
+    fp32 copy's three products, at the tiles the table ships for 1 to 300 rows."""
+    gd = torch.Generator(device="cuda").manual_seed(1)
+    fn = torch.randn(24, 16384, generator=gd, device="cuda") / 128
+    x = torch.randn(300, 16384, generator=gd, device="cuda").bfloat16()
+    for m in (1, 16, 64, 70, 256, 300):
+        assert torch.equal(tg.hc_mix(x[:m], fn, 1e-6), tg.hc_mix(x[:m].float(), fn, 1e-6)), m
 
 
 def test_the_sweep_choice_keeps_only_bit_identical_tiles():

@@ -84,10 +84,6 @@ def test_indexer_scores_read_by_index_equal_the_gathered_keys(dtype):
     close(got[rows >= 0], want[rows >= 0], 1e-5 if dtype == torch.float32 else 5e-2)
     # a query alone gets its bits from the batch
     assert torch.equal(tg.indexer_scores(q[3:4], wt[3:4], pool, rows[3:4]), got[3:4])
-    # and a program walking several key blocks gives each block the one-block program's bits
-    # (70 keys: two blocks, the second cut, and for nblk 4 two blocks past the end)
-    for nb in (2, 4):
-        assert torch.equal(tg.indexer_scores(q, wt, pool, rows, nblk=nb), got)
     # the references of both modes: the gathered per-row path, -inf where hidden
     for mode in ("invariant", "fast"):
         with ops.mode(mode):
@@ -112,19 +108,3 @@ def test_mhc_read_and_write():
     close(tr.hc_read(x, pre), core.hc_read(x.double(), pre.double()), 1e-6)
     out, post, comb = r(5, 70), torch.rand(5, 4, generator=g), torch.rand(5, 4, 4, generator=g)
     close(tr.hc_write(x, out, post, comb), core.hc_write(x.double(), out.double(), post.double(), comb.double()), 1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_the_gpu_indexer_blocks_per_program_change_no_bit():
-    gd = torch.Generator(device="cuda").manual_seed(3)
-    T, H, D, S = 256, 64, 128, 1000  # 16 blocks, the last cut
-    q = torch.randn(T, H, D, generator=gd, device="cuda").bfloat16()
-    w = torch.randn(T, H, generator=gd, device="cuda").bfloat16()
-    pool = torch.randn(T * S, D, generator=gd, device="cuda").bfloat16()
-    rows = torch.randperm(T * S, generator=gd, device="cuda").view(T, S)
-    rows[:, 990:] = -1
-    one = tg.indexer_scores(q, w, pool, rows, nblk=1)
-    for nb in (2, 4, 8):
-        assert torch.equal(tg.indexer_scores(q, w, pool, rows, nblk=nb), one), nb
-    assert torch.equal(tg.indexer_scores(q[:1], w[:1], pool, rows[:1]), one[:1])  # a row alone: one block a program

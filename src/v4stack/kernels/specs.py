@@ -149,20 +149,19 @@ def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention")
     )
 
 
-def indexer(D=128, BH=64, BS=64, NBLK=4) -> Spec:
-    """Indexer scores: program (t, ps) scores key blocks ps*NBLK + b (b < NBLK) of BS keys for
-    query t over all heads (NBLK = 1 is the case b = 0); keys are
+def indexer(D=128, BH=64, BS=64) -> Spec:
+    """Indexer scores: program (t, ps) scores keys ps*BS.. for query t over all heads; keys are
     shared [S, D], per row [T, S, D] (the larger index space of the two), or pool rows [NK, D]
     read by index (``rows [T, S]``, any value; a row is read only when ``0 <= row < NK``)."""
     import z3
 
     def s_(n):
-        return (n.ps * NBLK + n.b) * BS + n.s
+        return n.ps * BS + n.s
 
     return Spec(
         name="indexer", dims=("T", "H", "S", "NK"), requires=lambda n: [n.H <= BH], zero_ok=("NK",),
-        grid=lambda n: {"t": n.T, "ps": cdiv(n.S, BS * NBLK)},
-        lanes=lambda n: {"h": BH, "s": BS, "d": D, "b": NBLK},
+        grid=lambda n: {"t": n.T, "ps": cdiv(n.S, BS)},
+        lanes=lambda n: {"h": BH, "s": BS, "d": D},
         data=lambda n: {"row": (IDX_MIN, IDX_MAX)},
         accesses=(
             Access("Q", "load", lambda n: (n.t, n.h, n.d), lambda n: (n.T, n.H, D), lambda n: n.h < n.H),
@@ -171,7 +170,7 @@ def indexer(D=128, BH=64, BS=64, NBLK=4) -> Spec:
             Access("Rows", "load", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S),
             Access("Pool", "load", lambda n: (n.row, n.d), lambda n: (n.NK, D),
                    lambda n: z3.And(n.row >= 0, n.row < n.NK)),
-            Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S, lanes=("b", "s")),
+            Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S, lanes=("s",)),
         ),
     )
 

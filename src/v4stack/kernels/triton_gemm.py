@@ -99,39 +99,12 @@ def hc_mix(flat, fn, eps, tile=None, finish=None):
 
 @triton.jit
 def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s_rt, s_yt, D: tl.constexpr,
-                   BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr,
-                   NBLK: tl.constexpr = 1):
-    """Program (t, j): query t's key blocks ``j * NBLK .. j * NBLK + NBLK - 1`` of BS keys each, the
-    query's heads loaded once. A block's arithmetic is the same whatever NBLK is (one [BH, BS]
-    product, the heads summed over that tile), so NBLK only sets how many blocks a program walks."""
+                   BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * BS + tl.arange(0, BS)
     h = tl.arange(0, BH)
     d = tl.arange(0, D)
     q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
-    w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
-    b0 = tl.program_id(1) * NBLK
-    s, ok, k = _indexer_keys(Kc, Rows, t, b0, S, NK, s_kt, s_ks, s_rt, D, BS, INDEXED)
-    for b in tl.static_range(NBLK):
-        if b + 1 < NBLK:  # the next block's keys are in flight while this one is scored
-            s_n, ok_n, k_n = _indexer_keys(Kc, Rows, t, b0 + b + 1, S, NK, s_kt, s_ks, s_rt, D, BS, INDEXED)
-        if IEEE:
-            dots = tl.dot(q, k, input_precision="ieee")
-        else:
-            dots = tl.dot(q, k)
-        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
-        if INDEXED:
-            score = tl.where(ok, score, float("-inf"))
-        tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
-        if b + 1 < NBLK:
-            s, ok, k = s_n, ok_n, k_n
-
-
-@triton.jit
-def _indexer_keys(Kc, Rows, t, blk, S, NK, s_kt, s_ks, s_rt, D: tl.constexpr, BS: tl.constexpr,
-                  INDEXED: tl.constexpr):
-    """Key block ``blk`` of query ``t``: its key ids, which are entries, and the keys ``[D, BS]``."""
-    s = blk * BS + tl.arange(0, BS)
-    d = tl.arange(0, D)
     if INDEXED:  # key rows of the pool by index: -1 (or any row outside [0, NK)) is no entry
         r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
         ok = (r >= 0) & (r < NK)
@@ -139,32 +112,26 @@ def _indexer_keys(Kc, Rows, t, blk, S, NK, s_kt, s_ks, s_rt, D: tl.constexpr, BS
     else:
         ok = s < S
         k = tl.load(Kc + t * s_kt + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=ok[None, :], other=0.0)
-    return s, ok, k
+    if IEEE:
+        dots = tl.dot(q, k, input_precision="ieee")
+    else:
+        dots = tl.dot(q, k)
+    w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
+    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+    if INDEXED:
+        score = tl.where(ok, score, float("-inf"))
+    tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
 
 
-INDEXER_BS = 64  # keys per block
-INDEXER_PROGRAMS = 4096  # at least this many programs in a launch before a program walks several blocks
-INDEXER_NBLK = 8  # ... and at most this many blocks a program
+INDEXER_BS = 64  # keys per program
 
 
-def indexer_blocks(T: int, S: int) -> int:
-    """Key blocks per program: one while the launch has few programs (a decode step's few rows),
-    more where ``T x blocks`` would be tens of thousands of one-block programs (batch x long
-    context), each then paying its query's load and its launch slot for one small product."""
-    nb = cdiv(S, INDEXER_BS)
-    k = 1
-    while k < INDEXER_NBLK and T * cdiv(nb, 2 * k) >= INDEXER_PROGRAMS:
-        k *= 2
-    return k
-
-
-def indexer_scores(q, w, k, rows=None, nblk: int | None = None):
-    """``I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s])``: one program per (query, ``nblk`` blocks of
-    64 keys; ``indexer_blocks`` by default). Keys are shared ``[S, d]``, per row ``[T, S, d]``, or
-    read by index from a pool ``k [N, d]`` with ``rows [T, S]`` (``-1``: no entry, scored ``-inf``;
-    nothing is gathered). One arithmetic for all three (a row stride of 0 for shared keys; the same
-    MMA on the same key values when indexed) and for every ``nblk``, so a query gets the same bits
-    whichever form its step passes and whatever the batch."""
+def indexer_scores(q, w, k, rows=None):
+    """``I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s])``: one program per (query, 64 keys). Keys are
+    shared ``[S, d]``, per row ``[T, S, d]``, or read by index from a pool ``k [N, d]`` with
+    ``rows [T, S]`` (``-1``: no entry, scored ``-inf``; nothing is gathered). One arithmetic for all
+    three (a row stride of 0 for shared keys; the same MMA on the same key values when indexed), so
+    a query gets the same bits whichever form its step passes."""
     import torch
 
     T, H, D = q.shape
@@ -177,11 +144,10 @@ def indexer_scores(q, w, k, rows=None, nblk: int | None = None):
         else:
             rc = rows.contiguous()
             s_rt, s_kt = rc.stride(0), 0
-        nb = nblk or indexer_blocks(T, S)
-        launch(indexer_kernel, (T, cdiv(S, INDEXER_BS * nb)), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
+        launch(indexer_kernel, (T, cdiv(S, INDEXER_BS)), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
                qc.stride(1), wc.stride(0), s_kt, kc.stride(-2), s_rt, out.stride(0), D=D,
                BH=max(16, next_pow2(H)), BS=INDEXER_BS, IEEE=q.dtype == torch.float32,
-               INDEXED=rows is not None, NBLK=nb)
+               INDEXED=rows is not None)
     return out
 
 

@@ -4,8 +4,8 @@ entries, in entry order.
 ``topk_rows(scores [n, E], rows [n, E], k)`` is ``rows.gather(1, sort(topk(scores masked -inf where
 rows < 0, k, stable)))``: the top ``k`` by score, ties to the lower entry, listed in ascending entry
 order. One program per query holds its row of scores as order-preserving integer keys (``-0.0``
-taken as ``+0.0``, as a sort compares them equal), finds the ``k``-th largest key a byte at a
-time from the top (four histogram passes), takes every key above it and the first ties in entry
+taken as ``+0.0``, as a sort compares them equal), finds the ``k``-th largest key by a bitwise
+search from the top bit (32 counting passes), takes every key above it and the first ties in entry
 order, and writes the chosen rows by a running count. It replaces a radix sort of the scores, a
 sort of the chosen indices and two gathers (74 us for one CSA layer's queries at batch 64 and 16k
 tokens on an H200). Integer results: equal to the torch composition's for any non-NaN scores.
@@ -21,28 +21,6 @@ MAX_ENTRIES = 16384  # one program holds a query's entries; wider rows take the 
 
 
 @triton.jit
-def _kth_key(key, k):
-    """The ``k``-th largest of ``key`` (values in ``[0, 2^32)``; -1: no entry), a byte at a time
-    from the top: per pass the histogram of the next byte over the keys that share the bytes
-    found so far, and the largest byte whose keys, with those already above, number ``k`` or
-    more. Four histogram passes in place of 32 counting ones; the same key."""
-    res = tl.zeros([], tl.int64)
-    above = tl.zeros([], tl.int32)  # keys known to lie above the k-th: a larger prefix
-    bins = tl.arange(0, 512)
-    for p in tl.static_range(4):
-        sh = 24 - 8 * p
-        live = (key >= 0) & ((key >> (sh + 8)) == (res >> (sh + 8)))
-        dig = tl.where(live, (key >> sh) & 255, 256 + ((key >> sh) & 255)).to(tl.int32)  # others: bins 256..
-        h = tl.histogram(dig, 512)
-        h = tl.where(bins < 256, h, 0)
-        ge = tl.cumsum(h, 0, reverse=True)  # keys of the prefix whose byte is >= each bin
-        d = tl.maximum(tl.sum((above + ge >= k).to(tl.int32), 0) - 1, 0)
-        above += tl.sum(tl.where(bins > d, h, 0), 0)
-        res = res | (d.to(tl.int64) << sh)
-    return res
-
-
-@triton.jit
 def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EB)
@@ -54,7 +32,11 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr):
     bits = s.to(tl.int32, bitcast=True)
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # float order, as [0, 2^32)
     key = tl.where(inside, key, -1)  # past E: below every entry
-    res = _kth_key(key, k)
+    res = tl.zeros([], tl.int64)
+    for b in range(31, -1, -1):
+        cand = res | (tl.full([], 1, tl.int64) << b)
+        if tl.sum((key >= cand).to(tl.int32), 0) >= k:
+            res = cand
     gt = key > res
     eq = key == res
     need = k - tl.sum(gt.to(tl.int32), 0)
