@@ -9,7 +9,6 @@ CUDA graph; the graph is replayed and the time per call is the median replay ove
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import time
 
@@ -122,31 +121,6 @@ def cases(T: int, dev: str):
     out["indexer 4096 keys"] = lambda: tg.indexer_scores(iq, iw, ipool, irows)
     isc = tg.indexer_scores(iq, iw, ipool, irows)
     out["topk_rows 512 of 4096"] = lambda: fused.topk_rows(isc, irows, cfg.index_topk)
-    # the sparse attention of a decode step (queries normalised in the kernel): the window ring's 128
-    # rows, plus CSA's top-512 entries or HCA's 8 (1k context); Triton's online launch vs TileLang's
-    from v4stack.kernels import triton_attention_online as tao
-
-    wpool = torch.randn(T * 128, D, device=dev, dtype=torch.bfloat16, generator=g)
-    widx = torch.randperm(T * 128, device=dev, generator=g).view(T, 128)
-    cpool = torch.randn(T * 1024, D, device=dev, dtype=torch.bfloat16, generator=g)
-    sink = torch.randn(H, device=dev, generator=g)
-    layers = {"window": ([wpool], [widx]),
-              "CSA 128 + 512": ([wpool, cpool], [widx, torch.randint(0, T * 1024, (T, 512), device=dev, generator=g)]),
-              "HCA 128 + 8": ([wpool, cpool], [widx, torch.randint(0, T * 1024, (T, 8), device=dev, generator=g)])}
-    try:
-        from v4stack.kernels import tilelang_attention as tla
-    except ImportError:
-        tla = None
-    for name, (pl, ix) in layers.items():
-        out[f"attention {name}, triton online"] = (
-            lambda pl=pl, ix=ix: tao.sparse_attention(q, pl, ix, sink, D ** -0.5, force=True, q_eps=1e-6))
-        if tla is not None and importlib.util.find_spec("tilelang") is not None:
-            out[f"attention {name}, tilelang"] = (
-                lambda pl=pl, ix=ix: tla.normed_sparse_attention(q, pl, ix, sink, D ** -0.5, 1e-6))
-            a_ = tao.sparse_attention(q, pl, ix, sink, D ** -0.5, force=True, q_eps=1e-6).float()
-            b_ = tla.normed_sparse_attention(q, pl, ix, sink, D ** -0.5, 1e-6).float()
-            out[f"attention {name}, tilelang vs triton"] = (
-                f"rel={((a_ - b_).norm() / a_.norm()).item():.2e}, refused={tla._refused[:1]}")
     return out
 
 

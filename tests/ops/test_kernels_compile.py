@@ -29,13 +29,3 @@ def test_fast_math_is_off_unless_asked():
 
     assert k.pass_configs()[PassConfigKey.TL_ENABLE_FAST_MATH] is False
     assert k.pass_configs(fast_math=True)[PassConfigKey.TL_ENABLE_FAST_MATH] is True
-
-
-def test_sparse_attention_compiles_with_pipelined_gathers():
-    """Fast mode's batch attention (kernels/tilelang_attention.py): the chunks gathered by index
-    arrive by cp.async, two in flight, and the products run on Hopper's wgmma."""
-    from v4stack.kernels import tilelang_attention as tla
-
-    src = k.lower_for(tla.program(64, 512, 512 ** -0.5, True, 1e-6, True)).kernel_source
-    assert "wgmma" in src
-    assert "cp_async_gs_conditional" in src and "cp_async_wait<1>" in src

@@ -68,10 +68,6 @@ def _with(lib: str, check):
     return accepts
 
 
-def _tl_attention():
-    return importlib.import_module("v4stack.kernels.tilelang_attention")
-
-
 _grouped_mm_refused = False
 
 
@@ -207,17 +203,7 @@ def register_all(register) -> None:
     register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=_grouped_mm_ok)
     register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=inv, device="cuda",
              accepts=_with("triton", C.grouped_linear))
-    # fast mode, many rows: TileLang's block per row with the query and chunks in shared memory where it
-    # is installed (kernels/tilelang_attention.py), else the Triton online-softmax launch (no fixed
-    # arithmetic across launch shapes in either)
-    register("sparse_attention", "tilelang_sparse_attention",
-             _lazy("tilelang_attention", "sparse_attention"), mode=fast, device="cuda",
-             accepts=_with("tilelang", lambda q, pools, idx, sink, scale: C.sparse_attention(q, pools, idx, sink, scale)
-                           and _tl_attention().usable(q, pools, idx)))
-    register("normed_sparse_attention", "tilelang_normed_sparse_attention",
-             _lazy("tilelang_attention", "normed_sparse_attention"), mode=fast, device="cuda",
-             accepts=_with("tilelang", lambda q, pools, idx, sink, scale, eps: _tl_attention().usable(q, pools, idx)
-                           and (pools is None or C.sparse_attention(q, pools, idx, sink, scale))))
+    # fast mode, many rows: the online-softmax launch (no fixed arithmetic across launch shapes)
     register("sparse_attention", "triton_sparse_attention_online",
              _lazy("triton_attention_online", "sparse_attention", "sparse_attention"), mode=fast, device="cuda",
              accepts=_with("triton", lambda q, pools, idx, sink, scale: C.sparse_attention(q, pools, idx, sink, scale)
