@@ -33,23 +33,25 @@ def _plain(linears) -> bool:
         and lin.weight.dtype == w0.dtype and lin.weight.device == w0.device for lin in linears)
 
 
-def joined(owner, linears) -> torch.Tensor | None:
-    """The packed ``[sum N, K]`` weight if every linear's weight is still its row slice, else None
-    (and a stale buffer is dropped)."""
-    buf = getattr(owner, _ATTR, None)
-    if buf is None:
-        return None
+def _holds(buf: torch.Tensor, linears) -> bool:
+    """Whether every linear's weight is still its row slice of ``buf``, in order."""
     K, es, row = buf.shape[1], buf.element_size(), 0
     for lin in linears:
         w = lin.weight
         if (lin.qweight is not None or w.dtype != buf.dtype or w.device != buf.device or w.dim() != 2
                 or w.shape[1] != K or not w.is_contiguous() or w.data_ptr() != buf.data_ptr() + row * K * es):
-            setattr(owner, _ATTR, None)
-            return None
+            return False
         row += w.shape[0]
-    if row != buf.shape[0]:
+    return row == buf.shape[0]
+
+
+def joined(owner, linears) -> torch.Tensor | None:
+    """The packed ``[sum N, K]`` weight if every linear's weight is still its row slice, else None
+    (and a stale buffer is dropped)."""
+    buf = getattr(owner, _ATTR, None)
+    if buf is not None and not _holds(buf, linears):
         setattr(owner, _ATTR, None)
-        return None
+        buf = None
     return buf
 
 
