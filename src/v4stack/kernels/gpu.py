@@ -215,6 +215,18 @@ def register_all(register) -> None:
              accepts=_with("triton", lambda q, pools, idx, sink, scale, eps: q.dtype in (torch.bfloat16, torch.float16)
                            and _takes_online(q.shape[0], q.shape[1])
                            and (pools is None or C.sparse_attention(q, pools, idx, sink, scale))))
+    # fast mode, many rows, Hopper: the CUDA C++ decode attention ahead of the Triton launches
+    # (``cuda_attention``; rows from ``cuda_attention.MIN_ROWS``, bench/attention_cuda.py)
+    def cuda_attention_ok(q, pools, idx, sink, scale, eps=None):
+        from v4stack.kernels import cuda_attention as ca
+
+        return (q.shape[0] >= ca.MIN_ROWS and not (_grad_enabled() and _needs_grad((q,), {}))
+                and ca.accepts(q, pools, idx, sink, scale) and ca.ready())
+    register("sparse_attention", "cuda_sparse_attention", _lazy("cuda_attention", "sparse_attention"), mode=fast,
+             device="cuda", accepts=cuda_attention_ok, first=True)
+    register("normed_sparse_attention", "cuda_normed_sparse_attention",
+             _lazy("cuda_attention", "normed_sparse_attention"), mode=fast, device="cuda", accepts=cuda_attention_ok,
+             first=True)
     for mode in (inv, fast):
         register("indexer_scores_rows", "triton_indexer_scores_rows", _lazy("triton_gemm", "indexer_scores_rows", "indexer"),
                  mode=mode, device="cuda", accepts=trit(C.indexer_scores_rows))

@@ -1,0 +1,73 @@
+"""Fast mode's decode attention in CUDA C++ (``cuda_attention.cu``): ``ops.sparse_attention`` and
+``fused.normed_sparse_attention`` for bf16 queries of 512-wide heads in groups of 64, the pools'
+rows read by index. The kernel's own comment says how it works; this module checks the call and
+launches it (one block per (row, 64-head group), 256 threads)."""
+
+from __future__ import annotations
+
+import torch
+
+from v4stack.kernels import cubin
+
+SOURCE = "cuda_attention.cu"
+HEADS, WIDTH = 64, 512
+SMEM = HEADS * 1024 + 2 * 64 * 1024 + 8 * 32 * 32 * 4 + 4 * 64 * 8 + 16  # the .cu's SMEM_BYTES
+TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
+         "f32", "f32", "i32")
+LOG2E = 1.4426950408889634
+MAX_ROWS = 65535  # grid.y
+MIN_ROWS = 65  # where fast mode takes it over the Triton launches (bench/attention_cuda.py)
+
+
+def ready() -> bool:
+    """This process can build and launch it (a Hopper GPU, nvcc)."""
+    return cubin.usable()
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def accepts(q, pools, idx, sink, scale) -> bool:
+    """The shapes the kernel is written for; ``pools`` None: asked before the candidates exist."""
+    if q.dim() != 3 or q.dtype != torch.bfloat16 or not q.is_cuda:
+        return False
+    T, H, D = q.shape
+    if D != WIDTH or H % HEADS or q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or not _aligned(q):
+        return False
+    if pools is None:
+        return True
+    if not 1 <= len(pools) <= 2 or len(idx) != len(pools):
+        return False
+    for p, i in zip(pools, idx):
+        if p.dtype != torch.bfloat16 or p.dim() != 2 or p.shape[1] != D or not p.is_cuda:
+            return False
+        if i.dim() != 2 or i.shape[0] != T or i.dtype not in (torch.int32, torch.int64):
+            return False
+    return sink.numel() == H and sink.is_cuda
+
+
+def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None):
+    T, H, D = q.shape
+    p0, i0 = pools[0].contiguous(), idx[0]
+    p1, i1 = (pools[1].contiguous(), idx[1]) if len(pools) > 1 else (p0, i0[:, :0])
+    it = i0.dtype if i0.shape[1] else i1.dtype
+    i0, i1 = i0.to(it).contiguous(), i1.to(it).contiguous()
+    K0, K1 = i0.shape[1], i1.shape[1]
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    fn = cubin.load(SOURCE, "decode_attention_i64" if it == torch.int64 else "decode_attention_i32", TYPES, SMEM,
+                    q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sink = sink.float().contiguous()
+    for r0 in range(0, T, MAX_ROWS):
+        n = min(MAX_ROWS, T - r0)
+        fn.launch((H // HEADS, n, 1), 256, q[r0:], q.stride(0), q.stride(1), p0, i0[r0:] if K0 else i0,
+                  i0.stride(0) if K0 else 0, K0, p0.shape[0], p1, i1[r0:] if K1 else i1, i1.stride(0) if K1 else 0, K1,
+                  p1.shape[0], sink, out[r0:], out.stride(0), out.stride(1), float(scale) * LOG2E,
+                  0.0 if q_eps is None else float(q_eps), int(q_eps is not None))
+    return out
+
+
+def normed_sparse_attention(q, pools, idx, sink, scale: float, eps: float):
+    return sparse_attention(q, pools, idx, sink, scale, q_eps=eps)

@@ -1,0 +1,124 @@
+"""The CUDA C++ decode attention (``kernels/cuda_attention.cu``).
+
+CPU (where ``nvcc`` is installed): it builds for sm_90a with no spills, the cache keys the build
+by source and compiler (a changed source builds again; a cached one is reused, never half
+written). GPU (Hopper): against the fp32 torch reference over the same candidates - hidden
+candidates (-1, an index past the pool) in the middle of the lists, a row with no visible
+candidate, two head groups, int32 and int64 indices, the queries' RMS norm in the launch - under
+a CUDA graph too; the inverse control shows the tolerance sees a wrong scale."""
+
+import shutil
+
+import pytest
+import torch
+
+from v4stack.kernels import cubin
+from v4stack.kernels import cuda_attention as ca
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+@needs_nvcc
+def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("V4STACK_CUDA_CACHE", str(tmp_path))
+    path, report = cubin.build(ca.SOURCE)
+    assert path.parent == tmp_path and path.stat().st_size > 0
+    for entry in ("decode_attention_i64", "decode_attention_i32"):
+        assert f"Compiling entry function '{entry}' for 'sm_90a'" in report
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 2, report
+    regs = [int(line.split("Used ")[1].split()[0]) for line in report.splitlines() if "Used " in line]
+    assert regs and max(regs) <= 255
+    assert list(tmp_path.iterdir()) == [path]  # only the finished file: no temporary left behind
+    again, report2 = cubin.build(ca.SOURCE)
+    assert again == path and report2 == ""  # cached
+    # a different source is another key (the control: the key does read the bytes)
+    src = tmp_path / "copy.cu"
+    src.write_text((cubin.HERE / ca.SOURCE).read_text() + "\n// changed\n")
+    monkeypatch.setattr(cubin, "HERE", tmp_path)
+    assert cubin.cubin_path("copy.cu") != path
+
+
+def test_accepts_only_the_written_shapes():
+    q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
+    assert not ca.accepts(q, None, None, None, 1.0)  # not on CUDA
+    if torch.cuda.is_available():
+        qc = q.cuda()
+        assert ca.accepts(qc, None, None, None, 1.0)
+        assert not ca.accepts(qc[:, :48], None, None, None, 1.0)  # 48 heads: not a 64-head group
+        assert not ca.accepts(qc[..., :256], None, None, None, 1.0)
+        assert not ca.accepts(qc.float(), None, None, None, 1.0)
+
+
+def _reference(q, pools, idx, sink, scale):
+    keys, seen = [], []
+    for p, i in zip(pools, idx):
+        i = i.long()
+        ok = (i >= 0) & (i < p.shape[0])
+        keys.append(p[i.clamp(0, p.shape[0] - 1)].float())
+        seen.append(ok)
+    keys, seen = torch.cat(keys, 1), torch.cat(seen, 1)
+    s = (torch.einsum("thd,tkd->thk", q.float(), keys) * scale).masked_fill(~seen[:, None, :], float("-inf"))
+    s = torch.cat([s, sink.float()[None, :, None].expand(s.shape[0], -1, 1)], 2)
+    return torch.einsum("thk,tkd->thd", torch.softmax(s, 2)[..., :-1], keys)
+
+
+def _case(T, H, K0, K1, N0, N1, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, H, 512, device="cuda", generator=g).bfloat16()
+    pools = [torch.randn(N0, 512, device="cuda", generator=g).bfloat16(),
+             torch.randn(N1, 512, device="cuda", generator=g).bfloat16()]
+    i0 = torch.randint(0, N0, (T, K0), device="cuda", generator=g)
+    i1 = torch.randint(0, N1, (T, K1), device="cuda", generator=g)
+    i0[:, 5::17] = -1  # hidden in the middle of the window
+    i1[:, 3::11] = -1
+    i1[:, 7::13] = N1 + 5  # past the pool: no candidate, never read
+    i1[:, K1 - 70:] = -1  # a padded top-k tail: the live chunks stop before it
+    i0[1] = -1  # row 1: nothing visible at all
+    i1[1] = -1
+    return q, pools, [i0.to(dtype), i1.to(dtype)], torch.randn(H, device="cuda", generator=g), 512 ** -0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and cubin.usable()), reason="needs a Hopper GPU and nvcc")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("H", [64, 128])
+def test_matches_the_fp32_reference(dtype, H):
+    q, pools, idx, sink, scale = _case(T=37, H=H, K0=128, K1=384, N0=37 * 128, N1=2000, dtype=dtype)
+    want = _reference(q, pools, idx, sink, scale)
+    got = ca.sparse_attention(q, pools, idx, sink, scale).float()
+    assert torch.all(got[1] == 0)  # no candidate: the sink alone, an exact zero output
+    err = (got - want).abs().max().item()
+    assert err < 2e-2, err
+    # inverse control: a wrong scale is far outside the tolerance
+    bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5).float()
+    assert (bad - want).abs().max().item() > 10 * max(err, 2e-3)
+    # the queries' RMS norm in the launch equals norming first
+    eps = 1e-6
+    qn = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+    normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps).float()
+    assert (normed - _reference(qn, pools, idx, sink, scale)).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and cubin.usable()), reason="needs a Hopper GPU and nvcc")
+def test_runs_under_a_cuda_graph_and_through_the_dispatch():
+    from v4stack import ops
+
+    q, pools, idx, sink, scale = _case(T=256, H=64, K0=128, K1=512, N0=256 * 128, N1=4096, dtype=torch.int64)
+    eager = ca.sparse_attention(q, pools, idx, sink, scale)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ca.sparse_attention(q, pools, idx, sink, scale)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        out = ca.sparse_attention(q, pools, idx, sink, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    ops.reset_counters()
+    with ops.mode("fast"):
+        via = ops.sparse_attention(q, pools, idx, sink, scale)
+    assert ops.counters()["sparse_attention"] == {"cuda_sparse_attention": 1}
+    assert torch.equal(via, eager)
