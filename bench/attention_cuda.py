@@ -31,41 +31,42 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results/attention_cuda_h200.json")
     ap.add_argument("--rows", default="1,16,64,128,256,1024")
     a = ap.parse_args(argv)
-    path, report = cubin.build(ca.SOURCE)
+    builds = {v: cubin.build(src) for v, (src, _) in ca.KERNELS.items()}
     out = []
     for T in map(int, a.rows.split(",")):
         for name, (k1, visible, entries) in LAYERS.items():
             q, pools, idx, sink, scale = case(T, k1, visible, entries)
             want = reference(q, pools, idx, sink, scale)
-            got = ca.sparse_attention(q, pools, idx, sink, scale)
-            got64 = ca.sparse_attention(q, pools, [i.long() for i in idx], sink, scale)
             row = dict(rows=T, layer=name, candidates=WINDOW + k1, visible=WINDOW + visible,
                        bytes_moved=T * ((WINDOW + visible) * D * 2 + 2 * H * D * 2),
-                       cuda_us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale)) * 1e6,
                        online_us=graph_time(lambda: online.sparse_attention(q, pools, idx, sink, scale,
                                                                               force=True)) * 1e6,
                        table_us=graph_time(lambda: ta.sparse_attention(q, pools, idx, sink, scale)) * 1e6,
-                       cuda_max_err=float((got.float() - want).abs().max()),
-                       cuda_i64_same_bits=bool(torch.equal(got, got64)),
                        online_max_err=float((online.sparse_attention(q, pools, idx, sink, scale, force=True).float()
                                              - want).abs().max()))
-            normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6).float()
             ref_n = online.sparse_attention(q, pools, idx, sink, scale, force=True, q_eps=1e-6).float()
-            row["normed_cuda_vs_online_max_err"] = float((normed - ref_n).abs().max())
-            row["normed_cuda_us"] = graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6)) * 1e6
+            for v in ca.KERNELS:
+                got = ca.sparse_attention(q, pools, idx, sink, scale, variant=v)
+                got64 = ca.sparse_attention(q, pools, [i.long() for i in idx], sink, scale, variant=v)
+                normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6, variant=v).float()
+                row[v] = dict(us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, variant=v)) * 1e6,
+                              max_err=float((got.float() - want).abs().max()), i64_same_bits=bool(torch.equal(got, got64)),
+                              normed_us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6,
+                                                                               variant=v)) * 1e6,
+                              normed_vs_online_max_err=float((normed - ref_n).abs().max()))
+                row[v]["GBps"] = row["bytes_moved"] / row[v]["us"] / 1e3
             row["normed_online_us"] = graph_time(lambda: online.sparse_attention(q, pools, idx, sink, scale, force=True,
                                                                                  q_eps=1e-6)) * 1e6
-            row["cuda_GBps"] = row["bytes_moved"] / row["cuda_us"] / 1e3
             out.append(row)
-            print(f"{T:>5} rows {name:>8}: cuda {row['cuda_us']:7.1f} us ({row['cuda_GBps']:5.0f} GB/s) online "
-                  f"{row['online_us']:7.1f} table {row['table_us']:7.1f}; err cuda {row['cuda_max_err']:.2e} online "
-                  f"{row['online_max_err']:.2e} i64 same {row['cuda_i64_same_bits']}; normed cuda "
-                  f"{row['normed_cuda_us']:7.1f} online {row['normed_online_us']:7.1f} (diff "
-                  f"{row['normed_cuda_vs_online_max_err']:.2e})", flush=True)
+            vs = "; ".join(f"{v} {row[v]['us']:7.1f} us ({row[v]['GBps']:5.0f} GB/s) err {row[v]['max_err']:.2e} "
+                           f"i64 same {row[v]['i64_same_bits']} normed {row[v]['normed_us']:7.1f} (diff "
+                           f"{row[v]['normed_vs_online_max_err']:.2e})" for v in ca.KERNELS)
+            print(f"{T:>5} rows {name:>8}: {vs}; online {row['online_us']:7.1f} (err {row['online_max_err']:.2e}, normed "
+                  f"{row['normed_online_us']:7.1f}) table {row['table_us']:7.1f}", flush=True)
             del q, pools, idx, want, got, got64
             torch.cuda.empty_cache()
-            write_result(a.out, {"widths": dict(H=H, D=D, window=WINDOW), "cases": out, "cubin": path.name,
-                                 "ptxas": report, "device_name": torch.cuda.get_device_name()})
+            write_result(a.out, {"widths": dict(H=H, D=D, window=WINDOW), "cases": out, "cubins": {v: p.name for v, (p, _) in builds.items()},
+                                 "ptxas": {v: r for v, (_, r) in builds.items()}, "device_name": torch.cuda.get_device_name()})
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 
 
 @needs_nvcc
-def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", sorted(ca.KERNELS))
+def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeypatch, variant):
+    source = ca.KERNELS[variant][0]
     monkeypatch.setenv("V4STACK_CUDA_CACHE", str(tmp_path))
-    path, report = cubin.build(ca.SOURCE)
+    path, report = cubin.build(source)
     assert path.parent == tmp_path and path.stat().st_size > 0
     for entry in ("decode_attention_i64", "decode_attention_i32"):
         assert f"Compiling entry function '{entry}' for 'sm_90a'" in report
@@ -29,11 +31,11 @@ def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeyp
     regs = [int(line.split("Used ")[1].split()[0]) for line in report.splitlines() if "Used " in line]
     assert regs and max(regs) <= 255
     assert list(tmp_path.iterdir()) == [path]  # only the finished file: no temporary left behind
-    again, report2 = cubin.build(ca.SOURCE)
+    again, report2 = cubin.build(source)
     assert again == path and report2 == ""  # cached
     # a different source is another key (the control: the key does read the bytes)
     src = tmp_path / "copy.cu"
-    src.write_text((cubin.HERE / ca.SOURCE).read_text() + "\n// changed\n")
+    src.write_text((cubin.HERE / source).read_text() + "\n// changed\n")
     monkeypatch.setattr(cubin, "HERE", tmp_path)
     assert cubin.cubin_path("copy.cu") != path
 
@@ -80,22 +82,23 @@ def _case(T, H, K0, K1, N0, N1, dtype, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and cubin.usable()), reason="needs a Hopper GPU and nvcc")
+@pytest.mark.parametrize("variant", sorted(ca.KERNELS))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("H", [64, 128])
-def test_matches_the_fp32_reference(dtype, H):
+def test_matches_the_fp32_reference(dtype, H, variant):
     q, pools, idx, sink, scale = _case(T=37, H=H, K0=128, K1=384, N0=37 * 128, N1=2000, dtype=dtype)
     want = _reference(q, pools, idx, sink, scale)
-    got = ca.sparse_attention(q, pools, idx, sink, scale).float()
+    got = ca.sparse_attention(q, pools, idx, sink, scale, variant=variant).float()
     assert torch.all(got[1] == 0)  # no candidate: the sink alone, an exact zero output
     err = (got - want).abs().max().item()
     assert err < 2e-2, err
     # inverse control: a wrong scale is far outside the tolerance
-    bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5).float()
+    bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5, variant=variant).float()
     assert (bad - want).abs().max().item() > 10 * max(err, 2e-3)
     # the queries' RMS norm in the launch equals norming first
     eps = 1e-6
     qn = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
-    normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps).float()
+    normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps, variant=variant).float()
     assert (normed - _reference(qn, pools, idx, sink, scale)).abs().max().item() < 2e-2
 
 
