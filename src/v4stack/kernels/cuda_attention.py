@@ -11,9 +11,10 @@ from v4stack.kernels import cubin
 
 HEADS, WIDTH = 64, 512
 # variant: (source, its SMEM_BYTES): mma.sync warps with their scores swapped through shared memory,
-# or wgmma warpgroups
+# or wgmma warpgroups in two roles (scores and softmax / the second half of p @ v and the loads)
 KERNELS = {"mma": ("cuda_attention.cu", HEADS * 1024 + 2 * 64 * 1024 + 8 * 32 * 32 * 4 + 4 * 64 * 8 + 16),
-           "wgmma": ("cuda_attention_wg.cu", HEADS * 1024 + 2 * 64 * 1024 + 4 * 64 * 8 + 16 + 1024)}
+           "wgmma": ("cuda_attention_wg.cu", HEADS * 1024 + 2 * 64 * 1024 + 64 * 128 + 2 * 64 * 4 + 4 * 64 * 8 + 16
+                     + 1024)}
 VARIANT = "mma"
 SOURCE = KERNELS[VARIANT][0]
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",

@@ -6,16 +6,20 @@
 // Memory: the block's queries (64 x 512 bf16) and two chunk stages (64 candidate rows each) sit in
 // shared memory in wgmma's 128-byte-swizzled layout: a tile is eight regions of 64 columns (128
 // bytes a row, 1024-byte aligned), and 16-byte segment s of row r sits at (s ^ (r & 7)) in its
-// row. Candidate rows arrive by cp.async, the next chunk's while this one computes; a hidden
-// candidate (-1, or an index outside [0, N)) is a zero-filled row never read from memory that
-// scores -inf. The row addresses of a chunk are looked up one chunk ahead.
+// row. Candidate rows arrive by cp.async; a hidden candidate (-1, or an index outside [0, N)) is
+// a zero-filled row never read from memory that scores -inf.
 //
-// Work: each warpgroup computes the chunk's scores for all 64 heads (wgmma m64n64k16, queries and
-// candidate rows both K-major from shared memory, fp32 accumulators), so both hold the same
-// scores and the same softmax; then p @ v for its half of the 512 output columns (wgmma
-// m64n128k16 twice, p rounded to bf16 in registers as the A operand, the same candidate rows read
-// as an N-major B: key == value). Online softmax in base 2 (the scale carries log2 e) from the
-// sink alone (M = sink, L = 1). The output A / L goes back through shared memory to 16-byte stores.
+// Roles: warpgroup 0 computes a chunk's scores for all 64 heads (wgmma m64n64k16, queries and
+// candidate rows both K-major from shared memory, fp32 accumulators) and the online softmax (base
+// 2, the scale carrying log2 e, from the sink alone: M = sink, L = 1), leaves p (bf16) and each
+// row's rescale factor in shared memory, and runs p @ v for output columns 0..255 with p in
+// registers (m64n128k16, the chunk's rows read as an N-major B: key == value). Warpgroup 1 runs
+// p @ v for columns 256..511 with p from shared memory, then loads the chunk after next into the
+// stage just freed and says when the next one has landed - so warpgroup 0's scores of chunk c + 1
+// overlap warpgroup 1's p @ v of chunk c. Named barriers order the hand-offs: P_READY (p and the
+// factors of chunk c written), STAGE_FREE (warpgroup 0 is done with chunk c's rows), DATA_READY
+// (chunk c + 1's rows have landed). The output A / L goes back through shared memory to 16-byte
+// stores.
 //
 // QN: the queries are RMS-normalised per head first (weightless, fp32, rounded back to bf16) in
 // shared memory, so normalised queries are never written to or read from device memory.
@@ -30,9 +34,14 @@
 #define NTHREADS 256
 #define SMEM_Q 0
 #define SMEM_K TILE                   // two stages
-#define SMEM_I (SMEM_K + 2 * TILE)    // row addresses: 4 slots x CH (0: hidden)
+#define SMEM_P (SMEM_K + 2 * TILE)    // p [64 heads x 64 candidates] bf16, one swizzled region
+#define SMEM_A (SMEM_P + 64 * 128)    // the rows' rescale factors, then their final L
+#define SMEM_I (SMEM_A + 2 * 64 * 4)  // row addresses: 4 slots x CH (0: hidden)
 #define SMEM_N (SMEM_I + 4 * CH * 8)  // the live chunk count
 #define SMEM_BYTES (SMEM_N + 16 + 1024)  // + the alignment of the tiles to 1024 bytes
+#define P_READY 1
+#define STAGE_FREE 2
+#define DATA_READY 3
 
 // byte offset of 16-byte segment s (0..63) of row r (0..63) in a tile
 __device__ __forceinline__ uint32_t at(int r, int s) {
@@ -70,6 +79,16 @@ __device__ __forceinline__ void wg_pv(float *d, uint32_t a0, uint32_t a1, uint32
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
 }
+
+__device__ __forceinline__ void wg_pv_ss(float *d, uint64_t da, uint64_t db) {  // d += a b, a from shared memory
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -134,154 +153,217 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
     const int nch = min((*snch + CH - 1) / CH, (K0 + K1 + CH - 1) / CH);
 
     const int seg = tid & 63, r4 = tid >> 6;
-    {  // the queries and chunk 0 (group 0), chunk 1 (group 1)
+    const bool wg0 = half == 0;
+    {  // the queries and chunk 0 by every thread (group 0); chunk 1 by warpgroup 1 (its group 1)
         const __nv_bfloat16 *qrow = Q + t * s_qt + (int64_t)h0 * s_qh;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             int h = r4 + 4 * i;
             cp16(sbase + SMEM_Q + at(h, seg), qrow + h * s_qh + seg * 8, true);
         }
-        for (int c = 0; c < 2; c++) {
-            if (c < nch) {
+        if (nch > 0) {
 #pragma unroll
-                for (int i = 0; i < 16; i++) {
-                    int r = r4 + 4 * i;
-                    uint64_t a = si[c * CH + r];
-                    cp16(sbase + SMEM_K + c * TILE + at(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0,
+            for (int i = 0; i < 16; i++) {
+                int r = r4 + 4 * i;
+                uint64_t a = si[r];
+                cp16(sbase + SMEM_K + at(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
+            }
+        }
+        cp_commit();
+        if (!wg0) {
+            if (nch > 1) {
+                const int s2 = tid & 127;  // 128 threads: 2 rows a pass
+#pragma unroll
+                for (int i = 0; i < 32; i++) {
+                    int r = (s2 >> 6) + 2 * i;
+                    uint64_t a = si[CH + r];
+                    cp16(sbase + SMEM_K + TILE + at(r, s2 & 63), a ? (const void *)(a + (s2 & 63) * 16) : (const void *)P0,
                          a != 0);
                 }
             }
             cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
         }
+        proxy_fence();
+        __syncthreads();
+    }
+    if (qn) {  // per-head RMS normalisation of the queries, in place
+        const int h = tid >> 2, part = tid & 3;
+        float sq = 0.f;
+        for (int i = 0; i < 16; i++) {
+            const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(smem + SMEM_Q + at(h, part * 16 + i));
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 f = __bfloat1622float2(v[e]);
+                sq = fmaf(f.x, f.x, sq);
+                sq = fmaf(f.y, f.y, sq);
+            }
+        }
+        sq += __shfl_xor_sync(0xffffffff, sq, 1);
+        sq += __shfl_xor_sync(0xffffffff, sq, 2);
+        const float rs = __frcp_rn(__fsqrt_rn(__fdiv_rn(sq, (float)DW) + qeps));
+        for (int i = 0; i < 16; i++) {
+            __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(smem + SMEM_Q + at(h, part * 16 + i));
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 f = __bfloat1622float2(v[e]);
+                v[e] = __floats2bfloat162_rn(f.x * rs, f.y * rs);
+            }
+        }
+        proxy_fence();
+        __syncthreads();
     }
 
     const int ra = wq * 16 + g, rb = ra + 8;  // this thread's two rows (heads) of the block's 64
-    float M0 = Sink[h0 + ra] * 1.4426950408889634f, M1 = Sink[h0 + rb] * 1.4426950408889634f;
-    float L0 = tig == 0 ? 1.f : 0.f, L1 = L0;  // the sink's term, counted by one thread of four
+    float *sa = reinterpret_cast<float *>(smem + SMEM_A);
     float acc[128];  // [64 heads x 256 columns]: two m64n128 accumulators
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.f;
 
-    for (int c = 0; c < nch; c++) {
-        const int st = c & 1;
-        uint64_t nxt = 0;
-        if (tid < CH && c + 2 < nch) nxt = cand((c + 2) * CH + tid, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
-        cp_wait<1>();
-        proxy_fence();
-        __syncthreads();
-        if (qn && c == 0) {  // per-head RMS normalisation of the queries, in place
-            const int h = tid >> 2, part = tid & 3;
-            float sq = 0.f;
-            for (int i = 0; i < 16; i++) {
-                const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(smem + SMEM_Q + at(h, part * 16 + i));
+    if (wg0) {
+        float M0 = Sink[h0 + ra] * 1.4426950408889634f, M1 = Sink[h0 + rb] * 1.4426950408889634f;
+        float L0 = tig == 0 ? 1.f : 0.f, L1 = L0;  // the sink's term, counted by one thread of four
+        for (int c = 0; c < nch; c++) {
+            if (c > 0) bar_sync(DATA_READY);
+            const uint32_t kb = sbase + SMEM_K + (c & 1) * TILE;
+            // scores [64 heads x 64 candidates]: s[4n + e] is row ra (e < 2) or rb, column 8n + 2 tig + (e & 1)
+            float s[32];
+            wg_fence();
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float2 f = __bfloat1622float2(v[e]);
-                    sq = fmaf(f.x, f.x, sq);
-                    sq = fmaf(f.y, f.y, sq);
+            for (int ks = 0; ks < 32; ks++) {
+                const uint32_t off = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
+                wg_qk(s, desc(sbase + SMEM_Q + off, 16, 1024), desc(kb + off, 16, 1024), ks);
+            }
+            wg_commit();
+            wg_wait();
+            const uint64_t *slot = si + (c & 3) * CH;
+            float x0 = -INFINITY, x1 = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const bool ok = slot[n * 8 + 2 * tig + e] != 0;
+                    s[4 * n + e] = ok ? s[4 * n + e] * scale2 : -INFINITY;
+                    s[4 * n + e + 2] = ok ? s[4 * n + e + 2] * scale2 : -INFINITY;
+                    x0 = fmaxf(x0, s[4 * n + e]);
+                    x1 = fmaxf(x1, s[4 * n + e + 2]);
                 }
             }
-            sq += __shfl_xor_sync(0xffffffff, sq, 1);
-            sq += __shfl_xor_sync(0xffffffff, sq, 2);
-            const float rs = __frcp_rn(__fsqrt_rn(__fdiv_rn(sq, (float)DW) + qeps));
-            for (int i = 0; i < 16; i++) {
-                __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(smem + SMEM_Q + at(h, part * 16 + i));
+            x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, 1));
+            x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, 2));
+            x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, 1));
+            x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, 2));
+            const float n0 = fmaxf(M0, x0), n1 = fmaxf(M1, x1);
+            const float al0 = ex2(M0 - n0), al1 = ex2(M1 - n1);
+            M0 = n0;
+            M1 = n1;
+            float p0 = 0.f, p1 = 0.f;
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float2 f = __bfloat1622float2(v[e]);
-                    v[e] = __floats2bfloat162_rn(f.x * rs, f.y * rs);
-                }
+            for (int n = 0; n < 8; n++) {
+                s[4 * n] = ex2(s[4 * n] - n0);
+                s[4 * n + 1] = ex2(s[4 * n + 1] - n0);
+                s[4 * n + 2] = ex2(s[4 * n + 2] - n1);
+                s[4 * n + 3] = ex2(s[4 * n + 3] - n1);
+                p0 += s[4 * n] + s[4 * n + 1];
+                p1 += s[4 * n + 2] + s[4 * n + 3];
+            }
+            L0 = L0 * al0 + p0;
+            L1 = L1 * al1 + p1;
+            uint32_t pa[16];  // p as bf16 pairs: pa[2n] row ra, pa[2n + 1] row rb, columns 8n + 2 tig (+1)
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                pa[2 * n] = pack(s[4 * n], s[4 * n + 1]);
+                pa[2 * n + 1] = pack(s[4 * n + 2], s[4 * n + 3]);
+                *reinterpret_cast<uint32_t *>(smem + SMEM_P + ra * 128 + ((n ^ (ra & 7)) << 4) + tig * 4) = pa[2 * n];
+                *reinterpret_cast<uint32_t *>(smem + SMEM_P + rb * 128 + ((n ^ (rb & 7)) << 4) + tig * 4) = pa[2 * n + 1];
+            }
+            if (tig == 0) {
+                sa[ra] = al0;
+                sa[rb] = al1;
             }
             proxy_fence();
-            __syncthreads();
+            bar_arrive(P_READY);
+#pragma unroll
+            for (int i = 0; i < 128; i += 4) {
+                acc[i] *= al0;
+                acc[i + 1] *= al0;
+                acc[i + 2] *= al1;
+                acc[i + 3] *= al1;
+            }
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+#pragma unroll
+                for (int nb = 0; nb < 2; nb++) {
+                    const uint32_t off = (2 * nb) * (64 * 128) + kk * 16 * 128;
+                    wg_pv(acc + 64 * nb, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                          desc(kb + off, 64 * 128, 1024));
+                }
+            }
+            wg_commit();
+            wg_wait();
+            bar_arrive(STAGE_FREE);
         }
-        const uint32_t kb = sbase + SMEM_K + st * TILE;
-
-        // scores [64 heads x 64 candidates]: s[4n + e] is row ra (e < 2) or rb, column 8n + 2 tig + (e & 1)
-        float s[32];
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < 32; ks++) {
-            const uint32_t off = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
-            wg_qk(s, desc(sbase + SMEM_Q + off, 16, 1024), desc(kb + off, 16, 1024), ks);
+        L0 += __shfl_xor_sync(0xffffffff, L0, 1);
+        L0 += __shfl_xor_sync(0xffffffff, L0, 2);
+        L1 += __shfl_xor_sync(0xffffffff, L1, 1);
+        L1 += __shfl_xor_sync(0xffffffff, L1, 2);
+        __syncthreads();  // warpgroup 1 has read the last factors
+        if (tig == 0) {
+            sa[ra] = L0;
+            sa[rb] = L1;
         }
-        wg_commit();
-        wg_wait();
-
-        const uint64_t *slot = si + (c & 3) * CH;
-        float x0 = -INFINITY, x1 = -INFINITY;
+    } else {
+        const int lt = tid - 128;
+        for (int c = 0; c < nch; c++) {
+            const uint32_t kb = sbase + SMEM_K + (c & 1) * TILE;
+            uint64_t nxt = 0;
+            if (lt < CH && c + 2 < nch) nxt = cand((c + 2) * CH + lt, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
+            bar_sync(P_READY);
+            const float al0 = sa[ra], al1 = sa[rb];
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
+            for (int i = 0; i < 128; i += 4) {
+                acc[i] *= al0;
+                acc[i + 1] *= al0;
+                acc[i + 2] *= al1;
+                acc[i + 3] *= al1;
+            }
+            wg_fence();
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const bool ok = slot[n * 8 + 2 * tig + e] != 0;
-                s[4 * n + e] = ok ? s[4 * n + e] * scale2 : -INFINITY;
-                s[4 * n + e + 2] = ok ? s[4 * n + e + 2] * scale2 : -INFINITY;
-                x0 = fmaxf(x0, s[4 * n + e]);
-                x1 = fmaxf(x1, s[4 * n + e + 2]);
+            for (int kk = 0; kk < 4; kk++) {
+#pragma unroll
+                for (int nb = 0; nb < 2; nb++) {
+                    const uint32_t off = (4 + 2 * nb) * (64 * 128) + kk * 16 * 128;
+                    wg_pv_ss(acc + 64 * nb, desc(sbase + SMEM_P + kk * 32, 16, 1024), desc(kb + off, 64 * 128, 1024));
+                }
+            }
+            wg_commit();
+            wg_wait();
+            if (lt < CH) si[((c + 2) & 3) * CH + lt] = nxt;
+            bar_sync(STAGE_FREE);  // also: every thread of this warpgroup has written its slot entry
+            if (c + 2 < nch) {
+#pragma unroll
+                for (int i = 0; i < 32; i++) {
+                    int r = (lt >> 6) + 2 * i;
+                    uint64_t a = si[((c + 2) & 3) * CH + r];
+                    cp16(kb + at(r, lt & 63), a ? (const void *)(a + (lt & 63) * 16) : (const void *)P0, a != 0);
+                }
+            }
+            cp_commit();
+            if (c + 1 < nch) {
+                cp_wait<1>();  // chunk c + 1 has landed
+                proxy_fence();
+                bar_arrive(DATA_READY);
             }
         }
-        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, 1));
-        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, 2));
-        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, 1));
-        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, 2));
-        const float n0 = fmaxf(M0, x0), n1 = fmaxf(M1, x1);
-        const float al0 = ex2(M0 - n0), al1 = ex2(M1 - n1);
-        M0 = n0;
-        M1 = n1;
-        float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            s[4 * n] = ex2(s[4 * n] - n0);
-            s[4 * n + 1] = ex2(s[4 * n + 1] - n0);
-            s[4 * n + 2] = ex2(s[4 * n + 2] - n1);
-            s[4 * n + 3] = ex2(s[4 * n + 3] - n1);
-            p0 += s[4 * n] + s[4 * n + 1];
-            p1 += s[4 * n + 2] + s[4 * n + 3];
-        }
-        L0 = L0 * al0 + p0;
-        L1 = L1 * al1 + p1;
-#pragma unroll
-        for (int i = 0; i < 128; i += 4) {
-            acc[i] *= al0;
-            acc[i + 1] *= al0;
-            acc[i + 2] *= al1;
-            acc[i + 3] *= al1;
-        }
-        // p @ v over this warpgroup's 256 output columns: regions 4 half .. 4 half + 3
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const uint32_t a0 = pack(s[8 * kk], s[8 * kk + 1]), a1 = pack(s[8 * kk + 2], s[8 * kk + 3]);
-            const uint32_t a2 = pack(s[8 * kk + 4], s[8 * kk + 5]), a3 = pack(s[8 * kk + 6], s[8 * kk + 7]);
-#pragma unroll
-            for (int nb = 0; nb < 2; nb++) {
-                const uint32_t off = (4 * half + 2 * nb) * (64 * 128) + kk * 16 * 128;
-                wg_pv(acc + 64 * nb, a0, a1, a2, a3, desc(kb + off, 64 * 128, 1024));
-            }
-        }
-        wg_commit();
-        wg_wait();
-        if (tid < CH) si[((c + 2) & 3) * CH + tid] = nxt;
-        __syncthreads();  // the stage and the next slot are free / written
-        if (c + 2 < nch) {
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                int r = r4 + 4 * i;
-                uint64_t a = si[((c + 2) & 3) * CH + r];
-                cp16(kb + at(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
-            }
-        }
-        cp_commit();
+        __syncthreads();
     }
     cp_wait<0>();
-    __syncthreads();  // every warpgroup is done with the queries (also where no chunk ran)
+    __syncthreads();  // the final L written; every warpgroup is done with the queries
 
-    L0 += __shfl_xor_sync(0xffffffff, L0, 1);
-    L0 += __shfl_xor_sync(0xffffffff, L0, 2);
-    L1 += __shfl_xor_sync(0xffffffff, L1, 1);
-    L1 += __shfl_xor_sync(0xffffffff, L1, 2);
-    const float i0 = 1.f / L0, i1 = 1.f / L1;
+    const float i0 = 1.f / sa[ra], i1 = 1.f / sa[rb];
 #pragma unroll
     for (int n = 0; n < 32; n++) {  // acc[4n ..]: columns 256 half + 8n + 2 tig (+1)
         const int col = half * 256 + n * 8 + 2 * tig;
