@@ -19,9 +19,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 
 
 @needs_nvcc
-@pytest.mark.parametrize("variant", sorted(ca.KERNELS))
-def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeypatch, variant):
-    source = ca.KERNELS[variant][0]
+def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeypatch):
+    source = ca.SOURCE
     monkeypatch.setenv("V4STACK_CUDA_CACHE", str(tmp_path))
     path, report = cubin.build(source)
     assert path.parent == tmp_path and path.stat().st_size > 0
@@ -82,23 +81,22 @@ def _case(T, H, K0, K1, N0, N1, dtype, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and cubin.usable()), reason="needs a Hopper GPU and nvcc")
-@pytest.mark.parametrize("variant", sorted(ca.KERNELS))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("H", [64, 128])
-def test_matches_the_fp32_reference(dtype, H, variant):
+def test_matches_the_fp32_reference(dtype, H):
     q, pools, idx, sink, scale = _case(T=37, H=H, K0=128, K1=384, N0=37 * 128, N1=2000, dtype=dtype)
     want = _reference(q, pools, idx, sink, scale)
-    got = ca.sparse_attention(q, pools, idx, sink, scale, variant=variant).float()
+    got = ca.sparse_attention(q, pools, idx, sink, scale).float()
     assert torch.all(got[1] == 0)  # no candidate: the sink alone, an exact zero output
     err = (got - want).abs().max().item()
     assert err < 2e-2, err
     # inverse control: a wrong scale is far outside the tolerance
-    bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5, variant=variant).float()
+    bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5).float()
     assert (bad - want).abs().max().item() > 10 * max(err, 2e-3)
     # the queries' RMS norm in the launch equals norming first
     eps = 1e-6
     qn = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
-    normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps, variant=variant).float()
+    normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps).float()
     assert (normed - _reference(qn, pools, idx, sink, scale)).abs().max().item() < 2e-2
 
 

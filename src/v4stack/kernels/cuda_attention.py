@@ -10,18 +10,13 @@ import torch
 from v4stack.kernels import cubin
 
 HEADS, WIDTH = 64, 512
-# variant: (source, its SMEM_BYTES): mma.sync warps with their scores swapped through shared memory,
-# or wgmma warpgroups in two roles (scores and softmax / the second half of p @ v and the loads)
-KERNELS = {"mma": ("cuda_attention.cu", HEADS * 1024 + 2 * 64 * 1024 + 8 * 32 * 32 * 4 + 4 * 64 * 8 + 16),
-           "wgmma": ("cuda_attention_wg.cu", HEADS * 1024 + 2 * 64 * 1024 + 64 * 128 + 2 * 64 * 4 + 4 * 64 * 8 + 16
-                     + 1024)}
-VARIANT = "mma"
-SOURCE = KERNELS[VARIANT][0]
+SOURCE = "cuda_attention.cu"
+SMEM = HEADS * 1024 + 2 * 64 * 1024 + 4 * 64 * 8 + 16 + 1024  # the .cu's SMEM_BYTES
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
          "f32", "f32", "i32")
 LOG2E = 1.4426950408889634
 MAX_ROWS = 65535  # grid.y
-MIN_ROWS = 65  # where fast mode takes it over the Triton launches (bench/attention_cuda.py)
+MIN_ROWS = 64  # from here fast mode takes it over the Triton launches (bench/results/attention_cuda_h200.json)
 
 
 def ready() -> bool:
@@ -52,7 +47,7 @@ def accepts(q, pools, idx, sink, scale) -> bool:
     return sink.numel() == H and sink.is_cuda
 
 
-def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None, variant: str | None = None):
+def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None):
     T, H, D = q.shape
     p0, i0 = pools[0].contiguous(), idx[0]
     p1, i1 = (pools[1].contiguous(), idx[1]) if len(pools) > 1 else (p0, i0[:, :0])
@@ -62,8 +57,7 @@ def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = No
     out = torch.empty_like(q)
     if T == 0:
         return out
-    source, smem = KERNELS[variant or VARIANT]
-    fn = cubin.load(source, "decode_attention_i64" if it == torch.int64 else "decode_attention_i32", TYPES, smem,
+    fn = cubin.load(SOURCE, "decode_attention_i64" if it == torch.int64 else "decode_attention_i32", TYPES, SMEM,
                     q.device.index if q.device.index is not None else torch.cuda.current_device())
     sink = sink.float().contiguous()
     for r0 in range(0, T, MAX_ROWS):
