@@ -10,9 +10,10 @@
 // candidate (-1, or an index outside [0, N)) is a zero-filled row never read from memory that
 // scores -inf. The row addresses of a chunk are looked up one chunk ahead.
 //
-// Work: each warpgroup computes the chunk's scores for all 64 heads (wgmma m64n64k16, queries and
-// candidate rows both K-major from shared memory, fp32 accumulators), so both hold the same
-// scores and the same softmax; then p @ v for its half of the 512 output columns (wgmma
+// Work: each warpgroup computes the chunk's scores for all 64 heads over its 256 columns (wgmma
+// m64n64k16, queries and candidate rows both K-major from shared memory, fp32 accumulators, two
+// independent chains of K steps), and the warpgroups swap these partials through shared memory, so
+// both hold the same scores and the same softmax; then p @ v for its half of the 512 output columns (wgmma
 // m64n128k16 twice, p rounded to bf16 in registers as the A operand, the same candidate rows read
 // as an N-major B: key == value). Online softmax in base 2 (the scale carries log2 e) from the
 // sink alone (M = sink, L = 1). The output A / L goes back through shared memory to 16-byte stores.
@@ -30,8 +31,9 @@
 #define NTHREADS 256
 #define SMEM_Q 0
 #define SMEM_K TILE                   // two stages
-#define SMEM_I (SMEM_K + 2 * TILE)    // row addresses: 4 slots x CH (0: hidden)
-#define SMEM_N (SMEM_I + 4 * CH * 8)  // the live chunk count
+#define SMEM_X (SMEM_K + 2 * TILE)    // the warpgroups' score partials: 2 x 32 floats x 128 threads
+#define SMEM_I (SMEM_X + 2 * 32 * 128 * 4)  // row addresses: 3 slots x CH (0: hidden)
+#define SMEM_N (SMEM_I + 3 * CH * 8)  // the live chunk count
 #define SMEM_BYTES (SMEM_N + 16 + 1024)  // + the alignment of the tiles to 1024 bytes
 
 // byte offset of 16-byte segment s (0..63) of row r (0..63) in a tile
@@ -198,17 +200,30 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
         const uint32_t kb = sbase + SMEM_K + st * TILE;
 
         // scores [64 heads x 64 candidates]: s[4n + e] is row ra (e < 2) or rb, column 8n + 2 tig + (e & 1)
-        float s[32];
+        // each warpgroup takes the K steps of its 256 columns as two chains (even / odd steps), then
+        // the two warpgroups swap their sums: a + b is b + a, so both hold the same scores
+        float s[32], s1[32];
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < 32; ks++) {
-            const uint32_t off = (ks >> 2) * (64 * 128) + (ks & 3) * 32;
-            wg_qk(s, desc(sbase + SMEM_Q + off, 16, 1024), desc(kb + off, 16, 1024), ks);
+        for (int ks = 0; ks < 16; ks += 2) {
+            const uint32_t o0 = (4 * half + (ks >> 2)) * (64 * 128) + (ks & 3) * 32, o1 = o0 + 32;
+            wg_qk(s, desc(sbase + SMEM_Q + o0, 16, 1024), desc(kb + o0, 16, 1024), ks);
+            wg_qk(s1, desc(sbase + SMEM_Q + o1, 16, 1024), desc(kb + o1, 16, 1024), ks);
         }
         wg_commit();
         wg_wait();
+        float *xs = reinterpret_cast<float *>(smem + SMEM_X);
+        const int lt = tid & 127;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            s[i] += s1[i];
+            xs[half * 4096 + i * 128 + lt] = s[i];
+        }
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < 32; i++) s[i] += xs[(1 - half) * 4096 + i * 128 + lt];
 
-        const uint64_t *slot = si + (c & 3) * CH;
+        const uint64_t *slot = si + (c % 3) * CH;
         float x0 = -INFINITY, x1 = -INFINITY;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
@@ -262,13 +277,13 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
         }
         wg_commit();
         wg_wait();
-        if (tid < CH) si[((c + 2) & 3) * CH + tid] = nxt;
+        if (tid < CH) si[((c + 2) % 3) * CH + tid] = nxt;
         __syncthreads();  // the stage and the next slot are free / written
         if (c + 2 < nch) {
 #pragma unroll
             for (int i = 0; i < 16; i++) {
                 int r = r4 + 4 * i;
-                uint64_t a = si[((c + 2) & 3) * CH + r];
+                uint64_t a = si[((c + 2) % 3) * CH + r];
                 cp16(kb + at(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
             }
         }

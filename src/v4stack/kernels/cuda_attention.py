@@ -11,7 +11,7 @@ from v4stack.kernels import cubin
 
 HEADS, WIDTH = 64, 512
 SOURCE = "cuda_attention.cu"
-SMEM = HEADS * 1024 + 2 * 64 * 1024 + 4 * 64 * 8 + 16 + 1024  # the .cu's SMEM_BYTES
+SMEM = HEADS * 1024 + 2 * 64 * 1024 + 2 * 32 * 128 * 4 + 3 * 64 * 8 + 16 + 1024  # the .cu's SMEM_BYTES
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
          "f32", "f32", "i32")
 LOG2E = 1.4426950408889634
