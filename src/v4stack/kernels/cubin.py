@@ -6,7 +6,9 @@ it in a cache directory (``$V4STACK_CUDA_CACHE``, else ``~/.cache/v4stack/cuda``
 made from the source's bytes, the compiler's version and the flags, written atomically, so a
 changed source or compiler builds again and a half-written file is never loaded. ``usable()``
 says whether this process can run them: a CUDA device of compute capability 9.0 and an ``nvcc``
-on the PATH (or a cached build); where it cannot, callers keep their Triton kernels.
+on the PATH (whose version is part of the cache key); where it cannot, callers keep their Triton
+kernels. These kernels have no Z3-proved contract: their wrappers check shapes, dtypes, strides
+and alignment, and the kernels bound every index they read by (``0 <= i < N``).
 
 ``Function.launch(grid, block, smem, *args)`` packs each argument by its declared C type
 (``"p"`` a device pointer from a tensor or an int, ``"i32"``, ``"i64"``, ``"f32"``).
@@ -141,7 +143,7 @@ def load(source: str, name: str, types: tuple[str, ...], smem: int, device: int)
 
 @functools.lru_cache(maxsize=None)
 def usable() -> bool:
-    """A Hopper device (compute capability 9.0) and a way to get the cubin (nvcc, or cached)."""
+    """A Hopper device (compute capability 9.0) and ``nvcc`` to build (or find the cached) cubin."""
     import torch
 
     if os.environ.get("V4STACK_NO_CUDA_KERNELS"):

@@ -8,7 +8,7 @@
 // bytes a row, 1024-byte aligned), and 16-byte segment s of row r sits at (s ^ (r & 7)) in its
 // row. Candidate rows arrive by cp.async, the next chunk's while this one computes; a hidden
 // candidate (-1, or an index outside [0, N)) is a zero-filled row never read from memory that
-// scores -inf. The row addresses of a chunk are looked up one chunk ahead.
+// scores -inf. A chunk's row addresses are looked up while the chunk two before it computes.
 //
 // Work: each warpgroup computes the chunk's scores for all 64 heads over its 256 columns (wgmma
 // m64n64k16, queries and candidate rows both K-major from shared memory, fp32 accumulators, two

@@ -2,7 +2,7 @@
 
 Each entry names its kernel, the table key it serves and its ``accepts`` (the kernel's contract,
 ``v4stack.kernels.contracts``, plus the library being installed). Kernel modules (Triton,
-TileLang) are imported on first call, so this module imports no GPU library.
+TileLang, CUDA C++ through ``cubin``) are imported on first call, so this module imports no GPU library.
 
 Choice of language per kernel: the GEMM, RMSNorm and dense attention kept from before are
 TileLang; the kernels added with the dispatch table are Triton, because Triton's interpreter
