@@ -39,6 +39,18 @@ def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeyp
     assert cubin.cubin_path("copy.cu") != path
 
 
+@needs_nvcc
+def test_a_source_nvcc_rejects_raises_and_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    cache, src = tmp_path / "cache", tmp_path / "src"
+    src.mkdir()
+    (src / "broken.cu").write_text('extern "C" __global__ void k() { this is not C++; }\n')
+    monkeypatch.setenv("V4STACK_CUDA_CACHE", str(cache))
+    monkeypatch.setattr(cubin, "HERE", src)
+    with pytest.raises(RuntimeError, match="nvcc failed on broken.cu"):
+        cubin.build("broken.cu")
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
 def test_accepts_only_the_written_shapes():
     q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
     assert not ca.accepts(q, None, None, None, 1.0)  # not on CUDA

@@ -5,6 +5,10 @@ launches it (one block per (row, 64-head group), 256 threads)."""
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import warnings
+
 import torch
 
 from v4stack.kernels import cubin
@@ -19,9 +23,19 @@ MAX_ROWS = 65535  # grid.y
 MIN_ROWS = 64  # from here fast mode takes it over the Triton launches (bench/results/attention_cuda_h200.json)
 
 
+@functools.lru_cache(maxsize=None)
 def ready() -> bool:
-    """This process can build and launch it (a Hopper GPU, nvcc)."""
-    return cubin.usable()
+    """This process can build and launch it: a Hopper GPU, and nvcc builds the source (asked once; a
+    compiler that cannot - too old for sm_90a, say - leaves fast mode on the Triton launches, with a
+    warning that says why)."""
+    if not cubin.usable():
+        return False
+    try:
+        cubin.build(SOURCE)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        warnings.warn(f"cuda_attention: not built, fast mode keeps the Triton launches: {e}", RuntimeWarning)
+        return False
+    return True
 
 
 def _aligned(t: torch.Tensor) -> bool:
