@@ -48,23 +48,24 @@ def main(argv: list[str] | None = None) -> None:
             got = ca.sparse_attention(q, pools, idx, sink, scale)
             got64 = ca.sparse_attention(q, pools, [i.long() for i in idx], sink, scale)
             normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6).float()
-            v = "cuda"
-            row[v] = dict(us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale)) * 1e6,
-                          max_err=float((got.float() - want).abs().max()), i64_same_bits=bool(torch.equal(got, got64)),
-                          normed_us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6)) * 1e6,
-                          normed_vs_online_max_err=float((normed - ref_n).abs().max()))
-            row[v]["GBps"] = row["bytes_moved"] / row[v]["us"] / 1e3
+            cu = row["cuda"] = dict(
+                us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale)) * 1e6,
+                max_err=float((got.float() - want).abs().max()), i64_same_bits=bool(torch.equal(got, got64)),
+                normed_us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6)) * 1e6,
+                normed_vs_online_max_err=float((normed - ref_n).abs().max()))
+            cu["GBps"] = row["bytes_moved"] / cu["us"] / 1e3
             row["normed_online_us"] = graph_time(lambda: online.sparse_attention(q, pools, idx, sink, scale, force=True,
                                                                                  q_eps=1e-6)) * 1e6
             out.append(row)
-            vs = "; ".join(f"{v} {row[v]['us']:7.1f} us ({row[v]['GBps']:5.0f} GB/s) err {row[v]['max_err']:.2e} "
-                           f"i64 same {row[v]['i64_same_bits']} normed {row[v]['normed_us']:7.1f} (diff "
-                           f"{row[v]['normed_vs_online_max_err']:.2e})" for v in ("cuda",))
-            print(f"{T:>5} rows {name:>8}: {vs}; online {row['online_us']:7.1f} (err {row['online_max_err']:.2e}, normed "
-                  f"{row['normed_online_us']:7.1f}) table {row['table_us']:7.1f}", flush=True)
+            print(f"{T:>5} rows {name:>8}: cuda {cu['us']:7.1f} us ({cu['GBps']:5.0f} GB/s) err {cu['max_err']:.2e} "
+                  f"i64 same {cu['i64_same_bits']} normed {cu['normed_us']:7.1f} (diff "
+                  f"{cu['normed_vs_online_max_err']:.2e}); online {row['online_us']:7.1f} (err "
+                  f"{row['online_max_err']:.2e}, normed {row['normed_online_us']:7.1f}) table {row['table_us']:7.1f}",
+                  flush=True)
             del q, pools, idx, want, got, got64
             torch.cuda.empty_cache()
-            write_result(a.out, {"widths": dict(H=H, D=D, window=WINDOW), "cases": out, "cubin": path.name, "ptxas": report, "device_name": torch.cuda.get_device_name()})
+            write_result(a.out, {"widths": dict(H=H, D=D, window=WINDOW), "cases": out, "cubin": path.name,
+                                 "ptxas": report, "device_name": torch.cuda.get_device_name()})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The CUDA C++ decode attention (``kernels/cuda_attention.cu``).
 
-CPU (where ``nvcc`` is installed): it builds for sm_90a with no spills, the cache keys the build
-by source and compiler (a changed source builds again; a cached one is reused, never half
-written). GPU (Hopper): against the fp32 torch reference over the same candidates - hidden
+CPU: the launcher asks for the shared memory the source lays out; where ``nvcc`` is installed, it
+builds for sm_90a with no spills, the cache keys the build by source and compiler (a changed
+source builds again; a cached one is reused, never half written). GPU (Hopper): against the fp32 torch reference over the same candidates - hidden
 candidates (-1, an index past the pool) in the middle of the lists, a row with no visible
 candidate, two head groups, int32 and int64 indices, the queries' RMS norm in the launch - under
 a CUDA graph too; the inverse control shows the tolerance sees a wrong scale."""
@@ -32,11 +32,12 @@ def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == [path]  # only the finished file: no temporary left behind
     again, report2 = cubin.build(source)
     assert again == path and report2 == ""  # cached
-    # a different source is another key (the control: the key does read the bytes)
-    src = tmp_path / "copy.cu"
-    src.write_text((cubin.HERE / source).read_text() + "\n// changed\n")
-    monkeypatch.setattr(cubin, "HERE", tmp_path)
-    assert cubin.cubin_path("copy.cu") != path
+    # the same file name with other bytes is another key (the control: the key reads the bytes)
+    other = tmp_path / "src"
+    other.mkdir()
+    (other / source).write_text((cubin.HERE / source).read_text() + "\n// changed\n")
+    monkeypatch.setattr(cubin, "HERE", other)
+    assert cubin.cubin_path(source) != path
 
 
 @needs_nvcc
@@ -49,6 +50,27 @@ def test_a_source_nvcc_rejects_raises_and_leaves_nothing_in_the_cache(tmp_path, 
     with pytest.raises(RuntimeError, match="nvcc failed on broken.cu"):
         cubin.build("broken.cu")
     assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def _macros(text: str) -> dict:
+    """The ``#define NAME value`` lines of a source, each value evaluated with the ones before."""
+    import re
+
+    vals = {}
+    for name, expr in re.findall(r"^#define (\w+) ([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
+        for k, v in sorted(vals.items(), key=lambda kv: -len(kv[0])):
+            expr = re.sub(rf"\b{k}\b", str(v), expr)
+        vals[name] = eval(expr, {"__builtins__": {}})  # integer arithmetic of the values before
+    return vals
+
+
+def test_the_launcher_asks_for_the_shared_memory_the_source_lays_out():
+    src = (cubin.HERE / ca.SOURCE).read_text()
+    m = _macros(src)
+    assert ca.SMEM == m["SMEM_BYTES"]
+    assert m["SMEM_BYTES"] <= 227 * 1024  # Hopper's most for one block
+    # the control: a layout one stage larger would not match
+    assert _macros(src.replace("2 * TILE)    // the", "3 * TILE)    // the"))["SMEM_BYTES"] != ca.SMEM
 
 
 def test_accepts_only_the_written_shapes():

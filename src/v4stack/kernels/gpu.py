@@ -220,7 +220,7 @@ def register_all(register) -> None:
     def cuda_attention_ok(q, pools, idx, sink, scale, eps=None):
         from v4stack.kernels import cuda_attention as ca
 
-        return (q.shape[0] >= ca.MIN_ROWS and not (_grad_enabled() and _needs_grad((q,), {}))
+        return (q.shape[0] >= ca.MIN_ROWS and not (_grad_enabled() and _needs_grad((q, sink, *(pools or ())), {}))
                 and ca.accepts(q, pools, idx, sink, scale) and ca.ready())
     register("sparse_attention", "cuda_sparse_attention", _lazy("cuda_attention", "sparse_attention"), mode=fast,
              device="cuda", accepts=cuda_attention_ok, first=True)
