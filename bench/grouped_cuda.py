@@ -82,17 +82,19 @@ def main(argv: list[str] | None = None) -> None:
                            invariant_rel_err=rel(inv, want))
                 flops = 2.0 * x.shape[0] * w.shape[1] * w.shape[2]
                 for mt in (2, 4):
-                    got = cg.grouped_linear(x, w, off, mt=mt)
-                    us = graph_time(lambda: cg.grouped_linear(x, w, off, mt=mt)) * 1e6
-                    row[f"cuda_m{mt}"] = dict(us=us, TFLOPs=flops / us / 1e6, rel_err=rel(got, want),
-                                              bits_equal_invariant=bool(torch.equal(got, inv)))
+                    for sk in (False, True):
+                        got = cg.grouped_linear(x, w, off, mt=mt, sk=sk)
+                        us = graph_time(lambda: cg.grouped_linear(x, w, off, mt=mt, sk=sk)) * 1e6
+                        again = cg.grouped_linear(x, w, off, mt=mt, sk=sk)
+                        row[f"cuda_m{mt}" + ("_sk" if sk else "")] = dict(
+                            us=us, TFLOPs=flops / us / 1e6, rel_err=rel(got, want),
+                            bits_equal_invariant=bool(torch.equal(got, inv)), repeatable=bool(torch.equal(got, again)))
                 row["fast_TFLOPs"] = flops / fast_us / 1e6
                 out.append(row)
-                print(f"{cfg} T={T:4d} {proj:5s} rows {x.shape[0]:5d}: fast {fast_us:7.1f} us "
-                      f"inv {inv_us:7.1f} | cuda m2 {row['cuda_m2']['us']:7.1f} m4 {row['cuda_m4']['us']:7.1f} us "
-                      f"err {row['cuda_m2']['rel_err']:.1e}/{row['cuda_m4']['rel_err']:.1e} (fast {row['fast_rel_err']:.1e})"
-                      f" bits=inv {row['cuda_m2']['bits_equal_invariant']}/{row['cuda_m4']['bits_equal_invariant']}",
-                      flush=True)
+                vs = ("cuda_m2", "cuda_m4", "cuda_m2_sk", "cuda_m4_sk")
+                print(f"{cfg} T={T:4d} {proj:5s} rows {x.shape[0]:5d}: fast {fast_us:6.1f} inv {inv_us:6.1f} | "
+                      + " ".join(f"{v[5:]} {row[v]['us']:6.1f} ({row[v]['rel_err']:.0e}{'=' if row[v]['bits_equal_invariant'] else ''})"
+                                 for v in vs) + f" (fast err {row['fast_rel_err']:.0e})", flush=True)
             # the gate-up-activation step
             with ops_mode("fast"):
                 def unfused():
@@ -105,13 +107,16 @@ def main(argv: list[str] | None = None) -> None:
             want = (torch.nn.functional.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT) * ws[:, None])
             row = dict(config=cfg, tokens=T, rows=rows.shape[0], unfused_fast_us=base_us, unfused_rel_err=rel(base, want))
             for mt in (2, 4):
-                got = cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, mt=mt)
-                us = graph_time(lambda: cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, mt=mt)) * 1e6
-                row[f"cuda_m{mt}"] = dict(us=us, rel_err=rel(got, want))
+                for sk in (False, True):
+                    got = cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, mt=mt, sk=sk)
+                    us = graph_time(lambda: cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, mt=mt,
+                                                              sk=sk)) * 1e6
+                    row[f"cuda_m{mt}" + ("_sk" if sk else "")] = dict(us=us, rel_err=rel(got, want))
             fused.append(row)
-            print(f"{cfg} T={T:4d} gate+up+act: unfused {base_us:7.1f} us | fused m2 {row['cuda_m2']['us']:7.1f} "
-                  f"m4 {row['cuda_m4']['us']:7.1f} err {row['cuda_m2']['rel_err']:.1e}/{row['cuda_m4']['rel_err']:.1e}"
-                  f" (unfused {row['unfused_rel_err']:.1e})", flush=True)
+            vs = ("cuda_m2", "cuda_m4", "cuda_m2_sk", "cuda_m4_sk")
+            print(f"{cfg} T={T:4d} gate+up+act: unfused {base_us:6.1f} us | "
+                  + " ".join(f"{v[5:]} {row[v]['us']:6.1f} ({row[v]['rel_err']:.0e})" for v in vs)
+                  + f" (unfused err {row['unfused_rel_err']:.0e})", flush=True)
     write_result(a.out, dict(cases=out, fused=fused, ptxas=report[-3000:]))
 
 

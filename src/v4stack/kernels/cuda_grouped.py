@@ -20,7 +20,20 @@ from v4stack.kernels import cubin
 SOURCE = "cuda_grouped.cu"
 BN, BK, SUB = 128, 64, 64 * 128
 STAGES = {2: 6, 4: 4}  # the .cu's ENTRY lines
-TYPES = ("tmap", "tmap", "tmap", "p", "i32", "i32", "i32", "p", "i64", "p", "f32")
+TYPES = ("tmap", "tmap", "tmap", "p", "i32", "i32", "i32", "p", "i64", "p", "f32", "p", "p")
+_work: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(dev: int, grid: int):
+    """Stream-K's partial sums (one fp32 tile slot a CTA) and flags (zero between launches: the
+    CTA that adds a slot clears its flag), made once per device, outside any graph capture."""
+    w = _work.get(dev)
+    if w is None or w[1].numel() < grid + 1:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        w = _work[dev] = (torch.empty(grid * 2 * 2 * 64 * 128, dtype=torch.float32, device=f"cuda:{dev}"),
+                          torch.zeros(grid + 1, dtype=torch.int32, device=f"cuda:{dev}"))
+    return w
 
 
 def smem(mt: int) -> int:
@@ -65,31 +78,33 @@ def _mt(T: int, E: int) -> int:
     return 4 if T >= 192 * E else 2
 
 
-def _launch(kind: str, x, w1, w3, offsets, y, ws, limit: float, mt: int | None):
+def _launch(kind: str, x, w1, w3, offsets, y, ws, limit: float, mt: int | None, sk: bool):
     T, K = x.shape
     E, N, _ = w1.shape
     if T == 0:
         return y
     mt = mt or _mt(T, E)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    fn = cubin.load(SOURCE, f"grouped_{kind}_m{mt}", TYPES, smem(mt), dev)
+    nsm = torch.cuda.get_device_properties(dev).multi_processor_count
+    work = _workspace(dev, nsm) if sk else None
+    fn = cubin.load(SOURCE, f"grouped_{kind}_m{mt}" + ("_sk" if work is not None else ""), TYPES, smem(mt), dev)
     tx = cubin.tensor_map(x, 64, BK)
     t1 = cubin.tensor_map(w1.view(E * N, K), 64, BK)
     t3 = cubin.tensor_map(w3.view(E * N, K), 64, BK) if w3 is not None else t1
     blocks = N // 64 if kind == "swiglu" else N // BN
     chunks = T // (64 * mt) + E  # at most
-    grid = min(torch.cuda.get_device_properties(dev).multi_processor_count, chunks * blocks)
+    grid = nsm if work is not None else min(nsm, chunks * blocks)
     fn.launch((grid, 1, 1), 384, tx, t1, t3, offsets, E, N, K, y, y.stride(0), 0 if ws is None else ws,
-              float(limit))
+              float(limit), 0 if work is None else work[0], 0 if work is None else work[1])
     return y
 
 
-def grouped_linear(x, w, offsets, mt: int | None = None):
+def grouped_linear(x, w, offsets, mt: int | None = None, sk: bool = True):
     y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    return _launch("gemm", x, w, None, offsets, y, None, 0.0, mt)
+    return _launch("gemm", x, w, None, offsets, y, None, 0.0, mt, sk)
 
 
-def grouped_swiglu(x, w1, w3, offsets, weight, limit: float, mt: int | None = None):
+def grouped_swiglu(x, w1, w3, offsets, weight, limit: float, mt: int | None = None, sk: bool = True):
     """``silu(min(x w1[e].T, limit)) * clamp(x w3[e].T, -limit, limit) [* weight]`` per row of
     expert ``e`` (the projections rounded to bf16 first, as the two-GEMM path stores them; ``limit``
     0: no clamps), in bf16."""
@@ -97,4 +112,4 @@ def grouped_swiglu(x, w1, w3, offsets, weight, limit: float, mt: int | None = No
         raise ValueError("cuda_grouped: w1 and w3 differ in shape or layout")
     ws = None if weight is None else weight.float().contiguous()
     y = torch.empty(x.shape[0], w1.shape[1], dtype=x.dtype, device=x.device)
-    return _launch("swiglu", x, w1, w3, offsets, y, ws, limit, mt)
+    return _launch("swiglu", x, w1, w3, offsets, y, ws, limit, mt, sk)
