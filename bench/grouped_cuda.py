@@ -5,7 +5,7 @@ Cases: the serving grid's MoE layers (``bench/serve_roofline.py``: flash4 = 8 ro
 shared one joined as a ninth, flash8 = 64 + 1; top-6 routing drawn at random) at the given decode
 batches; projections gate / up (N 2048, K 4096) and down (N 4096, K 2048). Per case, device time
 under CUDA graphs of: fast mode's pick today (``ops.grouped_linear``), invariant mode's pick, and
-the CUDA kernel at MT 2 and 4; the largest error of each against the fp32 reference relative to
+the CUDA kernel at 128 and 256 columns a unit, with and without stream-K; the largest error of each against the fp32 reference relative to
 the reference's largest magnitude; whether the CUDA kernel's bits equal invariant mode's kernel's
 (then it can serve invariant mode too). And the gate-up-activation step: the two GEMMs and
 ``swiglu_act`` as fast mode runs them today, against the fused CUDA launch.
@@ -81,17 +81,17 @@ def main(argv: list[str] | None = None) -> None:
                            K=w.shape[2], fast_us=fast_us, fast_rel_err=rel(fast, want), invariant_us=inv_us,
                            invariant_rel_err=rel(inv, want))
                 flops = 2.0 * x.shape[0] * w.shape[1] * w.shape[2]
-                for mt in (2, 4):
+                for bn in (128, 256):
                     for sk in (False, True):
-                        got = cg.grouped_linear(x, w, off, mt=mt, sk=sk)
-                        us = graph_time(lambda: cg.grouped_linear(x, w, off, mt=mt, sk=sk)) * 1e6
-                        again = cg.grouped_linear(x, w, off, mt=mt, sk=sk)
-                        row[f"cuda_m{mt}" + ("_sk" if sk else "")] = dict(
+                        got = cg.grouped_linear(x, w, off, bn=bn, sk=sk)
+                        us = graph_time(lambda: cg.grouped_linear(x, w, off, bn=bn, sk=sk)) * 1e6
+                        again = cg.grouped_linear(x, w, off, bn=bn, sk=sk)
+                        row[f"cuda_n{bn}" + ("_sk" if sk else "")] = dict(
                             us=us, TFLOPs=flops / us / 1e6, rel_err=rel(got, want),
                             bits_equal_invariant=bool(torch.equal(got, inv)), repeatable=bool(torch.equal(got, again)))
                 row["fast_TFLOPs"] = flops / fast_us / 1e6
                 out.append(row)
-                vs = ("cuda_m2", "cuda_m4", "cuda_m2_sk", "cuda_m4_sk")
+                vs = ("cuda_n128", "cuda_n256", "cuda_n128_sk", "cuda_n256_sk")
                 print(f"{cfg} T={T:4d} {proj:5s} rows {x.shape[0]:5d}: fast {fast_us:6.1f} inv {inv_us:6.1f} | "
                       + " ".join(f"{v[5:]} {row[v]['us']:6.1f} ({row[v]['rel_err']:.0e}{'=' if row[v]['bits_equal_invariant'] else ''})"
                                  for v in vs) + f" (fast err {row['fast_rel_err']:.0e})", flush=True)
@@ -106,14 +106,14 @@ def main(argv: list[str] | None = None) -> None:
             u = reference(rows, w13["w3"], off).bfloat16().float()
             want = (torch.nn.functional.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT) * ws[:, None])
             row = dict(config=cfg, tokens=T, rows=rows.shape[0], unfused_fast_us=base_us, unfused_rel_err=rel(base, want))
-            for mt in (2, 4):
+            for bn in (128, 256):
                 for sk in (False, True):
-                    got = cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, mt=mt, sk=sk)
-                    us = graph_time(lambda: cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, mt=mt,
+                    got = cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, bn=bn, sk=sk)
+                    us = graph_time(lambda: cg.grouped_swiglu(rows, w13["w1"], w13["w3"], off, ws, LIMIT, bn=bn,
                                                               sk=sk)) * 1e6
-                    row[f"cuda_m{mt}" + ("_sk" if sk else "")] = dict(us=us, rel_err=rel(got, want))
+                    row[f"cuda_n{bn}" + ("_sk" if sk else "")] = dict(us=us, rel_err=rel(got, want))
             fused.append(row)
-            vs = ("cuda_m2", "cuda_m4", "cuda_m2_sk", "cuda_m4_sk")
+            vs = ("cuda_n128", "cuda_n256", "cuda_n128_sk", "cuda_n256_sk")
             print(f"{cfg} T={T:4d} gate+up+act: unfused {base_us:6.1f} us | "
                   + " ".join(f"{v[5:]} {row[v]['us']:6.1f} ({row[v]['rel_err']:.0e})" for v in vs)
                   + f" (unfused err {row['unfused_rel_err']:.0e})", flush=True)

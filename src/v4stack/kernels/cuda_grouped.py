@@ -3,9 +3,8 @@ persistent warp-specialised kernel; its comment says how it works): ``grouped_li
 of expert ``e`` = ``x`` rows of ``e`` @ ``w[e].T``) and ``grouped_swiglu`` (the expert's gate and up
 projections and SwiGLU's activation in one launch, only the activations written).
 
-``MT`` picks the chunk of rows a unit of work covers (64 * MT rows of one expert): 4 where experts
-hold many rows (batch 256 of flash4: ~200 rows each), 2 below that, so that little of a chunk is
-past its expert's rows."""
+``bn`` is the output columns a unit of work covers (128 or 256); ``sk`` runs stream-K (every
+multiprocessor an equal share of the K steps; fast mode only: the sum's order depends on the batch)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ import torch
 from v4stack.kernels import cubin
 
 SOURCE = "cuda_grouped.cu"
-BN, BK, SUB = 128, 64, 64 * 128
-STAGES = {2: 6, 4: 4}  # the .cu's ENTRY lines
+BK, SUB = 64, 64 * 128
+STAGES = {128: 6, 256: 4}  # the .cu's ENTRY lines, by BN
 TYPES = ("tmap", "tmap", "tmap", "p", "i32", "i32", "i32", "p", "i64", "p", "f32", "p", "p")
 _work: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -36,10 +35,10 @@ def _workspace(dev: int, grid: int):
     return w
 
 
-def smem(mt: int) -> int:
-    """The .cu's SMEM_BYTES(MT, STAGES)."""
-    st = STAGES[mt]
-    return st * (mt * SUB + BN * 128) + 2 * st * 8 + 1024
+def smem(bn: int) -> int:
+    """The .cu's SMEM_BYTES(BN, STAGES)."""
+    st = STAGES[bn]
+    return st * (2 * SUB + bn * 128) + 2 * st * 8 + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,44 +66,39 @@ def accepts(x, w, offsets, swiglu: bool = False) -> bool:
         return False
     T, K = x.shape
     E, N, K2 = w.shape
-    if K2 != K or K % BK or N % (64 if swiglu else BN) or x.stride(1) != 1 or (x.stride(0) * 2) % 16:
+    if K2 != K or K % BK or N % 128 or x.stride(1) != 1 or (x.stride(0) * 2) % 16:
         return False
     if T >= 2**31 or E * N >= 2**31:
         return False
     return offsets.is_cuda and offsets.dtype == torch.int64 and offsets.shape == (E + 1,)
 
 
-def _mt(T: int, E: int) -> int:
-    return 4 if T >= 192 * E else 2
-
-
-def _launch(kind: str, x, w1, w3, offsets, y, ws, limit: float, mt: int | None, sk: bool):
+def _launch(kind: str, x, w1, w3, offsets, y, ws, limit: float, bn: int, sk: bool):
     T, K = x.shape
     E, N, _ = w1.shape
     if T == 0:
         return y
-    mt = mt or _mt(T, E)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     nsm = torch.cuda.get_device_properties(dev).multi_processor_count
     work = _workspace(dev, nsm) if sk else None
-    fn = cubin.load(SOURCE, f"grouped_{kind}_m{mt}" + ("_sk" if work is not None else ""), TYPES, smem(mt), dev)
+    fn = cubin.load(SOURCE, f"grouped_{kind}_n{bn}" + ("_sk" if work is not None else ""), TYPES, smem(bn), dev)
     tx = cubin.tensor_map(x, 64, BK)
     t1 = cubin.tensor_map(w1.view(E * N, K), 64, BK)
     t3 = cubin.tensor_map(w3.view(E * N, K), 64, BK) if w3 is not None else t1
-    blocks = N // 64 if kind == "swiglu" else N // BN
-    chunks = T // (64 * mt) + E  # at most
+    blocks = N // (bn // 2 if kind == "swiglu" else bn)
+    chunks = T // 128 + E  # at most
     grid = nsm if work is not None else min(nsm, chunks * blocks)
     fn.launch((grid, 1, 1), 384, tx, t1, t3, offsets, E, N, K, y, y.stride(0), 0 if ws is None else ws,
               float(limit), 0 if work is None else work[0], 0 if work is None else work[1])
     return y
 
 
-def grouped_linear(x, w, offsets, mt: int | None = None, sk: bool = True):
+def grouped_linear(x, w, offsets, bn: int = 256, sk: bool = True):
     y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    return _launch("gemm", x, w, None, offsets, y, None, 0.0, mt, sk)
+    return _launch("gemm", x, w, None, offsets, y, None, 0.0, bn, sk)
 
 
-def grouped_swiglu(x, w1, w3, offsets, weight, limit: float, mt: int | None = None, sk: bool = True):
+def grouped_swiglu(x, w1, w3, offsets, weight, limit: float, bn: int = 256, sk: bool = True):
     """``silu(min(x w1[e].T, limit)) * clamp(x w3[e].T, -limit, limit) [* weight]`` per row of
     expert ``e`` (the projections rounded to bf16 first, as the two-GEMM path stores them; ``limit``
     0: no clamps), in bf16."""
@@ -112,4 +106,4 @@ def grouped_swiglu(x, w1, w3, offsets, weight, limit: float, mt: int | None = No
         raise ValueError("cuda_grouped: w1 and w3 differ in shape or layout")
     ws = None if weight is None else weight.float().contiguous()
     y = torch.empty(x.shape[0], w1.shape[1], dtype=x.dtype, device=x.device)
-    return _launch("swiglu", x, w1, w3, offsets, y, ws, limit, mt, sk)
+    return _launch("swiglu", x, w1, w3, offsets, y, ws, limit, bn, sk)
