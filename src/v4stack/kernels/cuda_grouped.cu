@@ -8,7 +8,7 @@
 // weight tile through L2.
 //
 // Warpgroup 0 is the producer: one thread issues, per K step of 64, the TMA loads of the chunk's
-// live 64-row halves of X and the BN weight rows into a ring of STAGES stages (128-byte swizzle,
+// 128 rows of X (one box) and the BN weight rows (one box; SWIGLU: gate and up, one each) into a ring of STAGES stages (128-byte swizzle,
 // wgmma's K-major layout), signalling a "full" mbarrier with the bytes expected; rows past T read
 // as zeros, rows of the next expert are computed and never stored. Warpgroups 1 and 2 consume:
 // each owns one 64-row half of the chunk and runs m64nBNk16 MMAs over the stage (fp32
@@ -216,15 +216,13 @@ __device__ __forceinline__ void grouped(const CUtensorMap *tx, const CUtensorMap
                 for (int kt = pc.ka; kt < pc.kb; kt++) {
                     bar_wait(bars + 8 * (STAGES + s), ph ^ 1);
                     const uint32_t st = base + s * STAGE, full = bars + 8 * s;
-                    bar_expect(full, ms * SUB + BN * 128);
-                    tma_load(st, tx, kt * BK, r0, full);
-                    if (ms > 1) tma_load(st + SUB, tx, kt * BK, r0 + 64, full);
-#pragma unroll
-                    for (int b = 0; b < BN / 64; b++) {
-                        if (SWIGLU && b >= BN / 128)
-                            tma_load(st + 2 * SUB + b * SUB, tw3, kt * BK, wr + (b - BN / 128) * 64, full);
-                        else
-                            tma_load(st + 2 * SUB + b * SUB, tw1, kt * BK, wr + b * 64, full);
+                    bar_expect(full, 2 * SUB + BN * 128);
+                    tma_load(st, tx, kt * BK, r0, full);  // one 128-row box
+                    if (SWIGLU) {  // BN / 2 gate rows, then the same up rows
+                        tma_load(st + 2 * SUB, tw1, kt * BK, wr, full);
+                        tma_load(st + 2 * SUB + BN * 64, tw3, kt * BK, wr, full);
+                    } else {
+                        tma_load(st + 2 * SUB, tw1, kt * BK, wr, full);  // one BN-row box
                     }
                     if (++s == STAGES) {
                         s = 0;

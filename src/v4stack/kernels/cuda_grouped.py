@@ -82,9 +82,10 @@ def _launch(kind: str, x, w1, w3, offsets, y, ws, limit: float, bn: int, sk: boo
     nsm = torch.cuda.get_device_properties(dev).multi_processor_count
     work = _workspace(dev, nsm) if sk else None
     fn = cubin.load(SOURCE, f"grouped_{kind}_n{bn}" + ("_sk" if work is not None else ""), TYPES, smem(bn), dev)
-    tx = cubin.tensor_map(x, 64, BK)
-    t1 = cubin.tensor_map(w1.view(E * N, K), 64, BK)
-    t3 = cubin.tensor_map(w3.view(E * N, K), 64, BK) if w3 is not None else t1
+    wbox = bn // 2 if kind == "swiglu" else bn
+    tx = cubin.tensor_map(x, 128, BK)
+    t1 = cubin.tensor_map(w1.view(E * N, K), wbox, BK)
+    t3 = cubin.tensor_map(w3.view(E * N, K), wbox, BK) if w3 is not None else t1
     blocks = N // (bn // 2 if kind == "swiglu" else bn)
     chunks = T // 128 + E  # at most
     grid = nsm if work is not None else min(nsm, chunks * blocks)
