@@ -99,34 +99,39 @@ def hc_mix(flat, fn, eps, tile=None, finish=None):
 
 @triton.jit
 def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s_rt, s_yt, D: tl.constexpr,
-                   BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr):
+                   BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr,
+                   CH: tl.constexpr = 1):
+    """A program scores ``CH`` chunks of ``BS`` keys of one query (the query and its weights loaded once)."""
     t = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1) * BS + tl.arange(0, BS)
     h = tl.arange(0, BH)
     d = tl.arange(0, D)
     q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
-    if INDEXED:  # key rows of the pool by index: -1 (or any row outside [0, NK)) is no entry
-        r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
-        ok = (r >= 0) & (r < NK)
-        k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
-    else:
-        ok = s < S
-        k = tl.load(Kc + t * s_kt + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=ok[None, :], other=0.0)
-    if IEEE:
-        dots = tl.dot(q, k, input_precision="ieee")
-    else:
-        dots = tl.dot(q, k)
     w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
-    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
-    if INDEXED:
-        score = tl.where(ok, score, float("-inf"))
-    tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
+    for c in range(CH):
+        s = (tl.program_id(1) * CH + c) * BS + tl.arange(0, BS)
+        if INDEXED:  # key rows of the pool by index: -1 (or any row outside [0, NK)) is no entry
+            r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
+            ok = (r >= 0) & (r < NK)
+            k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
+        else:
+            ok = s < S
+            k = tl.load(Kc + t * s_kt + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=ok[None, :], other=0.0)
+        if IEEE:
+            dots = tl.dot(q, k, input_precision="ieee")
+        else:
+            dots = tl.dot(q, k)
+        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+        if INDEXED:
+            score = tl.where(ok, score, float("-inf"))
+        tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
 
 
-INDEXER_BS = 64  # keys per program
+INDEXER_BS = 64  # keys per chunk
+# half-precision launches: (keys a chunk, chunks a program, warps, stages); bench/results/indexer_h200.json
+INDEXER_TILE = {"BS": 64, "CH": 1, "num_warps": 4, "num_stages": 3}
 
 
-def indexer_scores(q, w, k, rows=None):
+def indexer_scores(q, w, k, rows=None, tile=None):
     """``I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s])``: one program per (query, 64 keys). Keys are
     shared ``[S, d]``, per row ``[T, S, d]``, or read by index from a pool ``k [N, d]`` with
     ``rows [T, S]`` (``-1``: no entry, scored ``-inf``; nothing is gathered). One arithmetic for all
@@ -144,10 +149,12 @@ def indexer_scores(q, w, k, rows=None):
         else:
             rc = rows.contiguous()
             s_rt, s_kt = rc.stride(0), 0
-        launch(indexer_kernel, (T, cdiv(S, INDEXER_BS)), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
+        ieee = q.dtype == torch.float32
+        t = tile or ({"BS": INDEXER_BS, "CH": 1} if ieee else INDEXER_TILE)
+        opts = {k_: t[k_] for k_ in ("num_warps", "num_stages") if k_ in t}
+        launch(indexer_kernel, (T, cdiv(S, t["BS"] * t["CH"])), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
                qc.stride(1), wc.stride(0), s_kt, kc.stride(-2), s_rt, out.stride(0), D=D,
-               BH=max(16, next_pow2(H)), BS=INDEXER_BS, IEEE=q.dtype == torch.float32,
-               INDEXED=rows is not None)
+               BH=max(16, next_pow2(H)), BS=t["BS"], IEEE=ieee, INDEXED=rows is not None, CH=t["CH"], **opts)
     return out
 
 

@@ -1,0 +1,108 @@
+"""The indexer's scores and its top-k at a decode step's widths (one H200 call).
+
+A CSA layer at 16k tokens (ratio 4: 4096 entries a query), V4-Flash's indexer (64 heads of 128,
+top-512), ``T`` queries each reading its own request's keys from the pool by row index (bf16, as
+the engine holds them). ``indexer``: ``triton_gemm.indexer_scores`` for every candidate tile, its
+scores compared bit for bit with the current tile's and timed under CUDA graphs, beside the
+bytes the call must read over the measured copy bandwidth. ``topk``: ``triton_select.topk_rows``
+in its bitwise-search and radix forms, the rows compared with each other and with the torch
+composition.
+
+    python -m bench.indexer_select --out bench/results/indexer_select_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import traceback
+
+import torch
+
+from bench.runner import write_result
+from bench.timing import graph_time
+
+H, D, TOPK = 64, 128, 512
+ENTRIES = 4096
+TILES = [
+    {"BS": 64, "CH": 1, "num_warps": 4, "num_stages": 3},
+    {"BS": 128, "CH": 1, "num_warps": 4, "num_stages": 3},
+    {"BS": 128, "CH": 1, "num_warps": 8, "num_stages": 3},
+    {"BS": 256, "CH": 1, "num_warps": 8, "num_stages": 3},
+    {"BS": 64, "CH": 4, "num_warps": 4, "num_stages": 3},
+    {"BS": 64, "CH": 8, "num_warps": 4, "num_stages": 4},
+    {"BS": 128, "CH": 2, "num_warps": 4, "num_stages": 3},
+    {"BS": 128, "CH": 4, "num_warps": 8, "num_stages": 3},
+    {"BS": 128, "CH": 4, "num_warps": 4, "num_stages": 2},
+    {"BS": 64, "CH": 2, "num_warps": 4, "num_stages": 2},
+]
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / graph_time(lambda: b.copy_(a), reps=10)
+
+
+def indexer_cases(bw: float) -> list:
+    from v4stack.kernels import triton_gemm as tg
+
+    out = []
+    for T in (256, 64):
+        g = torch.Generator(device="cuda").manual_seed(T)
+        q = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(T, H, device="cuda", generator=g) / 64).bfloat16()
+        pool = torch.randn(T * ENTRIES, D, device="cuda", generator=g).bfloat16()
+        rows = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
+        rows[:, ENTRIES - 3:] = -1  # entries not yet closed
+        ref = tg.indexer_scores(q, w, pool, rows, tile=TILES[0])
+        need = pool.numel() * 2 + rows.numel() * 8 + ref.numel() * 2 + q.numel() * 2
+        case = {"queries": T, "entries": ENTRIES, "bytes": need, "floor_s": need / bw, "tiles": []}
+        for t in TILES:
+            rec = {"tile": t}
+            try:
+                y = tg.indexer_scores(q, w, pool, rows, tile=t)
+                rec["bits_equal_first"] = bool(torch.equal(y, ref))
+                rec["max_abs_diff_first"] = float((y.float() - ref.float()).abs().max())
+                rec["graph_s"] = graph_time(lambda: tg.indexer_scores(q, w, pool, rows, tile=t))
+                rec["fraction_of_floor"] = case["floor_s"] / rec["graph_s"]
+            except Exception:  # noqa: BLE001
+                rec["error"] = traceback.format_exc()[-800:]
+            print("indexer", T, t, {k: v for k, v in rec.items() if k != "tile"}, flush=True)
+            case["tiles"].append(rec)
+        out.append(case)
+    return out
+
+
+def topk_cases() -> list:
+    from v4stack.kernels import triton_select as ts
+    from v4stack.ops import fused
+
+    out = []
+    for T in (256, 64):
+        g = torch.Generator(device="cuda").manual_seed(T + 1)
+        s = torch.randn(T, ENTRIES, device="cuda", generator=g).bfloat16().float()  # the indexer's rounding: ties
+        rows = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
+        rows[:, ENTRIES - 3:] = -1
+        want = fused.topk_rows_reference(s.cpu(), rows.cpu(), TOPK).cuda()
+        case = {"queries": T, "entries": ENTRIES, "k": TOPK}
+        for name, radix in (("bitwise", False), ("radix", True)):
+            got = ts.topk_rows(s, rows, TOPK, radix=radix)
+            case[name] = {"equal_composition": bool(torch.equal(got, want)),
+                          "graph_s": graph_time(lambda: ts.topk_rows(s, rows, TOPK, radix=radix))}
+        print("topk", T, case, flush=True)
+        out.append(case)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    write_result(a.out, {"device_name": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw,
+                         "widths": {"heads": H, "dim": D, "topk": TOPK, "entries": ENTRIES},
+                         "indexer": indexer_cases(bw), "topk": topk_cases()})
+
+
+if __name__ == "__main__":
+    main()
