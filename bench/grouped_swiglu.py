@@ -48,6 +48,7 @@ def routing(tokens: int, experts: int, seed: int = 0):
 
 def run_case(experts: int, tokens: int, candidates) -> dict:
     from v4stack import ops
+    from v4stack.ops import fused
     from v4stack.kernels import triton_grouped as tg
     from v4stack.kernels import triton_grouped_swiglu as sw
     from v4stack.kernels import triton_mhc as mhc
@@ -68,7 +69,7 @@ def run_case(experts: int, tokens: int, candidates) -> dict:
 
     def dispatched():
         with ops.mode("fast"):
-            return ops.fused.swiglu_act(ops.grouped_linear(x, w1, offd), ops.grouped_linear(x, w3, offd), limit, ws,
+            return fused.swiglu_act(ops.grouped_linear(x, w1, offd), ops.grouped_linear(x, w3, offd), limit, ws,
                                         torch.bfloat16)
 
     ref = composition()
