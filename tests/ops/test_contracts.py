@@ -135,3 +135,21 @@ def test_fixed_slice_gemm_contracts_reject_broken_variants():
                            requires=lambda n: [prove.cdiv(n.M, 64) * prove.cdiv(n.N, 32) <= 1 << 16])
     (d,) = prove.prove(two_tiles)
     assert d["access"] == "store PSS" and d["counterexample"]["pn"] != d["counterexample"]["pn_b"]
+
+
+def test_indexer_chunks_need_their_own_stride():
+    # a program scores CH chunks of BS keys at (ps * CH + c) * BS: a chunk index written ps + c
+    # (the chunk count left out) has two programs write the same scores
+    import dataclasses
+
+    good = specs.indexer(BS=128, CH=2, name="indexer_chunks")
+    assert prove.prove(good) == []
+
+    def s_(n):
+        return (n.ps + n.c) * 128 + n.s
+
+    y = prove.Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S,
+                     lanes=("s", "c"))
+    bad = dataclasses.replace(good, name="indexer_chunks_bad_stride",
+                              accesses=tuple(a for a in good.accesses if a.tensor != "Y") + (y,))
+    assert any(f["property"] == "disjoint" for f in prove.prove(bad))

@@ -149,19 +149,19 @@ def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention")
     )
 
 
-def indexer(D=128, BH=64, BS=64) -> Spec:
-    """Indexer scores: program (t, ps) scores keys ps*BS.. for query t over all heads; keys are
+def indexer(D=128, BH=64, BS=64, CH=1, name="indexer") -> Spec:
+    """Indexer scores: program (t, ps) scores chunks c < CH of keys (ps*CH + c)*BS.. for query t over all heads; keys are
     shared [S, D], per row [T, S, D] (the larger index space of the two), or pool rows [NK, D]
     read by index (``rows [T, S]``, any value; a row is read only when ``0 <= row < NK``)."""
     import z3
 
     def s_(n):
-        return n.ps * BS + n.s
+        return (n.ps * CH + n.c) * BS + n.s
 
     return Spec(
-        name="indexer", dims=("T", "H", "S", "NK"), requires=lambda n: [n.H <= BH], zero_ok=("NK",),
-        grid=lambda n: {"t": n.T, "ps": cdiv(n.S, BS)},
-        lanes=lambda n: {"h": BH, "s": BS, "d": D},
+        name=name, dims=("T", "H", "S", "NK"), requires=lambda n: [n.H <= BH], zero_ok=("NK",),
+        grid=lambda n: {"t": n.T, "ps": cdiv(n.S, BS * CH)},
+        lanes=lambda n: {"h": BH, "s": BS, "d": D, "c": CH},
         data=lambda n: {"row": (IDX_MIN, IDX_MAX)},
         accesses=(
             Access("Q", "load", lambda n: (n.t, n.h, n.d), lambda n: (n.T, n.H, D), lambda n: n.h < n.H),
@@ -170,7 +170,8 @@ def indexer(D=128, BH=64, BS=64) -> Spec:
             Access("Rows", "load", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S),
             Access("Pool", "load", lambda n: (n.row, n.d), lambda n: (n.NK, D),
                    lambda n: z3.And(n.row >= 0, n.row < n.NK)),
-            Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S, lanes=("s",)),
+            Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S,
+                   lanes=("s", "c")),
         ),
     )
 
@@ -201,7 +202,9 @@ def row_mix(name: str, BJ=8, BD=1024) -> Spec:
     )
 
 
-ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer": indexer,
+ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer_bs64": lambda: indexer(name="indexer_bs64"),
+       # the half-precision launch's tile (triton_gemm.INDEXER_TILE: 128 keys, one chunk)
+       "indexer_bs128": lambda: indexer(BS=128, name="indexer_bs128"),
        "row_mix": lambda: row_mix("row_mix"), "rms_norm": specs_more.rms_norm, "softmax_row": specs_more.softmax_row,
        "sparse_attention_split": specs_more.sparse_attention_split}
 
@@ -277,7 +280,8 @@ GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F
                                   tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),
           "hc_mix": _active("HC_TILES", "HC_HALF_TILES", "HC_TILES_GRAPH", "HC_HALF_TILES_GRAPH"),
           "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
-          "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION}
+          "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION,
+          "indexer": ["indexer_bs64", "indexer_bs128"]}
 
 
 PROOFS = Path(__file__).with_name("proofs.json")

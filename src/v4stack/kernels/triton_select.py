@@ -6,10 +6,7 @@ rows < 0, k, stable)))``: the top ``k`` by score, ties to the lower entry, liste
 order. One program per query holds its row of scores as order-preserving integer keys (``-0.0``
 taken as ``+0.0``, as a sort compares them equal), finds the ``k``-th largest key by a bitwise
 search from the top bit (32 counting passes), takes every key above it and the first ties in entry
-order, and writes the chosen rows by a running count. ``RADIX``: the same threshold found a byte
-at a time from the top instead (four passes, each a 256-bin histogram of the next byte among the
-keys that match the bytes found so far, the byte where the running count from the top reaches
-the rest of ``k``) - the same key, so the same rows. It replaces a radix sort of the scores, a
+order, and writes the chosen rows by a running count. It replaces a radix sort of the scores, a
 sort of the chosen indices and two gathers (74 us for one CSA layer's queries at batch 64 and 16k
 tokens on an H200). Integer results: equal to the torch composition's for any non-NaN scores.
 """
@@ -24,7 +21,7 @@ MAX_ENTRIES = 16384  # one program holds a query's entries; wider rows take the 
 
 
 @triton.jit
-def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, RADIX: tl.constexpr = False):
+def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EB)
     inside = e < E
@@ -36,23 +33,10 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, RADIX:
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # float order, as [0, 2^32)
     key = tl.where(inside, key, -1)  # past E: below every entry
     res = tl.zeros([], tl.int64)
-    if RADIX:
-        bins = tl.arange(0, 512)
-        match = inside
-        need = k
-        for i in tl.static_range(4):
-            d = ((key >> (24 - 8 * i)) & 255).to(tl.int32)
-            # bin 255 - byte: from the top byte down; bin 256 holds every key off the prefix
-            h = tl.histogram(tl.where(match, 255 - d, 256), 512)
-            b = tl.sum((tl.cumsum(h, 0) < need).to(tl.int32), 0)  # the first bin reaching ``need``
-            need = need - tl.sum(tl.where(bins < b, h, 0), 0)
-            res = res | ((255 - b).to(tl.int64) << (24 - 8 * i))
-            match = match & (d == 255 - b)
-    else:
-        for b in range(31, -1, -1):
-            cand = res | (tl.full([], 1, tl.int64) << b)
-            if tl.sum((key >= cand).to(tl.int32), 0) >= k:
-                res = cand
+    for b in range(31, -1, -1):
+        cand = res | (tl.full([], 1, tl.int64) << b)
+        if tl.sum((key >= cand).to(tl.int32), 0) >= k:
+            res = cand
     gt = key > res
     eq = key == res
     need = k - tl.sum(gt.to(tl.int32), 0)
@@ -61,14 +45,11 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, RADIX:
     tl.store(OUT + n * s_o + pos, r, mask=sel)
 
 
-RADIX = True  # bench/results/topk_rows_h200.json
-
-
-def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int, radix: bool | None = None) -> torch.Tensor:
+def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
     n, E = scores.shape
     out = torch.empty(n, k, dtype=torch.int64, device=scores.device)
     if n and k:
         eb = max(16, next_pow2(E))
         launch(topk_rows_kernel, (n,), scores, rows, out, E, k, scores.stride(0), rows.stride(0), out.stride(0), EB=eb,
-               num_warps=min(16, max(4, eb // 512)), RADIX=RADIX if radix is None else radix)
+               num_warps=min(16, max(4, eb // 512)))
     return out
