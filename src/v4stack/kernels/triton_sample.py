@@ -80,16 +80,22 @@ def greedy_finish_kernel(PM, PS, PI, TOK, OUT, V, NC, SB: tl.constexpr):
     tl.store(OUT + r * 3 + 2, tl.minimum(lp, 0.0).to(tl.float64))
 
 
-def greedy_draw(logits: torch.Tensor):
+WARPS = 4
+
+
+def greedy_draw(logits: torch.Tensor, tile: dict | None = None):
+    """``tile``: ``CHUNK`` / ``BLOCK`` / ``num_warps`` of the first kernel (a fixed choice for every
+    batch: the columns' order is the tile's)."""
+    chunk, block, warps = (tile["CHUNK"], tile["BLOCK"], tile["num_warps"]) if tile else (CHUNK, BLOCK, WARPS)
     B, V = logits.shape
     tok = torch.empty(B, dtype=torch.int64, device=logits.device)
     out = torch.empty(B, 3, dtype=torch.float64, device=logits.device)
     if B:
-        nc = triton.cdiv(V, CHUNK)
+        nc = triton.cdiv(V, chunk)
         pm = torch.empty(B, nc, dtype=torch.float32, device=logits.device)
         ps = torch.empty_like(pm)
         pi = torch.empty(B, nc, dtype=torch.int32, device=logits.device)
-        launch(greedy_part_kernel, (B, nc), logits, pm, ps, pi, V, logits.stride(0), nc, CHUNK=CHUNK, BLOCK=BLOCK,
-               num_warps=4)
+        launch(greedy_part_kernel, (B, nc), logits, pm, ps, pi, V, logits.stride(0), nc, CHUNK=chunk, BLOCK=block,
+               num_warps=warps)
         launch(greedy_finish_kernel, (B,), pm, ps, pi, tok, out, V, nc, SB=triton.next_power_of_2(nc), num_warps=1)
     return tok, out
