@@ -234,34 +234,3 @@ def test_group_linear_as_grouped_rows_is_the_per_group_linears():
         other = group_linear_rows(x.roll(1, dims=1), w)
     assert not torch.equal(other[:, :6], group_linear_rows(x, w)[:, :6])
     assert not group_linear_ok(x, w)
-
-
-def test_linear_widened_kernel_is_the_fp32_gemm_of_the_widened_rows():
-    """The router's logits: the fixed-slice fp32 kernel reading bf16 rows and widening them equals
-    the same kernel on rows copied to fp32 (widening is exact); two K slices, the last one cut."""
-    from v4stack.kernels import triton_gemm as tg
-
-    x = torch.randn(37, 320, generator=g).bfloat16()
-    w = torch.randn(8, 320, generator=g)
-    y = tg.linear(x, w)
-    assert y.dtype == torch.float32
-    assert torch.equal(y, tg.linear(x.float(), w))
-    torch.testing.assert_close(y.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-4)
-    assert torch.equal(tg.linear(x[5:6].clone(), w)[0], y[5])  # a row alone as in the batch
-    # inverse control: rounding the weight to bf16 changes the logits
-    assert not torch.equal(tg.linear(x.float(), w.bfloat16().float()), y)
-    ops.reset_counters()
-    assert torch.equal(fused.linear_widened(x, w), ops.linear(x.float(), w))  # the CPU call: the composition
-    assert ops.counters()["linear_widened"] == {"torch_composite": 1}
-
-
-@pytest.mark.gpu
-def test_linear_widened_on_cuda_runs_the_kernel_in_both_modes():
-    x = torch.randn(256, 4096, generator=g).bfloat16().cuda()
-    w = torch.randn(8, 4096, generator=g).cuda()
-    for mode in ("invariant", "fast"):
-        with ops.mode(mode):
-            ops.reset_counters()
-            y = fused.linear_widened(x, w)
-            assert ops.counters()["linear_widened"] == {"triton_linear_widened": 1}
-            assert torch.equal(y, ops.linear(x.float(), w))

@@ -80,20 +80,6 @@ def rope_ok(x, positions, freqs, inverse, table=None) -> bool:
             and freqs.device == x.device and h >= 1 and h & (h - 1) == 0 and 2 * h <= x.shape[-1])
 
 
-def linear_widened_ok(x, w) -> bool:
-    """Where the fp32 GEMM of the widened rows would be the project's fixed-slice kernel (which reads
-    a half-precision ``x`` and widens it: the same products), outside autograd."""
-    from v4stack import ops
-    from v4stack.ops.dispatch import resolve
-
-    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and w.dim() == 2
-            and w.dtype == torch.float32 and w.device == x.device and w.shape[1] == x.shape[1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return False
-    wide = torch.empty(x.shape, dtype=torch.float32, device="meta")
-    return resolve("linear", ops.get_mode(), "float32", "cuda", wide, w).name == "triton_fp32_gemm"
-
-
 def greedy_draw_ok(logits) -> bool:
     return (logits.is_cuda and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and logits.stride(1) == 1 and 0 < logits.shape[1] < 2**31)
@@ -267,7 +253,5 @@ def register_all(register) -> None:
              ref("entry_rows_reference")), device="cuda", accepts=_with("triton", entry_rows_ok))
     register("topk_rows", "triton_topk_rows", _guarded("topk_rows", _lazy("triton_select", "topk_rows"),
              ref("topk_rows_reference")), device="cuda", accepts=_with("triton", topk_rows_ok))
-    register("linear_widened", "triton_linear_widened", _guarded("linear_widened", _lazy("triton_gemm", "linear", "gemm_half"),
-             ref("linear_widened_reference")), device="cuda", accepts=_with("triton", linear_widened_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),
              ref("greedy_draw_reference")), device="cuda", accepts=_with("triton", greedy_draw_ok))

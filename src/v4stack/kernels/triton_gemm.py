@@ -43,8 +43,7 @@ def _mm_tile(X, W, rows, rmask, n0, s_xm, s_wn, N, K, BN: tl.constexpr, BK: tl.c
 def linear(x, weight, tile=None):
     """``x @ weight.T`` in fixed K slices (``triton_slices``): bf16 / fp16 on the ``wgmma`` chain,
     fp32 as 3xTF32 on the tensor cores. ``tile`` overrides the bucket's tile (the sweep,
-    ``bench/gemm_tiles.py``); every tile gives the same bits. A bf16 / fp16 ``x`` with an fp32
-    ``weight`` is ``linear(x.float(), weight)`` (the same bits: widening is exact), without the copy."""
+    ``bench/gemm_tiles.py``); every tile gives the same bits."""
     import torch
 
     N, K = weight.shape
@@ -54,11 +53,10 @@ def linear(x, weight, tile=None):
         a = a.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     M = a.shape[0]
-    wide = weight.dtype == torch.float32  # fp32 weight: the fp32 chain (a half x is widened as it is read)
-    y = torch.empty((M, N), dtype=torch.float32 if wide else x.dtype, device=x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    if not wide:
+    if x.dtype != torch.float32:
         t = tile or _tile(HALF_TILES, HALF_TILES_GRAPH, M, a.is_cuda)
         if t.get("tma", False) and K % 8 == 0 and N % 8 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
             from v4stack.kernels.triton_tma import linear_tma

@@ -27,7 +27,7 @@ from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import linear_widened, moe_gate, moe_route, moe_unsort_combine, swiglu_act
+from v4stack.ops.fused import moe_gate, moe_route, moe_unsort_combine, swiglu_act
 
 
 class Expert(nn.Module):
@@ -97,9 +97,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """-> (expert indices ``[N, k]``, routing weights ``[N, k]`` in the compute dtype)."""
         cd = compute_dtype(x.dtype)
-        w = self._weight_in(cd)
-        # a half-precision x is widened where the GEMM reads it (CUDA), not copied to fp32 first
-        logits = ops.linear(x, w) if x.dtype == cd else linear_widened(x, w)
+        logits = ops.linear(x.to(cd), self._weight_in(cd))
         if self.hashed:
             return moe_gate(logits, None, self.tid2eid, token_ids, self.topk, self.scale)
         return moe_gate(logits, self.bias.to(cd), None, None, self.topk, self.scale)

@@ -40,8 +40,6 @@
 - ``normed_sparse_attention(q, pools, idx, sink, scale, eps)``: the sparse attention of
   per-head RMS-normalised queries (fast mode's many-row kernel normalises the queries it loads;
   ``normalises_queries(q)`` says where, so the caller skips its own pass).
-- ``linear_widened(x, w)``: ``linear(x.to(w.dtype), w)`` for a half-precision ``x`` and an fp32
-  weight (the MoE router's logits), the widening done as the GEMM reads ``x`` on CUDA.
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
@@ -139,10 +137,6 @@ def _group_linear_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def linear_widened_reference(x, w):
-    return ops.linear(x.to(w.dtype), w)
-
-
 def greedy_draw_reference(logits: torch.Tensor):
     raw = logits.float()
     tok = torch.argmax(raw, dim=-1)
@@ -230,7 +224,6 @@ def normed_sparse_attention_reference(q, pools, idx, sink, scale: float, eps: fl
 
 register("normed_sparse_attention", "torch_composite", normed_sparse_attention_reference)
 register("greedy_draw", "torch_composite", greedy_draw_reference)
-register("linear_widened", "torch_composite", linear_widened_reference)
 register("moe_gate", "torch_composite", moe_gate_reference)
 register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
@@ -353,11 +346,6 @@ def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """``[T, 2, len(freqs)]`` fp32: ``cos`` then ``sin`` of ``positions [T] * freqs`` (fp64 angles),
     made once for the rotations of a step that share the positions and frequencies."""
     return call("rope_table", ops.get_mode(), "float64", positions.device.type, positions, freqs)
-
-
-def linear_widened(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``ops.linear(x.to(w.dtype), w)``: ``x [T, K]`` in bf16 / fp16, ``w [N, K]`` fp32 -> ``[T, N]`` fp32."""
-    return call("linear_widened", ops.get_mode(), str(w.dtype)[6:], x.device.type, x, w)
 
 
 def greedy_draw(logits: torch.Tensor):
