@@ -11,8 +11,7 @@ kernels. These kernels have no Z3-proved contract: their wrappers check shapes, 
 and alignment, and the kernels bound every index they read by (``0 <= i < N``).
 
 ``Function.launch(grid, block, smem, *args)`` packs each argument by its declared C type
-(``"p"`` a device pointer from a tensor or an int, ``"i32"``, ``"i64"``, ``"f32"``, ``"tmap"`` a
-TMA descriptor from ``tensor_map``).
+(``"p"`` a device pointer from a tensor or an int, ``"i32"``, ``"i64"``, ``"f32"``).
 """
 
 from __future__ import annotations
@@ -83,10 +82,6 @@ def _driver():
                                                                             ctypes.POINTER(ctypes.c_void_p),
                                                                             ctypes.c_void_p]
     cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    cu.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                                          ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return cu
 
 
@@ -96,25 +91,6 @@ def _check(rc: int, what: str) -> None:
 
 
 _PACK = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float, "p": ctypes.c_uint64}
-TensorMap = ctypes.c_uint8 * 128  # CUtensorMap: 128 opaque bytes
-_BF16, _SWIZZLE_128B, _L2_256B = 9, 3, 3  # CUtensorMapDataType / Swizzle / L2promotion values
-
-
-def tensor_map(t, box_rows: int, box_cols: int) -> TensorMap:
-    """A TMA descriptor of the bf16 matrix ``t [rows, cols]`` (unit column stride, 16-byte
-    aligned base and row stride) in boxes of ``box_rows x box_cols`` (``box_cols * 2`` bytes at
-    most 128: one swizzle span), 128-byte swizzled, rows or columns past the end read as zeros."""
-    rows, cols = t.shape
-    if t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16 or box_cols * 2 > 128:
-        raise ValueError(f"cubin.tensor_map: {tuple(t.shape)} strides {t.stride()} are not TMA's terms")
-    m = TensorMap()
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(t.stride(0) * 2)
-    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
-    unit = (ctypes.c_uint32 * 2)(1, 1)
-    _check(_driver().cuTensorMapEncodeTiled(ctypes.byref(m), _BF16, 2, ctypes.c_void_p(t.data_ptr()), dims, strides,
-                                            box, unit, 0, _SWIZZLE_128B, _L2_256B, 0), "cuTensorMapEncodeTiled")
-    return m
 
 
 class Function:
@@ -130,9 +106,6 @@ class Function:
             raise TypeError(f"cubin: {len(self.types)} arguments declared, {len(args)} given")
         vals = []
         for a, ty in zip(args, self.types):
-            if ty == "tmap":
-                vals.append(a)
-                continue
             if ty == "p" and isinstance(a, torch.Tensor):
                 a = a.data_ptr()
             vals.append(_PACK[ty](a))
