@@ -1,0 +1,99 @@
+"""Where a decode step's wall time goes beyond its kernels (one H200 call), flash4 at batch 256:
+the engine's step p50 over 32 steps back to back (overlap on, as ``bench/serve_roofline.py`` times
+them), the step's CUDA graph replayed 20 times back to back with nothing else (its device time,
+launch gaps inside it included), and 12 consecutive steps under the profiler: the device's busy
+time (kernel and copy intervals merged) and idle time per step, and the idle gaps over 3 us by the
+pair of operations around them. The profiler slows the host, so its idle time is an upper bound.
+
+    python -m bench.step_gaps bench/results/step_gaps_h200.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.runner import write_result
+from bench.serve_roofline import build_config, fill, random_model
+from v4stack.serve.engine import Engine, EngineConfig
+
+POINTS = (("fast", 256, 1024), ("fast", 256, 16384), ("invariant", 256, 1024))
+
+
+def _gaps(prof, steps: int) -> dict:
+    """Busy and idle device time per step from the profile's device intervals, and the idle gaps
+    over 3 us summed per (operation before, operation after)."""
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs)
+    busy, (s0, e0, prev), pairs = 0.0, ks[0], {}
+    for s, e, name in ks[1:]:
+        if s > e0:
+            busy += e0 - s0
+            if s - e0 > 3:
+                k = (prev[:40], name[:40])
+                n, t = pairs.get(k, (0, 0.0))
+                pairs[k] = (n + 1, t + s - e0)
+            s0, e0 = s, e
+        else:
+            e0 = max(e0, e)
+        prev = name
+    busy += e0 - s0
+    span = ks[-1][1] - ks[0][0]
+    return {"profiled_span_per_step_us": span / steps, "busy_per_step_us": busy / steps,
+            "idle_per_step_us": (span - busy) / steps,
+            "gaps_over_3us": sorted(([list(k), n, t / steps] for k, (n, t) in pairs.items()), key=lambda z: -z[2])[:25]}
+
+
+def point(model, cfg, mode: str, batch: int, ctx: int) -> dict:
+    per = -(-(ctx + 120) // cfg.block_tokens) + 1
+    eng = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
+                                     token_budget=max(batch, 256), max_running=batch, ops_mode=mode, overlap=True))
+    fill(eng, batch, ctx, 110, seed=batch * 7 + ctx)
+    for _ in range(8):  # graph captures, kernel builds
+        eng.step()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(32):
+        t0 = time.perf_counter()
+        eng.step()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(12):
+            eng.step()
+        torch.cuda.synchronize()
+    gaps = _gaps(prof, 12)
+    graphs = eng.runner.graphs
+    g = next(iter(graphs.graphs.values()))[0]  # the first captured shape: a step where no entry closes
+    eng.drain()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20):
+        g.replay()
+    e.record()
+    e.synchronize()
+    ts.sort()
+    r = {"mode": mode, "batch": batch, "context": ctx, "step_us_p50": ts[len(ts) // 2] * 1e6,
+         "step_us_mean": statistics.mean(ts) * 1e6, **gaps,
+         "graph_replay_back_to_back_us": s.elapsed_time(e) / 20 * 1e3, "n_graphs": len(graphs.graphs)}
+    print(r, flush=True)
+    del eng
+    torch.cuda.empty_cache()
+    return r
+
+
+def main(argv=None) -> None:
+    out = (argv or sys.argv[1:])[0]
+    cfg = build_config("flash4")
+    model = random_model(cfg, "cuda", torch.bfloat16)
+    write_result(out, {"config": "flash4", "points": [point(model, cfg, m, b, c) for m, b, c in POINTS]})
+
+
+if __name__ == "__main__":
+    main()
