@@ -201,3 +201,40 @@ def test_calls_captured_in_a_graph_take_the_grouped_graph_table(monkeypatch):
             == tiles.pick(tiles.GROUPED_TILES_GRAPH, m)
         assert tiles.pick_call(tiles.GROUPED_TILES, tiles.GROUPED_TILES_GRAPH, m, True, 24576, cap) \
             == tiles.pick(tiles.GROUPED_TILES, m)
+
+
+def test_two_k_chunks_summed_once_the_same_in_every_kernel():
+    # K past 256 is two chains (the first chunk.chunk(K) of K, then the rest) added once: the table
+    # kernel and the persistent TMA kernel (whose programs take a chunk of a tile each and meet
+    # through a workspace and a flag) give the same bits, a row alone under its expert too, and
+    # leave every flag lowered
+    tgr = pytest.importorskip("v4stack.kernels.triton_grouped")
+    from v4stack.kernels import tiles
+    from v4stack.kernels import triton_grouped_tma as tma
+
+    k2 = 320
+    assert tgr.chunk(k2) == 256 and tgr.chunk(4096) == 2048 and tgr.chunk(2048) == 1024 and tgr.chunk(128) == 128
+    g = torch.Generator().manual_seed(5)
+    counts = [70, 0, 5, 1]
+    x = torch.randn(sum(counts), k2, generator=g).bfloat16()
+    w = torch.randn(E, N, k2, generator=g).bfloat16()
+    off = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    ref = tgr.grouped_linear(x, w, off, tiles.GROUPED_FALLBACK)
+    torch.testing.assert_close(ref.double(), _per_expert_f64(x, w, off).to(torch.bfloat16).double(), atol=0.25, rtol=3e-2)
+    for t in [t for t in tiles.GROUPED_CANDIDATES if t.get("tma") and t["BK"] == 64][:3]:
+        assert torch.equal(tgr.grouped_linear(x, w, off, t), ref), t
+    for r, e in ((69, 0), (72, 2)):
+        alone = torch.zeros_like(off)
+        alone[e + 1:] = 1
+        assert torch.equal(tgr.grouped_linear(x[r:r + 1], w, alone, tiles.GROUPED_CANDIDATES[6]), ref[r:r + 1])
+    assert not tma.flags("cpu", 1).any()
+    # what the chunks change: +2^24 in the first, then a 1 and -2^24 in the second. One chain loses
+    # the 1 (2^24 + 1 rounds to 2^24 in fp32); two chains keep it (1 - 2^24 is exact). Control: the
+    # same call with one chunk (ch = K) gives 0
+    xk = torch.zeros(76, 384)
+    xk[:, 0], xk[:, 256], xk[:, 320] = 2.0 ** 24, 1.0, -2.0 ** 24
+    wk = torch.ones(E, N, 384, dtype=torch.bfloat16)
+    xk = xk.bfloat16()
+    for t in (tiles.GROUPED_FALLBACK, tiles.GROUPED_CANDIDATES[6]):
+        assert (tgr.grouped_linear(xk, wk, off, t) == 1).all(), t
+        assert (tgr.grouped_linear(xk, wk, off, t, ch=384) == 0).all(), t
