@@ -49,7 +49,7 @@ def grouped_table_kernel(X, W, Y, Off, E, N, K, CH, s_xm, s_we, s_wn, s_ym, EB: 
         rmask = rows < r1
         We = W + mine.to(tl.int64) * s_we
         n0 = tl.program_id(1) * BN
-        acc, cols = _mm_tile(X, We, rows, rmask, n0, s_xm, s_wn, N, tl.minimum(CH, K), BN, BK, IEEE, BM)
+        acc, cols = _mm_tile(X, We, rows, rmask, n0, s_xm, s_wn, N, CH, BN, BK, IEEE, BM)
         if K > CH:  # the second chunk's chain from zero, added once
             acc2, cols = _mm_tile(X + CH, We + CH, rows, rmask, n0, s_xm, s_wn, N, K - CH, BN, BK, IEEE, BM)
             acc = acc + acc2
@@ -73,7 +73,7 @@ def grouped_linear(x, w, offsets, tile=None, ch: int | None = None):
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    ch = chunk(K) if ch is None else ch
+    ch = min(K, chunk(K) if ch is None else ch)  # the kernels take the first chunk within K
     off = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
     xc = x if x.is_contiguous() else x.contiguous()
     wc = w if w.is_contiguous() else w.contiguous()

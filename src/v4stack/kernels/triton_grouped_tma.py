@@ -45,7 +45,7 @@ def grouped_tma_kernel(x_desc, w_desc, Y, Off, WS, FLAG, E, N, K, CH, s_ym, EB: 
     num_m = tl.sum(tiles, 0)
     n_t = num_m * tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    kc = tl.minimum(CH // BK, k_tiles)  # the first chunk's K steps
+    kc = tl.cdiv(CH, BK)  # the first chunk's K steps (CH <= K)
     two = k_tiles > kc
     units = n_t * tl.where(two, 2, 1)
     p = tl.program_id(0)
