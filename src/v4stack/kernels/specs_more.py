@@ -93,12 +93,7 @@ def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False)
     unit here; X and W are read by TMA boxes, which the hardware clips to the tensor (a box row past
     the expert's end reads the next expert's row or, past T, zeros: the load's mask is the tensor's
     bounds), W as one ``[E * N, K]`` matrix from row ``e * N + n * BN``; stores are masked as in
-    the table kernel. Its two K chunks of a tile (``triton_grouped.chunk``) meet through the fp32
-    workspace ``WS`` at the tile's id ``pn * nm + rt`` (``nm``: the call's row tiles, one value for
-    every program; ``rt < nm``: the row tile's id from the prefix sum, one per (expert, tile within
-    it) - different for any other) and the tile's flag at that id: the first chunk stores the tile
-    there, the second loads it - the same tile, so one work item here; the flag's atomics are
-    checked for bounds (as loads)."""
+    the table kernel."""
     import z3
 
     def row(n):
@@ -113,24 +108,16 @@ def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False)
     def relate(a, b):
         same = a.e == b.e
         return [z3.If(same, z3.And(a.lo == b.lo, a.hi == b.hi, a.p - a.j == b.p - b.j),
-                      z3.If(a.e < b.e, a.hi <= b.lo, b.hi <= a.lo))] + ([a.nm == b.nm, z3.If(z3.And(a.e == b.e, a.j == b.j), a.rt == b.rt, a.rt != b.rt)] if tma else [])
-
-    def bound_m(n):
-        return z3.If(n.E < n.T, n.E, n.T) + n.T / BM
-
-    def tile(n):
-        return n.pn * n.nm + n.rt
+                      z3.If(a.e < b.e, a.hi <= b.lo, b.hi <= a.lo))]
 
     return Spec(
         name=name, dims=("T", "E", "N", "K", "n1", "n2"), zero_ok=("n1", "n2"),
         requires=lambda n: [n.E <= EB, n.n1 + n.n2 <= n.T],
-        grid=lambda n: {"p": bound_m(n), "pn": cdiv(n.N, BN)},
+        grid=lambda n: {"p": z3.If(n.E < n.T, n.E, n.T) + n.T / BM, "pn": cdiv(n.N, BN)},
         lanes=lambda n: {"i": BM, "jc": BN, "kb": cdiv(n.K, BK), "kk": BK, "le": EB},
-        data=lambda n: {"e": (0, n.E), "lo": (0, n.T + 1), "hi": (0, n.T + 1), "j": (0, n.T + 1),
-                        **({"nm": (0, n.T + n.E + 1), "rt": (0, n.T + n.E + 1)} if tma else {})},
+        data=lambda n: {"e": (0, n.E), "lo": (0, n.T + 1), "hi": (0, n.T + 1), "j": (0, n.T + 1)},
         relate=relate, program_data=("e", "j"),
-        requires_data=lambda n: [n.lo <= n.hi, n.j < cdiv(n.hi - n.lo, BM)]
-        + ([n.rt < n.nm, n.nm <= bound_m(n)] if tma else []),
+        requires_data=lambda n: [n.lo <= n.hi, n.j < cdiv(n.hi - n.lo, BM)],
         accesses=(
             Access("Off", "load", lambda n: (n.le,), lambda n: (n.E + 1,), lambda n: n.le < n.E),
             Access("Off", "load", lambda n: (n.le + 1,), lambda n: (n.E + 1,), lambda n: n.le < n.E),
@@ -142,12 +129,7 @@ def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False)
                    lambda n: z3.And(n.e * n.N + col(n) < n.E * n.N, kidx(n) < n.K)),
             Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.T, n.N),
                    lambda n: z3.And(row(n) < n.hi, col(n) < n.N), lanes=("i", "jc")),
-        ) + ((
-            Access("WS", "store", lambda n: (tile(n), n.i, n.jc), lambda n: (cdiv(n.N, BN) * bound_m(n), BM, BN),
-                   lanes=("i", "jc")),
-            Access("WS", "load", lambda n: (tile(n), n.i, n.jc), lambda n: (cdiv(n.N, BN) * bound_m(n), BM, BN)),
-            Access("FLAG", "load", lambda n: (tile(n),), lambda n: (cdiv(n.N, BN) * bound_m(n),)),
-        ) if tma else ()),
+        ),
         divides=(("ceil(n/BM) <= n//BM + 1 (n > 0)",
                   lambda n: z3.Implies(n.n1 > 0, cdiv(n.n1, BM) <= n.n1 / BM + 1)),
                  ("n1//BM + n2//BM <= (n1+n2)//BM", lambda n: n.n1 / BM + n.n2 / BM <= (n.n1 + n.n2) / BM)),

@@ -8,11 +8,8 @@ launch and no host sync, whatever the routing. ``min(E, T) + T // BM`` programs 
 grid axis bound the tile count (``ceil(n / BM) <= n // BM + 1`` for each of at most ``min(E, T)``
 non-empty experts); programs past the last tile exit.
 
-An output element's K sum is two chains, each ``triton_gemm._mm_tile``'s (the MMA steps in K
-order from a zero start) - over the first ``chunk(K)`` of K and over the rest - added once (one
-chain where ``K <= chunk(K)``). The chunk is fixed by K alone, so bits do not depend on the tile
-shape bucket, on which program runs it or on the rows beside it; the persistent TMA kernel
-(``triton_grouped_tma``) spreads the two chunks over different programs to balance its SMs.
+The K chain of an output element is ``triton_gemm._mm_tile``'s (the same MMA steps in K order
+from a zero start), so bits do not depend on the tile shape bucket or on which program runs it.
 """
 
 import triton
@@ -23,15 +20,8 @@ from v4stack.kernels.tiles import GRAPH_ROWS, GROUPED_FALLBACK, GROUPED_TILES, G
 from v4stack.kernels.triton_gemm import _mm_tile
 
 
-def chunk(K: int) -> int:
-    """The first K chunk of the grouped GEMM: half of K rounded up to 128 (a multiple of every
-    tile's BK), at least 128 - so K = 4096 and 2048, the expert projections at V4-Flash widths, are
-    two equal chunks and K <= 128 one."""
-    return 128 * max(1, -(-K // 256))
-
-
 @triton.jit
-def grouped_table_kernel(X, W, Y, Off, E, N, K, CH, s_xm, s_we, s_wn, s_ym, EB: tl.constexpr, BM: tl.constexpr,
+def grouped_table_kernel(X, W, Y, Off, E, N, K, s_xm, s_we, s_wn, s_ym, EB: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     p = tl.program_id(0)
     e = tl.arange(0, EB)
@@ -47,21 +37,15 @@ def grouped_table_kernel(X, W, Y, Off, E, N, K, CH, s_xm, s_we, s_wn, s_ym, EB: 
         r1 = tl.sum(tl.where(sel, hi, 0), 0)
         rows = (r0 + tl.arange(0, BM)).to(tl.int64)
         rmask = rows < r1
-        We = W + mine.to(tl.int64) * s_we
-        n0 = tl.program_id(1) * BN
-        acc, cols = _mm_tile(X, We, rows, rmask, n0, s_xm, s_wn, N, CH, BN, BK, IEEE, BM)
-        if K > CH:  # the second chunk's chain from zero, added once
-            acc2, cols = _mm_tile(X + CH, We + CH, rows, rmask, n0, s_xm, s_wn, N, K - CH, BN, BK, IEEE, BM)
-            acc = acc + acc2
+        acc, cols = _mm_tile(X, W + mine.to(tl.int64) * s_we, rows, rmask, tl.program_id(1) * BN, s_xm, s_wn, N, K,
+                             BN, BK, IEEE, BM)
         tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=rmask[:, None] & (cols < N)[None, :])
 
 
-def grouped_linear(x, w, offsets, tile=None, ch: int | None = None):
+def grouped_linear(x, w, offsets, tile=None):
     """``ops.grouped_linear`` on CUDA: one launch, the tile table computed by each program (the
-    persistent TMA kernel, ``triton_grouped_tma``, where the tile asks for it and its terms hold).
-    ``ch`` overrides the first K chunk ``chunk(K)`` (a multiple of 128; ``K`` or more: one chain),
-    for the tests and sweeps that compare the two sums."""
+    persistent TMA kernel, ``triton_grouped_tma``, where the tile asks for it and its terms hold)."""
     import torch
 
     T, K = x.shape
@@ -73,7 +57,6 @@ def grouped_linear(x, w, offsets, tile=None, ch: int | None = None):
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    ch = min(K, chunk(K) if ch is None else ch)  # the kernels take the first chunk within K
     off = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
     xc = x if x.is_contiguous() else x.contiguous()
     wc = w if w.is_contiguous() else w.contiguous()
@@ -81,11 +64,11 @@ def grouped_linear(x, w, offsets, tile=None, ch: int | None = None):
         from v4stack.kernels import triton_grouped_tma as tma
 
         if tma.usable(xc, wc):
-            return tma.grouped_linear_tma(xc, wc, off, y, t, ch)
+            return tma.grouped_linear_tma(xc, wc, off, y, t)
         t = GROUPED_FALLBACK  # its rows' bits are the TMA tiles' (the sweep checks)
     bm = t["BM"]
     grid = (min(E, T) + T // bm, cdiv(N, t["BN"]))
-    launch(grouped_table_kernel, grid, xc, wc, y, off, E, N, K, ch, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
+    launch(grouped_table_kernel, grid, xc, wc, y, off, E, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
            EB=max(16, next_pow2(E)), BM=bm, BN=t["BN"], BK=t["BK"], IEEE=x.dtype == torch.float32,
            num_warps=t["num_warps"], num_stages=t["num_stages"])
     return y
