@@ -24,6 +24,21 @@ def hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
             and fn.device == x.device and scale.device == x.device and base.device == x.device)
 
 
+def hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
+    """Fast mode's ``triton_wide.hc_pre``: bf16 streams (the weight's bf16 parts multiply them
+    exactly), the weight fp32."""
+    return x.dtype == torch.bfloat16 and hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps)
+
+
+def linear_widened_ok(x, w, wide) -> bool:
+    """``triton_wide.linear_widened``: bf16 rows, a bf16 or fp32 weight of at most 64 rows widened
+    to fp32."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] >= 1
+            and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float32) and w.stride(1) == 1
+            and w.shape[1] == x.shape[1] and 1 <= w.shape[0] <= 64 and w.device == x.device
+            and wide.dtype == torch.float32)
+
+
 def swiglu_act_ok(gate, up, limit, weight, out_dtype) -> bool:
     fl = (torch.float32, torch.bfloat16, torch.float16)
     return (gate.is_cuda and gate.dim() == 2 and gate.dtype in fl and up.dtype in fl and gate.shape == up.shape
@@ -211,6 +226,13 @@ def register_all(register) -> None:
              ref("hc_split_reference")), device="cuda", accepts=_with("triton", hc_split_ok))
     register("hc_pre", "triton_hc_pre", _guarded("hc_pre", _lazy("triton_mhc", "hc_pre"), ref("hc_pre_reference")),
              device="cuda", accepts=_with("triton", hc_pre_ok))
+    # fast mode: the projections of half rows with bf16 parts of the weight (triton_wide.py), ahead
+    # of the 3xTF32 slice kernels both modes share
+    register("hc_pre", "triton_hc_pre_wide", _guarded("hc_pre_wide", _lazy("triton_wide", "hc_pre"),
+             ref("hc_pre_reference")), mode="fast", device="cuda", accepts=_with("triton", hc_pre_wide_ok))
+    register("linear_widened", "triton_linear_widened", _guarded("linear_widened",
+             _lazy("triton_wide", "linear_widened"), ref("linear_widened_reference")), mode="fast", device="cuda",
+             accepts=_with("triton", linear_widened_ok))
     # fast mode too: the row-local mHC read / write kernels measured faster than the torch
     # composition at every size (bench/results/ops_h200.json: invariant/fast 0.05-0.52), in one
     # launch each instead of 4-6

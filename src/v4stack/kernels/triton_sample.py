@@ -67,6 +67,34 @@ def greedy_part_kernel(X, PM, PS, PI, V, s_x, NC, CHUNK: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
+def greedy_blocks_kernel(X, PM, PS, PI, V, s_x, NC, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """``greedy_part_kernel``'s partials with a program's state in three scalars: per block of
+    ``BLOCK`` columns its maximum, then ``sum exp(x - max)`` against the running maximum (one
+    exponential a column and one a block, no per-column state to carry), the first column of the
+    block's maximum kept where it rises strictly."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    c0 = c * CHUNK
+    offs = tl.arange(0, BLOCK)
+    M = float("-inf")
+    S = 0.0
+    i = 0
+    for v0 in range(c0, c0 + CHUNK, BLOCK):
+        col = v0 + offs
+        x = tl.load(X + r * s_x + col, mask=col < V, other=float("-inf")).to(tl.float32)
+        bm = tl.max(x, 0)
+        bi = tl.min(tl.where(x == bm, col, V), 0)
+        m2 = tl.maximum(M, bm)
+        e = tl.where(x == float("-inf"), 0.0, tl.exp(x - m2))
+        S = tl.where(m2 == float("-inf"), 0.0, S * tl.exp(M - m2) + tl.sum(e, 0))
+        i = tl.where(bm > M, bi, i)
+        M = m2
+    tl.store(PM + r * NC + c, M)
+    tl.store(PS + r * NC + c, S)
+    tl.store(PI + r * NC + c, i)
+
+
+@triton.jit
 def greedy_finish_kernel(PM, PS, PI, TOK, OUT, V, NC, SB: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, SB)
@@ -81,12 +109,17 @@ def greedy_finish_kernel(PM, PS, PI, TOK, OUT, V, NC, SB: tl.constexpr):
 
 
 WARPS = 4
+# the first kernel's launch (a fixed choice for every batch: the columns' order is the tile's);
+# ``blocks``: ``greedy_blocks_kernel`` (bench/results/greedy_draw_h200.json)
+TILE = dict(CHUNK=CHUNK, BLOCK=BLOCK, num_warps=WARPS)
 
 
 def greedy_draw(logits: torch.Tensor, tile: dict | None = None):
     """``tile``: ``CHUNK`` / ``BLOCK`` / ``num_warps`` of the first kernel (a fixed choice for every
     batch: the columns' order is the tile's)."""
-    chunk, block, warps = (tile["CHUNK"], tile["BLOCK"], tile["num_warps"]) if tile else (CHUNK, BLOCK, WARPS)
+    t = tile or TILE
+    chunk, block, warps = t["CHUNK"], t["BLOCK"], t["num_warps"]
+    part = greedy_blocks_kernel if t.get("blocks") else greedy_part_kernel
     B, V = logits.shape
     tok = torch.empty(B, dtype=torch.int64, device=logits.device)
     out = torch.empty(B, 3, dtype=torch.float64, device=logits.device)
@@ -95,7 +128,7 @@ def greedy_draw(logits: torch.Tensor, tile: dict | None = None):
         pm = torch.empty(B, nc, dtype=torch.float32, device=logits.device)
         ps = torch.empty_like(pm)
         pi = torch.empty(B, nc, dtype=torch.int32, device=logits.device)
-        launch(greedy_part_kernel, (B, nc), logits, pm, ps, pi, V, logits.stride(0), nc, CHUNK=chunk, BLOCK=block,
+        launch(part, (B, nc), logits, pm, ps, pi, V, logits.stride(0), nc, CHUNK=chunk, BLOCK=block,
                num_warps=warps)
         launch(greedy_finish_kernel, (B,), pm, ps, pi, tok, out, V, nc, SB=triton.next_power_of_2(nc), num_warps=1)
     return tok, out

@@ -40,12 +40,16 @@
 - ``normed_sparse_attention(q, pools, idx, sink, scale, eps)``: the sparse attention of
   per-head RMS-normalised queries (fast mode's many-row kernel normalises the queries it loads;
   ``normalises_queries(q)`` says where, so the caller skips its own pass).
+- ``linear_widened(x, w, wide)``: a narrow fp32 projection of half rows (the router's logits):
+  ``linear(x.to(wide.dtype), wide)``; fast mode on CUDA reads the rows unwidened (``triton_wide.py``).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
   logits ``[B, V]`` in one pass (the sampler's all-greedy path on CUDA; ``triton_sample.py``).
 
 The references compose the other ops exactly as the model did before these ops existed (so every
 CPU result keeps its bits, in both modes); on CUDA the fused Triton kernels of
-``v4stack.kernels.triton_mhc`` serve both modes (each row computed alone, so batch-invariant).
+``v4stack.kernels.triton_mhc`` serve both modes (each row computed alone, so batch-invariant); fast
+mode's ``hc_pre`` and ``linear_widened`` on half rows run ``triton_wide``'s kernels (fp32-accurate,
+row-local, other bits than invariant mode's).
 """
 
 from __future__ import annotations
@@ -137,6 +141,10 @@ def _group_linear_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def linear_widened_reference(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    return ops.linear(x.to(wide.dtype), wide)
+
+
 def greedy_draw_reference(logits: torch.Tensor):
     raw = logits.float()
     tok = torch.argmax(raw, dim=-1)
@@ -224,6 +232,7 @@ def normed_sparse_attention_reference(q, pools, idx, sink, scale: float, eps: fl
 
 register("normed_sparse_attention", "torch_composite", normed_sparse_attention_reference)
 register("greedy_draw", "torch_composite", greedy_draw_reference)
+register("linear_widened", "torch_composite", linear_widened_reference)
 register("moe_gate", "torch_composite", moe_gate_reference)
 register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
@@ -346,6 +355,14 @@ def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """``[T, 2, len(freqs)]`` fp32: ``cos`` then ``sin`` of ``positions [T] * freqs`` (fp64 angles),
     made once for the rotations of a step that share the positions and frequencies."""
     return call("rope_table", ops.get_mode(), "float64", positions.device.type, positions, freqs)
+
+
+def linear_widened(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """``ops.linear(x.to(wide.dtype), wide)``: a narrow projection (the router's logits) of rows
+    ``x [M, K]`` widened to ``wide``'s dtype, where ``wide`` is ``w [N, K]`` widened (the caller's
+    kept copy). Fast mode on CUDA reads ``x`` and ``w`` as they are (``triton_wide``: no widened
+    copy of the rows)."""
+    return call("linear_widened", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, w, wide)
 
 
 def greedy_draw(logits: torch.Tensor):

@@ -1,0 +1,93 @@
+"""Fast mode's narrow projections of bf16 rows (``kernels/triton_wide.py``) under the interpreter:
+``hc_pre`` and ``linear_widened`` against float64, a row alone == the row in a batch, the three
+bf16 parts of an fp32 weight (their inverse control: the top part alone is far off), and the
+dispatch keys (fast mode on CUDA only; invariant mode keeps the slice kernels)."""
+
+import pytest
+import torch
+
+from v4stack.ops import fused
+
+tw = pytest.importorskip("v4stack.kernels.triton_wide")
+g = torch.Generator().manual_seed(3)
+SMALL = dict(BM=16, KC=128, BK=64, num_warps=4, num_stages=1)  # K = 320: three chunks, the last one cut
+
+
+def _coeffs(n=4):
+    return torch.rand(3, generator=g) + 0.5, torch.randn(n * n + 2 * n, generator=g)
+
+
+def test_hc_pre_wide_matches_float64_and_is_row_local():
+    x = torch.randn(19, 4, 80, generator=g).bfloat16()
+    fn = torch.randn(24, 320, generator=g) * 0.05
+    scale, base = _coeffs()
+    got = tw.hc_pre(x, fn, scale, base, 4, 20, 1e-6, 1e-6, tile=SMALL)
+    want = fused.hc_pre_reference(x.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6, 1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-6, rtol=2e-6)
+    alone = tw.hc_pre(x[17:18].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6, tile=SMALL)
+    assert all(torch.equal(a[0], b[17]) for a, b in zip(alone, got))
+
+
+def test_weight_parts_sum_to_the_fp32_weight():
+    """The projection with an fp32 weight is as close to float64 as fp32 allows; the same rows
+    against the weight's top bf16 part alone (what one bf16 MMA would use) are ~1000x further."""
+    x = torch.randn(8, 512, generator=g).bfloat16()
+    w = torch.randn(8, 512, generator=g)
+    got = tw.linear_widened(x, w, tile=SMALL)
+    exact = x.double() @ w.double().T
+    err = (got.double() - exact).abs().max().item()
+    assert err < 2e-5
+    top = tw.linear_widened(x, w.bfloat16(), tile=SMALL)  # the inverse control: one part only
+    assert (top.double() - exact).abs().max().item() > 100 * err
+
+
+def test_linear_widened_bf16_weight_is_exact_products_and_row_local():
+    x = torch.randn(21, 320, generator=g).bfloat16()
+    w = torch.randn(8, 320, generator=g).bfloat16()
+    got = tw.linear_widened(x, w, tile=SMALL)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, atol=2e-5, rtol=1e-6)
+    alone = tw.linear_widened(x[5:6].clone(), w, tile=SMALL)
+    assert torch.equal(alone[0], got[5])
+    ref = fused.linear_widened_reference(x, w, w.float())
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-6)
+
+
+def test_wide_kernels_take_fast_mode_on_cuda_only():
+    from v4stack.kernels import fused_gpu
+    from v4stack.ops.dispatch import _candidates
+
+    assert [i.name for i in _candidates(("hc_pre", "fast", "bfloat16", "cuda"))][:2] == ["triton_hc_pre_wide",
+                                                                                         "triton_hc_pre"]
+    assert "triton_hc_pre_wide" not in [i.name for i in _candidates(("hc_pre", "invariant", "bfloat16", "cuda"))]
+    assert "triton_linear_widened" not in [i.name for i in _candidates(("linear_widened", "invariant", "bfloat16",
+                                                                         "cuda"))]
+    x = torch.empty(4, 64, dtype=torch.bfloat16)
+    # a CPU tensor, fp16 rows and a weight too tall for one tile are all refused
+    assert not fused_gpu.linear_widened_ok(x, torch.empty(8, 64), torch.empty(8, 64))
+    assert not fused_gpu.linear_widened_ok(x.half(), torch.empty(8, 64), torch.empty(8, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_wide_kernels_on_the_device_at_v4_widths():
+    """On the GPU at V4-Flash widths (streams 4 x 4096, router 8 x 4096): fast mode's dispatch
+    runs the wide kernels, within fp32 rounding of float64, a row alone as in its batch."""
+    from v4stack import ops
+
+    x = torch.randn(256, 4, 4096, device="cuda").bfloat16()
+    fn = torch.randn(24, 16384, device="cuda") * 0.01
+    scale, base = (t.cuda() for t in _coeffs())
+    want = fused.hc_pre_reference(x.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6, 1e-6)
+    ops.reset_counters()
+    with ops.mode("fast"):
+        got = fused.hc_pre(x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+        alone = fused.hc_pre(x[100:101].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6)
+        r = torch.randn(256, 4096, device="cuda").bfloat16()
+        w = (torch.randn(8, 4096, device="cuda") * 0.02).bfloat16()
+        logits = fused.linear_widened(r, w, w.float())
+    assert "triton_hc_pre_wide" in str(ops.counters()) and "triton_linear_widened" in str(ops.counters())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a[0], b[100]) for a, b in zip(alone, got))
+    torch.testing.assert_close(logits.double(), r.double() @ w.double().T, atol=1e-5, rtol=1e-6)
