@@ -2,7 +2,8 @@
 
 - ``hc_pre``: the mHC coefficients from the streams ``[M, 4, 4096]`` (K = 16384, 24 outputs) -
   the shipped slice pair (``triton_mhc.hc_pre``, 3xTF32, both modes) against ``triton_wide.hc_pre``
-  at each candidate tile; the error of pre / post / comb against float64.
+  at each candidate tile (and its first launch alone, ``partials_graph_s``); the error of pre /
+  post / comb against float64.
 - ``router``: the router's logits ``[M, 8]`` from ``[M, 4096]`` bf16 rows - fast mode's path before
   (the rows widened to fp32 by a copy, then ``ops.linear`` on the fp32 weight) against
   ``triton_wide.linear_widened`` on the bf16 weight; the error against float64.
@@ -34,6 +35,12 @@ HC_TILES = [
     dict(BM=16, KC=512, BK=64, num_warps=4, num_stages=3),
     dict(BM=64, KC=512, BK=128, num_warps=4, num_stages=3),
     dict(BM=64, KC=2048, BK=64, num_warps=4, num_stages=4),
+    dict(BM=64, KC=256, BK=256, num_warps=4, num_stages=1),
+    dict(BM=64, KC=128, BK=128, num_warps=4, num_stages=1),
+    dict(BM=64, KC=256, BK=128, num_warps=4, num_stages=2),
+    dict(BM=64, KC=256, BK=64, num_warps=4, num_stages=4),
+    dict(BM=128, KC=256, BK=64, num_warps=8, num_stages=3),
+    dict(BM=64, KC=256, BK=256, num_warps=8, num_stages=1),
 ]
 GREEDY_TILES = [
     dict(CHUNK=4096, BLOCK=1024, num_warps=4),
@@ -44,6 +51,10 @@ GREEDY_TILES = [
     dict(CHUNK=8192, BLOCK=2048, num_warps=4, blocks=True),
     dict(CHUNK=16384, BLOCK=4096, num_warps=8, blocks=True),
     dict(CHUNK=2048, BLOCK=2048, num_warps=4, blocks=True),
+    dict(CHUNK=8192, BLOCK=8192, num_warps=8, blocks=True),
+    dict(CHUNK=4096, BLOCK=4096, num_warps=2, blocks=True),
+    dict(CHUNK=2048, BLOCK=2048, num_warps=2, blocks=True),
+    dict(CHUNK=8192, BLOCK=8192, num_warps=4, blocks=True),
 ]
 
 
@@ -76,6 +87,8 @@ def hc_cases() -> list:
                 alone = tw.hc_pre(x[M // 2: M // 2 + 1].clone(), *args[1:], tile=t)
                 rec["row_alone_bits_equal"] = all(bool(torch.equal(a[0], b[M // 2])) for a, b in zip(alone, got))
                 rec["graph_s"] = graph_time(lambda: tw.hc_pre(*args, tile=t))
+                flat = x.reshape(M, -1)
+                rec["partials_graph_s"] = graph_time(lambda: tw.partials(flat, fn, True, t))
             except Exception:  # noqa: BLE001
                 rec["error"] = traceback.format_exc()[-800:]
             print("hc_pre", M, t, {k: v for k, v in rec.items() if k != "tile"}, case["shipped"], flush=True)
