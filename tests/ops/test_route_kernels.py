@@ -18,7 +18,7 @@ def _routing(T, k, E, seed):
     return idx, torch.rand(T, k, generator=g)
 
 
-@pytest.mark.parametrize("T,k,E", [(37, 6, 8), (90, 6, 256), (3, 2, 3), (0, 6, 8)])
+@pytest.mark.parametrize("T,k,E", [(37, 6, 8), (90, 6, 256), (3, 2, 3), (0, 6, 8), (800, 6, 16)])  # 4800 pairs: blocks
 def test_route_kernel_is_the_stable_sort(T, k, E):
     idx, w = _routing(T, k, E, seed=T + E)
     got = tr.moe_route(idx, w, E)
@@ -197,7 +197,7 @@ def test_moe_layer_through_the_kernels_matches_the_composition(kernels_on_cpu, h
         assert not torch.equal(got, torch.zeros_like(got))
 
 
-@pytest.mark.parametrize("T,k,E", [(37, 6, 8), (5, 2, 3)])
+@pytest.mark.parametrize("T,k,E", [(37, 6, 8), (5, 2, 3), (700, 6, 8)])
 def test_joined_shared_expert_equals_the_padded_pairs(T, k, E):
     """``joined``: one more pair a token for expert E with weight 1, as if the inputs were padded
     (what the MoE did with two padded copies); the kernels equal the composition, and the combine

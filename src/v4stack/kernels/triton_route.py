@@ -88,52 +88,71 @@ def moe_gate(logits: torch.Tensor, bias, table, token_ids, k: int, scale: float)
 
 
 @triton.jit
-def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: tl.constexpr, JOIN: tl.constexpr):
+def _route_ids(IDX, p, P, E, K: tl.constexpr, JOIN: tl.constexpr):
+    """The expert ids of pairs ``p`` (-1 past ``P``); with JOIN slot ``K`` of a token is expert ``E - 1``."""
+    KJ: tl.constexpr = K + JOIN
+    if JOIN:
+        real = (p < P) & (p % KJ < K)
+        return tl.where(real, tl.load(IDX + (p // KJ) * K + p % KJ, mask=real, other=-1).to(tl.int32),
+                        tl.where(p < P, E - 1, -1))
+    else:
+        return tl.load(IDX + p, mask=p < P, other=-1).to(tl.int32)
+
+
+@triton.jit
+def _route_place(W, ORDER, RANK, TOK, WS, p, ids, e, run, P, K: tl.constexpr, JOIN: tl.constexpr):
+    """Expert ``e``'s pairs among ``p`` placed from row ``run`` on, in pair order; -> the next free row."""
+    KJ: tl.constexpr = K + JOIN
+    hit = (ids == e) & (p < P)
+    h = hit.to(tl.int32)
+    pos = run + tl.cumsum(h, 0) - 1
+    tl.store(ORDER + pos, p.to(tl.int64), mask=hit)
+    tl.store(RANK + p, pos.to(tl.int64), mask=hit)
+    tl.store(TOK + pos, (p // KJ).to(tl.int64), mask=hit)
+    if JOIN:
+        w = tl.where(p % KJ < K, tl.load(W + (p // KJ) * K + p % KJ, mask=hit & (p % KJ < K), other=0.0), 1.0)
+    else:
+        w = tl.load(W + p, mask=hit, other=0.0)
+    tl.store(WS + pos, w, mask=hit)
+    return run + tl.sum(h, 0)
+
+
+@triton.jit
+def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: tl.constexpr, JOIN: tl.constexpr,
+                 ONE: tl.constexpr = False):
     """Program ``e`` places expert ``e``'s pairs: a pass counting the pairs of lower experts (its
     first row) and its own, then one placing its pairs in pair order (a running count plus the
     block's inclusive cumulative sum). Ids outside ``[0, E)`` are not placed. ``JOIN``: every
     token has one more pair, its slot ``K``, for expert ``E - 1`` with weight 1 (the shared expert
-    joined to the routed ones; ``IDX`` / ``W`` hold the ``K`` routed slots)."""
+    joined to the routed ones; ``IDX`` / ``W`` hold the ``K`` routed slots). ``ONE`` (``P <= BP``:
+    a decode step's pairs): the ids are loaded once and both passes run on them."""
     e = tl.program_id(0)
-    KJ: tl.constexpr = K + JOIN
     zero = tl.sum(tl.zeros([BP], tl.int32), 0)
-    below = zero
-    mine = zero
-    for start in range(0, P, BP):
-        p = start + tl.arange(0, BP)
-        if JOIN:
-            real = (p < P) & (p % KJ < K)
-            ids = tl.where(real, tl.load(IDX + (p // KJ) * K + p % KJ, mask=real, other=-1).to(tl.int32),
-                           tl.where(p < P, E - 1, -1))
-        else:
-            ids = tl.load(IDX + p, mask=p < P, other=-1).to(tl.int32)
-        below += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), 0)
-        mine += tl.sum((ids == e).to(tl.int32), 0)
-    tl.store(OFF + 1 + e, (below + mine).to(tl.int64))
-    if e == 0:
-        tl.store(OFF, zero.to(tl.int64))
-    run = below  # the next free row of expert e
-    for start in range(0, P, BP):
-        p = start + tl.arange(0, BP)
-        m = p < P
-        if JOIN:
-            real = m & (p % KJ < K)
-            ids = tl.where(real, tl.load(IDX + (p // KJ) * K + p % KJ, mask=real, other=-1).to(tl.int32),
-                           tl.where(m, E - 1, -1))
-        else:
-            ids = tl.load(IDX + p, mask=m, other=-1).to(tl.int32)
-        hit = (ids == e) & m
-        h = hit.to(tl.int32)
-        pos = run + tl.cumsum(h, 0) - 1
-        tl.store(ORDER + pos, p.to(tl.int64), mask=hit)
-        tl.store(RANK + p, pos.to(tl.int64), mask=hit)
-        tl.store(TOK + pos, (p // KJ).to(tl.int64), mask=hit)
-        if JOIN:
-            w = tl.where(p % KJ < K, tl.load(W + (p // KJ) * K + p % KJ, mask=hit & (p % KJ < K), other=0.0), 1.0)
-        else:
-            w = tl.load(W + p, mask=hit, other=0.0)
-        tl.store(WS + pos, w, mask=hit)
-        run += tl.sum(h, 0)
+    if ONE:
+        p = tl.arange(0, BP)
+        ids = _route_ids(IDX, p, P, E, K, JOIN)
+        below = tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), 0)
+        tl.store(OFF + 1 + e, (below + tl.sum((ids == e).to(tl.int32), 0)).to(tl.int64))
+        if e == 0:
+            tl.store(OFF, zero.to(tl.int64))
+        _route_place(W, ORDER, RANK, TOK, WS, p, ids, e, below, P, K, JOIN)
+    else:
+        below = zero
+        mine = zero
+        for start in range(0, P, BP):
+            ids = _route_ids(IDX, start + tl.arange(0, BP), P, E, K, JOIN)
+            below += tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), 0)
+            mine += tl.sum((ids == e).to(tl.int32), 0)
+        tl.store(OFF + 1 + e, (below + mine).to(tl.int64))
+        if e == 0:
+            tl.store(OFF, zero.to(tl.int64))
+        run = below  # the next free row of expert e
+        for start in range(0, P, BP):
+            p = start + tl.arange(0, BP)
+            run = _route_place(W, ORDER, RANK, TOK, WS, p, _route_ids(IDX, p, P, E, K, JOIN), e, run, P, K, JOIN)
+
+
+ROUTE_ONE = 4096  # pairs a program holds in one block (a decode step's: 256 tokens x 7 pairs fit)
 
 
 def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool = False):
@@ -151,8 +170,9 @@ def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, join
     rank = torch.empty(P, dtype=torch.int64, device=dev)
     tok = torch.empty(P, dtype=torch.int64, device=dev)
     ws = torch.empty(P, dtype=weights.dtype, device=dev)
+    one = P <= ROUTE_ONE
     launch(route_kernel, (n_experts,), indices, weights, off, order, rank, tok, ws, P, n_experts, K=k,
-           BP=max(16, min(1024, next_pow2(P))), JOIN=joined, num_warps=4)
+           BP=max(16, next_pow2(P)) if one else 1024, JOIN=joined, ONE=one, num_warps=8 if P > 1024 else 4)
     return off, order, rank, tok, ws
 
 
@@ -212,6 +232,7 @@ def builds() -> dict:
         "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False, ACCURATE=True)),
         "moe_route": (route_kernel, route, dict(K=6, BP=1024, JOIN=False)),
         "moe_route_e8": (route_kernel, route, dict(K=6, BP=512, JOIN=True)),
+        "moe_route_one": (route_kernel, route, dict(K=6, BP=2048, JOIN=True, ONE=True)),
         "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True, JOIN=False)),
         "moe_unsort_combine_joined": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=False, JOIN=True)),
     }

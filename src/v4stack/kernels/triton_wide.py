@@ -33,8 +33,10 @@ from v4stack.kernels.launch import cdiv, launch, next_pow2
 FLOAT_SEMANTICS = ("half rows as MMA operands; fp32 weights as three bf16 parts (hi + mid + lo) chained into "
                    "one fp32 accumulator per K step of 64; chunks of KC columns summed in order by a second launch")
 
-# (rows, K columns) a program, its warps and stages: bench/results/wide_projections_h200.json
-TILE = dict(BM=64, KC=512, BK=64, num_warps=4, num_stages=3)
+# (rows, K columns) a program, its warps and stages, one for every M (so a row's bits never depend
+# on its batch): the best of 14 at 256 rows in bench/results/wide_projections_h200.json (hc_pre
+# 12.0 us against the slice pair's 15.0; 11.1 / 11.3 at one row, 82 / 195 at 4096)
+TILE = dict(BM=128, KC=256, BK=64, num_warps=8, num_stages=3)
 
 
 @triton.jit
