@@ -116,9 +116,9 @@ def router_cases() -> list:
         for t in HC_TILES[:6]:
             rec = {"tile": t}
             try:
-                got = tw.linear_widened(x, w, tile=t)
+                got = tw.linear_widened(x, w, wide, tile=t)
                 rec["max_abs_err"] = float((got.double() - want).abs().max())
-                rec["graph_s"] = graph_time(lambda: tw.linear_widened(x, w, tile=t))
+                rec["graph_s"] = graph_time(lambda: tw.linear_widened(x, w, wide, tile=t))
             except Exception:  # noqa: BLE001
                 rec["error"] = traceback.format_exc()[-800:]
             print("router", M, t, {k: v for k, v in rec.items() if k != "tile"}, case["widened_copy_then_linear"],

@@ -49,6 +49,7 @@ def test_linear_widened_bf16_weight_is_exact_products_and_row_local():
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, atol=2e-5, rtol=1e-6)
     alone = tw.linear_widened(x[5:6].clone(), w, tile=SMALL)
     assert torch.equal(alone[0], got[5])
+    assert torch.equal(tw.linear_widened(x, w, w.float(), SMALL), got)  # the dispatch's arguments
     ref = fused.linear_widened_reference(x, w, w.float())
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-6)
 
@@ -87,6 +88,9 @@ def test_wide_kernels_on_the_device_at_v4_widths():
         w = (torch.randn(8, 4096, device="cuda") * 0.02).bfloat16()
         logits = fused.linear_widened(r, w, w.float())
     assert "triton_hc_pre_wide" in str(ops.counters()) and "triton_linear_widened" in str(ops.counters())
+    from v4stack.kernels import fused_gpu
+
+    assert not fused_gpu.refused, fused_gpu.refused  # neither kernel raised and fell back to its reference
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a[0], b[100]) for a, b in zip(alone, got))

@@ -117,9 +117,11 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float, 
     return out
 
 
-def linear_widened(x: torch.Tensor, w: torch.Tensor, tile: dict | None = None) -> torch.Tensor:
+def linear_widened(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None = None,
+                   tile: dict | None = None) -> torch.Tensor:
     """``ops.fused.linear_widened`` in fast mode: ``x.float() @ w.float().T`` (``x [M, K]`` half,
-    ``w [N, K]`` half or fp32, N <= 64) -> ``[M, N]`` fp32, without the widened copy of ``x``."""
+    ``w [N, K]`` half or fp32, N <= 64) -> ``[M, N]`` fp32, without the widened copy of ``x``
+    (``wide``, the caller's widened ``w``, is not read)."""
     from v4stack.kernels.triton_slices import FINISH_BN, finish_kernel
 
     M, K = x.shape
