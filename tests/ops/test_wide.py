@@ -29,6 +29,18 @@ def test_hc_pre_wide_matches_float64_and_is_row_local():
     assert all(torch.equal(a[0], b[17]) for a, b in zip(alone, got))
 
 
+def test_hc_head_pre_wide_matches_float64_and_is_row_local():
+    x = torch.randn(11, 4, 80, generator=g).bfloat16()
+    fn = torch.randn(4, 320, generator=g) * 0.05
+    scale, base = torch.rand(1, generator=g) + 0.5, torch.randn(4, generator=g)
+    got = tw.hc_head_pre(x, fn, scale, base, 1e-6, 1e-6, tile=SMALL)
+    want = fused.hc_head_pre_reference(x.double(), fn.double(), scale.double(), base.double(), 1e-6, 1e-6)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+    assert torch.equal(tw.hc_head_pre(x[4:5].clone(), fn, scale, base, 1e-6, 1e-6, tile=SMALL)[0], got[4])
+    # inverse control: without the RMS factor (a norm eps that swamps the rows' mean square) it is far off
+    assert not torch.allclose(tw.hc_head_pre(x, fn, scale, base, 1e-6, 1e3, tile=SMALL), got, atol=1e-3)
+
+
 def test_weight_parts_sum_to_the_fp32_weight():
     """The projection with an fp32 weight is as close to float64 as fp32 allows; the same rows
     against the weight's top bf16 part alone (what one bf16 MMA would use) are ~1000x further."""
@@ -60,6 +72,7 @@ def test_wide_kernels_take_fast_mode_on_cuda_only():
 
     assert [i.name for i in _candidates(("hc_pre", "fast", "bfloat16", "cuda"))][:2] == ["triton_hc_pre_wide",
                                                                                          "triton_hc_pre"]
+    assert [i.name for i in _candidates(("hc_head_pre", "fast", "bfloat16", "cuda"))][0] == "triton_hc_head_pre_wide"
     assert "triton_hc_pre_wide" not in [i.name for i in _candidates(("hc_pre", "invariant", "bfloat16", "cuda"))]
     assert "triton_linear_widened" not in [i.name for i in _candidates(("linear_widened", "invariant", "bfloat16",
                                                                          "cuda"))]
@@ -87,6 +100,13 @@ def test_wide_kernels_on_the_device_at_v4_widths():
         r = torch.randn(256, 4096, device="cuda").bfloat16()
         w = (torch.randn(8, 4096, device="cuda") * 0.02).bfloat16()
         logits = fused.linear_widened(r, w, w.float())
+        fh = torch.randn(4, 16384, device="cuda") / 64
+        sh, bh = torch.rand(1, device="cuda") + 0.5, torch.randn(4, device="cuda")
+        head = fused.hc_head_pre(x, fh, sh, bh, 1e-6, 1e-6)
+    assert "triton_hc_head_pre_wide" in str(ops.counters())
+    torch.testing.assert_close(head.double(), fused.hc_head_pre_reference(x.double(), fh.double(), sh.double(),
+                                                                          bh.double(), 1e-6, 1e-6),
+                               atol=1e-5, rtol=1e-5)
     assert "triton_hc_pre_wide" in str(ops.counters()) and "triton_linear_widened" in str(ops.counters())
     from v4stack.kernels import fused_gpu
 

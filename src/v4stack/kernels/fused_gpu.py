@@ -30,6 +30,11 @@ def hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
     return x.dtype == torch.bfloat16 and hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps)
 
 
+def hc_head_pre_wide_ok(x, fn, scale, base, eps, norm_eps) -> bool:
+    """Fast mode's ``triton_wide.hc_head_pre``: bf16 streams, the rest as ``hc_head_pre_ok``."""
+    return x.dtype == torch.bfloat16 and hc_head_pre_ok(x, fn, scale, base, eps, norm_eps)
+
+
 def linear_widened_ok(x, w, wide) -> bool:
     """``triton_wide.linear_widened``: bf16 rows, a bf16 or fp32 weight of at most 64 rows widened
     to fp32."""
@@ -230,6 +235,9 @@ def register_all(register) -> None:
     # of the 3xTF32 slice kernels both modes share
     register("hc_pre", "triton_hc_pre_wide", _guarded("hc_pre_wide", _lazy("triton_wide", "hc_pre"),
              ref("hc_pre_reference")), mode="fast", device="cuda", accepts=_with("triton", hc_pre_wide_ok))
+    register("hc_head_pre", "triton_hc_head_pre_wide", _guarded("hc_head_pre_wide",
+             _lazy("triton_wide", "hc_head_pre"), ref("hc_head_pre_reference")), mode="fast", device="cuda",
+             accepts=_with("triton", hc_head_pre_wide_ok))
     register("linear_widened", "triton_linear_widened", _guarded("linear_widened",
              _lazy("triton_wide", "linear_widened"), ref("linear_widened_reference")), mode="fast", device="cuda",
              accepts=_with("triton", linear_widened_ok))

@@ -134,3 +134,27 @@ def linear_widened(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None =
     launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, p, y, M, N, M * N, float(K), 0.0, y.stride(0),
            S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=False, num_warps=max(1, fr * FINISH_BN // 32), num_stages=1)
     return y
+
+
+def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float, tile: dict | None = None):
+    """``ops.fused.hc_head_pre`` in fast mode: the head's stream weights from the streams ``x [M, n,
+    d]`` (bf16): the partials, ``finish_kernel``'s ordered sum with the RMS factor, then
+    ``triton_mhc.hc_head_kernel``'s ``sigmoid(mix * scale + base) + eps``."""
+    from v4stack.kernels.triton_mhc import hc_head_kernel
+    from v4stack.kernels.triton_slices import FINISH_BN, finish_kernel
+
+    M, n = x.shape[0], x.shape[1]
+    pre = torch.empty(M, n, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return pre
+    N, K = fn.shape
+    p, pss, S = partials(x.reshape(M, -1), fn, True, tile)
+    mix = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    fr = 4
+    launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, mix, M, N, M * N, float(K), float(norm_eps),
+           mix.stride(0), S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=True, num_warps=max(1, fr * FINISH_BN // 32),
+           num_stages=1)
+    rows = 16
+    launch(hc_head_kernel, (cdiv(M, rows),), mix, scale, base, pre, M, mix.stride(0), float(eps), NH=n, ROWS=rows,
+           num_warps=1)
+    return pre
