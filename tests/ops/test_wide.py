@@ -115,3 +115,16 @@ def test_wide_kernels_on_the_device_at_v4_widths():
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a[0], b[100]) for a, b in zip(alone, got))
     torch.testing.assert_close(logits.double(), r.double() @ w.double().T, atol=1e-5, rtol=1e-6)
+
+
+def test_wide_kernels_build_for_hopper_on_bf16_wgmma():
+    """``kernels/builds.py``: the partials kernel (fp32 weight in parts, and a bf16 weight) and the
+    greedy block kernel compile for sm_90a with correctly rounded arithmetic; the projections run
+    on bf16 ``wgmma`` (no TF32 anywhere), the fp32 weight's parts rounded to nearest."""
+    from tests.ops.hopper import check, ptx
+
+    got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "moe_route_one"))
+    check(got)
+    for name in ("wide_partials", "wide_partials_bf16w"):
+        assert "wgmma.mma_async" in got[name] and ".bf16" in got[name], name
+    assert "cvt.rn.bf16" in got["wide_partials"]  # the split's rounding (the bf16-weight build has none)

@@ -23,7 +23,9 @@ def kernels() -> dict:
     from v4stack.kernels import triton_route as route
     from v4stack.kernels import triton_rows as tr
     from v4stack.kernels import triton_select as tsel
+    from v4stack.kernels import triton_sample as tsm
     from v4stack.kernels import triton_slices as ts
+    from v4stack.kernels import triton_wide as tw
 
     attn_args = "Q s_qt s_qh P0 I0 s_i0 K0 N0 P1 I1 s_i1 K1 N1 Sink"
     attn_types = [BF, I, I, BF, "*i64", I, I, I, BF, "*i64", I, I, I, P]
@@ -84,6 +86,12 @@ def kernels() -> dict:
                         dict(BK=8, BD=1024)),
         "rms_norm": (tr.rms_norm_kernel, _sig("X W Y N Nf s_x s_y eps", [BF, BF, BF, I, F, I, I, F]),
                      dict(HAS_W=True, BLOCK=4096)),
+        **{name: (tw.wide_partials_kernel, _sig("X W P PSS M N K s_xm s_wn", [BF, wt, P, P, I, I, I, I, I]),
+                  dict(KC=tw.TILE["KC"], BM=tw.TILE["BM"], BN=bn, BK=tw.TILE["BK"], SPLIT_W=wt == P, RMS=rms),
+                  dict(num_warps=tw.TILE["num_warps"], num_stages=tw.TILE["num_stages"]))
+           for name, wt, bn, rms in (("wide_partials", P, 32, True), ("wide_partials_bf16w", BF, 16, False))},
+        "greedy_blocks": (tsm.greedy_blocks_kernel, _sig("X PM PS PI V s_x NC", [BF, P, P, "*i32", I, I, I]),
+                          dict(CHUNK=tsm.TILE["CHUNK"], BLOCK=tsm.TILE["BLOCK"]), dict(num_warps=tsm.TILE["num_warps"])),
         **route.builds(),  # the MoE routing kernels (moe_*)
         **ring.builds(),  # the decode step's ring writes
     }
