@@ -80,7 +80,7 @@ def hc_cases() -> list:
         case["shipped"]["max_abs_err"] = _err(tm.hc_pre(*args), want)
         case["shipped"]["graph_s"] = graph_time(lambda: tm.hc_pre(*args))
         for t in HC_TILES:
-            rec = {"tile": t}
+            rec = {"tile": t, "shipped": t == tw.TILE}
             try:
                 got = tw.hc_pre(*args, tile=t)
                 rec["max_abs_err"] = _err(got, want)
@@ -113,8 +113,8 @@ def router_cases() -> list:
             before = ops.linear(x.float(), wide)
             case["widened_copy_then_linear"] = {"max_abs_err": float((before.double() - want).abs().max()),
                                                 "graph_s": graph_time(lambda: ops.linear(x.float(), wide))}
-        for t in HC_TILES[:6]:
-            rec = {"tile": t}
+        for t in [tw.TILE] + [t for t in HC_TILES[:6] if t != tw.TILE]:  # the shipped tile first
+            rec = {"tile": t, "shipped": t == tw.TILE}
             try:
                 got = tw.linear_widened(x, w, wide, tile=t)
                 rec["max_abs_err"] = float((got.double() - want).abs().max())
@@ -139,7 +139,7 @@ def greedy_cases(bw: float) -> list:
         lp = torch.log_softmax(x.double(), -1).gather(1, ids[:, None])[:, 0]
         case = {"rows": M, "floor_s": x.numel() * 2 / bw, "tiles": []}
         for t in GREEDY_TILES:
-            rec = {"tile": t}
+            rec = {"tile": t, "shipped": t == ts.TILE}
             try:
                 tok, o = ts.greedy_draw(x, t)
                 rec["ids_equal_argmax"] = bool(torch.equal(tok, ids))

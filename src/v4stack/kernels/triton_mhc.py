@@ -119,13 +119,20 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float):
     out = _outputs(M, n, x.device)
 
     def finish(p, pss, S, y, M, K):
-        launch(finish_split_kernel, (M,), p, pss, y, scale, base, *out, M, N, M * N, float(K), float(norm_eps),
-               y.stride(0), float(eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters, num_warps=1,
-               num_stages=1)
-        return out
+        return finish_split(p, pss, S, K, y, scale, base, out, iters, eps, norm_eps)
 
     mix, done = hc_mix(x.reshape(M, -1), fn, norm_eps, finish=finish)
     return done if done is not None else hc_split(mix, scale, base, n, iters, eps)
+
+
+def finish_split(p, pss, S: int, K: int, y, scale, base, out, iters: int, eps: float, norm_eps: float):
+    """``finish_split_kernel`` over a projection's slice partials ``p [S, M, N]`` / ``pss [S, M]``:
+    the mix into ``y [M, N]``, then pre, post, comb into ``out`` (``_outputs``'); returns ``out``."""
+    M, N = y.shape
+    launch(finish_split_kernel, (M,), p, pss, y, scale, base, *out, M, N, M * N, float(K), float(norm_eps),
+           y.stride(0), float(eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=out[0].shape[1], ITERS=iters, num_warps=1,
+           num_stages=1)
+    return out
 
 
 @triton.jit
@@ -144,13 +151,19 @@ def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float):
     ``sigmoid(mix * scale + base) + eps``."""
     from v4stack.kernels.triton_gemm import hc_mix
 
-    M, n = x.shape[0], x.shape[1]
-    pre = torch.empty(M, n, dtype=torch.float32, device=x.device)
-    if M:
-        mix = hc_mix(x.reshape(M, -1), fn, norm_eps)
-        rows = 16
-        launch(hc_head_kernel, (triton.cdiv(M, rows),), mix, scale, base, pre, M, mix.stride(0), float(eps), NH=n,
-               ROWS=rows, num_warps=1)
+    M = x.shape[0]
+    if M == 0:
+        return torch.empty(0, x.shape[1], dtype=torch.float32, device=x.device)
+    return head_weights(hc_mix(x.reshape(M, -1), fn, norm_eps), scale, base, eps)
+
+
+def head_weights(mix, scale, base, eps: float):
+    """``sigmoid(mix * scale + base) + eps`` for the head's projection ``mix [M, n]`` (fp32), one kernel."""
+    M, n = mix.shape
+    pre = torch.empty(M, n, dtype=torch.float32, device=mix.device)
+    rows = 16
+    launch(hc_head_kernel, (triton.cdiv(M, rows),), mix, scale, base, pre, M, mix.stride(0), float(eps), NH=n,
+           ROWS=rows, num_warps=1)
     return pre
 
 

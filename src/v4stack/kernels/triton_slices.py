@@ -293,8 +293,16 @@ def run(a, w, y, tile: dict, split: int, tf32x3: bool, rms_eps=None, finish=None
     if two and finish is not None:
         return finish(p, pss, S)
     if two:
-        fr = tile.get("fr", 4)
-        launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, y, M, N, M * N, float(K),
-               float(rms_eps or 0.0), y.stride(0), S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=rms, num_warps=max(1, fr * FINISH_BN // 32),
-               num_stages=1)
+        finish_sum(p, pss, y, S, K, rms_eps, tile.get("fr", 4))
     return y if finish is None else None
+
+
+def finish_sum(p, pss, y, S: int, K: int, rms_eps=None, fr: int = 4):
+    """``finish_kernel`` over partials ``p [S, M, N]`` (and ``pss [S, M]`` with ``rms_eps``: the RMS
+    factor) into ``y [M, N]``: each element's S slices added in slice order, ``fr`` rows a program."""
+    from v4stack.kernels.launch import cdiv, launch, next_pow2
+
+    M, N = y.shape
+    launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, y, M, N, M * N, float(K),
+           float(rms_eps or 0.0), y.stride(0), S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=rms_eps is not None,
+           num_warps=max(1, fr * FINISH_BN // 32), num_stages=1)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import cdiv, launch, next_pow2
+from v4stack.kernels.triton_slices import finish_sum
 
 FLOAT_SEMANTICS = ("half rows as MMA operands; fp32 weights as three bf16 parts (hi + mid + lo) chained into "
                    "one fp32 accumulator per K step of 64; chunks of KC columns summed in order by a second launch")
@@ -100,21 +101,16 @@ def partials(x: torch.Tensor, w: torch.Tensor, rms: bool, tile: dict | None = No
 
 
 def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float, tile: dict | None = None):
-    """``ops.fused.hc_pre`` in fast mode: the streams ``x [M, n, d]`` (bf16 / fp16) -> pre, post, comb."""
-    from v4stack.kernels.triton_mhc import _outputs, finish_split_kernel
-    from v4stack.kernels.triton_slices import FINISH_BN
+    """``ops.fused.hc_pre`` in fast mode: the streams ``x [M, n, d]`` (bf16) -> pre, post, comb."""
+    from v4stack.kernels.triton_mhc import _outputs, finish_split
 
     M = x.shape[0]
     out = _outputs(M, n, x.device)
     if M == 0:
         return out
-    flat = x.reshape(M, -1)
-    N, K = fn.shape
-    p, pss, S = partials(flat, fn, True, tile)
-    y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    launch(finish_split_kernel, (M,), p, pss, y, scale, base, *out, M, N, M * N, float(K), float(norm_eps),
-           y.stride(0), float(eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters, num_warps=1, num_stages=1)
-    return out
+    p, pss, S = partials(x.reshape(M, -1), fn, True, tile)
+    y = torch.empty(M, fn.shape[0], dtype=torch.float32, device=x.device)
+    return finish_split(p, pss, S, fn.shape[1], y, scale, base, out, iters, eps, norm_eps)
 
 
 def linear_widened(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None = None,
@@ -122,39 +118,24 @@ def linear_widened(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None =
     """``ops.fused.linear_widened`` in fast mode: ``x.float() @ w.float().T`` (``x [M, K]`` half,
     ``w [N, K]`` half or fp32, N <= 64) -> ``[M, N]`` fp32, without the widened copy of ``x``
     (``wide``, the caller's widened ``w``, is not read)."""
-    from v4stack.kernels.triton_slices import FINISH_BN, finish_kernel
-
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    if M == 0:
-        return y
-    p, _, S = partials(x, w, False, tile)
-    fr = 4
-    launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, p, y, M, N, M * N, float(K), 0.0, y.stride(0),
-           S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=False, num_warps=max(1, fr * FINISH_BN // 32), num_stages=1)
+    M = x.shape[0]
+    y = torch.empty(M, w.shape[0], dtype=torch.float32, device=x.device)
+    if M:
+        p, _, S = partials(x, w, False, tile)
+        finish_sum(p, p, y, S, x.shape[1])
     return y
 
 
 def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float, tile: dict | None = None):
     """``ops.fused.hc_head_pre`` in fast mode: the head's stream weights from the streams ``x [M, n,
     d]`` (bf16): the partials, ``finish_kernel``'s ordered sum with the RMS factor, then
-    ``triton_mhc.hc_head_kernel``'s ``sigmoid(mix * scale + base) + eps``."""
-    from v4stack.kernels.triton_mhc import hc_head_kernel
-    from v4stack.kernels.triton_slices import FINISH_BN, finish_kernel
+    ``triton_mhc.head_weights``' ``sigmoid(mix * scale + base) + eps``."""
+    from v4stack.kernels.triton_mhc import head_weights
 
-    M, n = x.shape[0], x.shape[1]
-    pre = torch.empty(M, n, dtype=torch.float32, device=x.device)
+    M = x.shape[0]
     if M == 0:
-        return pre
-    N, K = fn.shape
+        return torch.empty(0, x.shape[1], dtype=torch.float32, device=x.device)
+    mix = torch.empty(M, fn.shape[0], dtype=torch.float32, device=x.device)
     p, pss, S = partials(x.reshape(M, -1), fn, True, tile)
-    mix = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    fr = 4
-    launch(finish_kernel, (cdiv(M, fr), cdiv(N, FINISH_BN)), p, pss, mix, M, N, M * N, float(K), float(norm_eps),
-           mix.stride(0), S=S, SP=next_pow2(S), FR=fr, BN=FINISH_BN, RMS=True, num_warps=max(1, fr * FINISH_BN // 32),
-           num_stages=1)
-    rows = 16
-    launch(hc_head_kernel, (cdiv(M, rows),), mix, scale, base, pre, M, mix.stride(0), float(eps), NH=n, ROWS=rows,
-           num_warps=1)
-    return pre
+    finish_sum(p, pss, mix, S, fn.shape[1], norm_eps)
+    return head_weights(mix, scale, base, eps)
