@@ -5,7 +5,7 @@ top-512), ``T`` queries each reading its own request's keys from the pool by row
 the engine holds them). ``indexer``: ``triton_gemm.indexer_scores`` for every candidate tile, its
 scores compared bit for bit with the current tile's and timed under CUDA graphs, beside the
 bytes the call must read over the measured copy bandwidth. ``topk``: ``triton_select.topk_rows``,
-its rows compared with the torch composition. (A radix-select form of the top-k, a 256-bin
+its rows compared with the torch composition, two bits a pass (shipped) against one. (A radix-select form of the top-k, a 256-bin
 histogram a byte, measured 40 / 21 us against the bitwise search's 18 / 14 at 8509bec:
 ``bench/results/indexer_select_h200.json``.)
 
@@ -48,16 +48,18 @@ def indexer_cases(bw: float) -> list:
     from v4stack.kernels import triton_gemm as tg
 
     out = []
-    for T in (256, 64):
+    # (a 16k step's table is 4608 entries wide: its last 512 are padding, whole programs of no entry)
+    for T, width in ((256, ENTRIES), (256, 4608), (64, ENTRIES)):
         g = torch.Generator(device="cuda").manual_seed(T)
         q = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
         w = (torch.randn(T, H, device="cuda", generator=g) / 64).bfloat16()
         pool = torch.randn(T * ENTRIES, D, device="cuda", generator=g).bfloat16()
-        rows = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
+        rows = torch.full((T, width), -1, dtype=torch.long, device="cuda")
+        rows[:, :ENTRIES] = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
         rows[:, ENTRIES - 3:] = -1  # entries not yet closed
         ref = tg.indexer_scores(q, w, pool, rows, tile=TILES[0])
         need = pool.numel() * 2 + rows.numel() * 8 + ref.numel() * 2 + q.numel() * 2
-        case = {"queries": T, "entries": ENTRIES, "bytes": need, "floor_s": need / bw, "tiles": []}
+        case = {"queries": T, "entries": ENTRIES, "table_width": width, "bytes": need, "floor_s": need / bw, "tiles": []}
         for t in TILES:
             rec = {"tile": t}
             try:
@@ -74,22 +76,34 @@ def indexer_cases(bw: float) -> list:
     return out
 
 
+TOPK_FORMS = [{"BITS": 2}, {"BITS": 1}, {"BITS": 2, "num_warps": 8}, {"BITS": 2, "num_warps": 4},
+              {"BITS": 2, "num_warps": 16}]
+
+
 def topk_cases() -> list:
+    """The shipped search (two bits a pass) against one bit a pass and other warps, at 4096 entries
+    and at a 16k step's table width (4608: 144 blocks of 32 entries, the last 512 padding)."""
     from v4stack.kernels import triton_select as ts
     from v4stack.ops import fused
 
     out = []
-    for T in (256, 64):
-        g = torch.Generator(device="cuda").manual_seed(T + 1)
-        s = torch.randn(T, ENTRIES, device="cuda", generator=g).bfloat16().float()  # the indexer's rounding: ties
-        rows = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
-        rows[:, ENTRIES - 3:] = -1
+    for T, E, live in ((256, 4096, 4093), (256, 4608, 4100), (64, 4096, 4093)):
+        g = torch.Generator(device="cuda").manual_seed(T + E)
+        s = torch.randn(T, E, device="cuda", generator=g).bfloat16()  # the indexer's scores: ties
+        rows = torch.arange(T * E, device="cuda").view(T, E)
+        rows[:, live:] = -1
         want = fused.topk_rows_reference(s.cpu(), rows.cpu(), TOPK).cuda()
-        case = {"queries": T, "entries": ENTRIES, "k": TOPK}
-        got = ts.topk_rows(s, rows, TOPK)
-        case["bitwise"] = {"equal_composition": bool(torch.equal(got, want)),
-                           "graph_s": graph_time(lambda: ts.topk_rows(s, rows, TOPK))}
-        print("topk", T, case, flush=True)
+        case = {"queries": T, "entries": E, "live_entries": live, "k": TOPK, "scores": "bfloat16", "forms": []}
+        for form in TOPK_FORMS:
+            rec = {"form": form}
+            try:
+                got = ts.topk_rows(s, rows, TOPK, tile=form)
+                rec["equal_composition"] = bool(torch.equal(got, want))
+                rec["graph_s"] = graph_time(lambda: ts.topk_rows(s, rows, TOPK, tile=form))
+            except Exception:  # noqa: BLE001
+                rec["error"] = traceback.format_exc()[-800:]
+            print("topk", T, E, rec, flush=True)
+            case["forms"].append(rec)
         out.append(case)
     return out
 

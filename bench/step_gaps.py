@@ -78,13 +78,103 @@ def point(model, cfg, mode: str, batch: int, ctx: int) -> dict:
         g.replay()
     e.record()
     e.synchronize()
+    seq = sequences(eng, batch) if mode == "fast" else {}
     ts.sort()
     r = {"mode": mode, "batch": batch, "context": ctx, "step_us_p50": ts[len(ts) // 2] * 1e6,
          "step_us_mean": statistics.mean(ts) * 1e6, **gaps,
-         "graph_replay_back_to_back_us": s.elapsed_time(e) / 20 * 1e3, "n_graphs": len(graphs.graphs)}
+         "graph_replay_back_to_back_us": s.elapsed_time(e) / 20 * 1e3, "n_graphs": len(graphs.graphs),
+         "sequences_us_per_step": seq}
     print(r, flush=True)
     del eng
     torch.cuda.empty_cache()
+    return r
+
+
+def _timed(fn, n: int = 20) -> float:
+    """Device-paced time per call of ``fn`` over ``n`` calls back to back (us)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def sequences(eng, batch: int) -> dict:
+    """What each part of the work between two graphs costs: the step's graph replayed with the
+    copies and sampling around it added one by one, and one graph that holds them all."""
+    from v4stack.ops import fused
+    from v4stack.ops.mode import mode as ops_mode
+
+    g, buf, staging, copied, out, per_step = next(iter(eng.runner.graphs.graphs.values()))
+    n = batch
+    ids = torch.zeros(n, dtype=torch.long, device="cuda")
+    pinned = torch.empty(n, 3, dtype=torch.float64).pin_memory()
+    dev_staging = staging.to("cuda")
+    ev = torch.cuda.Event()
+    r = {}
+    with ops_mode("fast"):
+        def greedy(back: bool = True):
+            tok, o = fused.greedy_draw(out[:n])
+            if back:
+                pinned.copy_(o, non_blocking=True)
+            return tok
+
+        r["replay"] = _timed(g.replay)
+        r["htod_replay"] = _timed(lambda: (buf.copy_(staging, non_blocking=True), g.replay()))
+        r["dtod_replay"] = _timed(lambda: (buf.copy_(dev_staging), g.replay()))
+        r["htod_ids_replay"] = _timed(lambda: (buf.copy_(staging, non_blocking=True), buf[:n].copy_(ids), g.replay()))
+        r["replay_greedy"] = _timed(lambda: (g.replay(), greedy(False)))
+        r["replay_greedy_dtoh"] = _timed(lambda: (g.replay(), greedy()))
+
+        def full():
+            buf.copy_(staging, non_blocking=True)
+            buf[:n].copy_(ids)
+            g.replay()
+            greedy()
+            ev.record()
+
+        r["full"] = _timed(full)
+        last = []
+
+        def full_waited():  # the engine's pattern: wait for the step before this one's read-back
+            full()
+            e = torch.cuda.Event()
+            e.record()
+            last.append(e)
+            if len(last) > 1:
+                last.pop(0).synchronize()
+
+        r["full_wait_one_behind"] = _timed(full_waited)
+        # one graph that holds the copies, the step and the draw
+        g2 = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            greedy()
+        torch.cuda.current_stream().wait_stream(side)
+        batch_ = eng.runner.decode_batch(buf, *next(iter(eng.runner.graphs.graphs.keys())))
+        with torch.cuda.graph(g2, pool=eng.runner.graphs.pool):
+            buf.copy_(staging, non_blocking=True)
+            buf[:n].copy_(ids)
+            o2 = eng.model.step_paged(batch_, eng.cache.paged)
+            tok2, d2 = fused.greedy_draw(o2[:n])
+            pinned.copy_(d2, non_blocking=True)
+        r["one_graph"] = _timed(g2.replay)
+
+        def one_graph_waited():
+            g2.replay()
+            e = torch.cuda.Event()
+            e.record()
+            last.append(e)
+            if len(last) > 1:
+                last.pop(0).synchronize()
+
+        last.clear()
+        r["one_graph_wait_one_behind"] = _timed(one_graph_waited)
+        del g2
+    print("sequences", r, flush=True)
     return r
 
 

@@ -72,8 +72,8 @@ def test_indexer_scores_read_by_index_equal_the_gathered_keys(dtype):
     from v4stack import ops
 
     q, wt, pool = r(5, 8, 32).to(dtype), r(5, 8).to(dtype), r(90, 32).to(dtype)
-    rows = torch.randint(0, 90, (5, 70), generator=g)
-    rows[:, 60:] = -1
+    rows = torch.randint(0, 90, (5, 300), generator=g)
+    rows[:, 60:] = -1  # whole programs of padding (64 / 128 keys) past the entries: scored -inf unread
     rows[1, :5] = -1  # hidden entries inside the row, and a row past the 64-key program
     got = tg.indexer_scores(q, wt, pool, rows)
     gathered = tg.indexer_scores(q, wt, pool[rows.clamp(min=0)])

@@ -198,8 +198,8 @@ def entry_rows_ok(table, positions, ratio, per, E) -> bool:
 def topk_rows_ok(scores, rows, k) -> bool:
     from v4stack.kernels.triton_select import MAX_ENTRIES
 
-    return (scores.is_cuda and scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1
-            and rows.dtype == torch.int64 and rows.shape == scores.shape and rows.stride(1) == 1
+    return (scores.is_cuda and scores.dim() == 2 and scores.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and scores.stride(1) == 1 and rows.dtype == torch.int64 and rows.shape == scores.shape and rows.stride(1) == 1
             and rows.device == scores.device and 1 <= k <= scores.shape[1] <= MAX_ENTRIES)
 
 

@@ -98,6 +98,15 @@ def hc_mix(flat, fn, eps, tile=None, finish=None):
 
 
 @triton.jit
+def _indexer_score(q, k, w, IEEE: tl.constexpr):
+    if IEEE:
+        dots = tl.dot(q, k, input_precision="ieee")
+    else:
+        dots = tl.dot(q, k)
+    return tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+
+
+@triton.jit
 def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s_rt, s_yt, D: tl.constexpr,
                    BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr,
                    CH: tl.constexpr = 1):
@@ -112,17 +121,14 @@ def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s
         if INDEXED:  # key rows of the pool by index: -1 (or any row outside [0, NK)) is no entry
             r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
             ok = (r >= 0) & (r < NK)
-            k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
+            score = tl.full([BS], float("-inf"), tl.float32)
+            if tl.sum(ok.to(tl.int32), 0) > 0:  # a chunk with no entry (a table's padding) reads no key
+                k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
+                score = tl.where(ok, _indexer_score(q, k, w, IEEE), float("-inf"))
         else:
             ok = s < S
             k = tl.load(Kc + t * s_kt + s[None, :].to(tl.int64) * s_ks + d[:, None], mask=ok[None, :], other=0.0)
-        if IEEE:
-            dots = tl.dot(q, k, input_precision="ieee")
-        else:
-            dots = tl.dot(q, k)
-        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
-        if INDEXED:
-            score = tl.where(ok, score, float("-inf"))
+            score = _indexer_score(q, k, w, IEEE)
         tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
 
 

@@ -94,5 +94,5 @@ class Indexer(nn.Module):
         E = rows.shape[1]
         if self.all_chosen(E):  # every entry is chosen (none at all included)
             return rows
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return fused.topk_rows(ops.indexer_scores(q, w, keys, rows=rows).to(acc), rows, self.topk)
+        # the scores in their own dtype: a half score widens to fp32 exactly, so the order is the same
+        return fused.topk_rows(ops.indexer_scores(q, w, keys, rows=rows), rows, self.topk)
