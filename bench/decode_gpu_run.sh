@@ -1,13 +1,20 @@
 #!/bin/bash
 # One H200 call for the decode path's kernels: the whole-model check (flash4, both modes and the
 # mixed-rotation control), the serving roofline (both configs, batch 1..256), a profile of the fast
-# step, and the GPU tests of the fused ops and the serving engine. Run from the repo root with
+# step, and the GPU tests of the fused ops and the serving engine (first, with SELECT_S / GAPS_S set:
+# bench/indexer_select.py and bench/step_gaps.py). Run from the repo root with
 # PYTHONPATH, V4STACK_COMMIT and V4STACK_DIRTY set; results under $OUT/decode (packed as decode.tgz).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 W=${WORK:-/tmp/decode_run}
 mkdir -p "$W"
 pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" "$OUT/decode.tgz"; }
+# optional first stages: the indexer / top-k forms (SELECT_S) and the work between two steps' graphs (GAPS_S)
+[ "${SELECT_S:-0}" != 0 ] && timeout "$SELECT_S" python3 -m bench.indexer_select --out "$W/indexer_select_h200.json" \
+    > "$W/indexer_select.log" 2>&1; [ "${SELECT_S:-0}" != 0 ] && grep -E "^topk|BS.: 128, .CH.: 1, .num_warps.: 4" "$W/indexer_select.log" | tail -20
+[ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_h200.json" > "$W/step_gaps.log" 2>&1; \
+    [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
+pack
 timeout "${CHECK_S:-120}" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
     --set 'compress_ratios=[0,0,4,128]' --set n_routed_experts=8 --set num_nextn_predict_layers=0 --prompts 8 \
     --phases invariant,fast,mixed_rope --out "$W/model_invariance_flash4_h200.json" > "$W/model_check.log" 2>&1

@@ -221,7 +221,10 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
            **sf,
            "cache_bytes_written_last_step": engine.stats.last_step_cache_bytes,
            "cuda_graph_replays": engine.runner.graphs.replays if engine.runner.graphs else 0,
-           "cuda_graph_error": engine.runner.graphs.error if engine.runner.graphs else None}
+           "cuda_graph_error": engine.runner.graphs.error if engine.runner.graphs else None,
+           **({"graph_draws": engine.runner.graphs.draws, "graph_fed_steps": engine.runner.graphs.fed_steps,
+               "graph_settled": engine.runner.graphs.settled, "graph_copies_error": engine.runner.graphs.copies_error}
+              if engine.runner.graphs else {})}
     del engine
     if dev == "cuda":
         torch.cuda.empty_cache()

@@ -4,6 +4,8 @@ them), the step's CUDA graph replayed 20 times back to back with nothing else (i
 launch gaps inside it included), and 12 consecutive steps under the profiler: the device's busy
 time (kernel and copy intervals merged) and idle time per step, and the idle gaps over 3 us by the
 pair of operations around them. The profiler slows the host, so its idle time is an upper bound.
+In fast mode also ``sequences``: the shipped graph (the whole step, draw and copies inside)
+against the former form (the step alone in a graph, copies and draw around it) on the same layout.
 
     python -m bench.step_gaps bench/results/step_gaps_h200.json
 """
@@ -68,7 +70,7 @@ def point(model, cfg, mode: str, batch: int, ctx: int) -> dict:
         torch.cuda.synchronize()
     gaps = _gaps(prof, 12)
     graphs = eng.runner.graphs
-    g = next(iter(graphs.graphs.values()))[0]  # the first captured shape: a step where no entry closes
+    g = next(iter(graphs.graphs.values()))[0].graph  # the first captured shape: a step where no entry closes
     eng.drain()
     g.replay()
     torch.cuda.synchronize()
@@ -102,78 +104,75 @@ def _timed(fn, n: int = 20) -> float:
 
 
 def sequences(eng, batch: int) -> dict:
-    """What each part of the work between two graphs costs: the step's graph replayed with the
-    copies and sampling around it added one by one, and one graph that holds them all."""
-    from v4stack.ops import fused
+    """The device time per step of the shipped graph (layout copy, feed, step, draw, read-back all
+    inside) replayed back to back, with the engine's event after each and its wait one step
+    behind; against the former form - the step alone in a graph, with the layout copy, the ids
+    copy, the draw's two kernels and the read-back around it - built from the same layout, with
+    its parts added one by one."""
     from v4stack.ops.mode import mode as ops_mode
+    from v4stack.serve.sampling import greedy_rows
 
-    g, buf, staging, copied, out, per_step = next(iter(eng.runner.graphs.graphs.values()))
+    graphs = eng.runner.graphs
+    key, pair = next((k, p) for k, p in graphs.graphs.items() if k[3])  # a drawing step's graphs
+    rows, width, caps, _ = key
+    entry = pair[0]
     n = batch
-    ids = torch.zeros(n, dtype=torch.long, device="cuda")
-    pinned = torch.empty(n, 3, dtype=torch.float64).pin_memory()
-    dev_staging = staging.to("cuda")
-    ev = torch.cuda.Event()
-    r = {}
-    with ops_mode("fast"):
+    r = {"key": list(key[:2]) + [list(key[2])]}
+    last = []
+
+    def one_behind(fn):
+        def go():
+            fn()
+            e = torch.cuda.Event()
+            e.record()
+            last.append(e)
+            if len(last) > 1:
+                last.pop(0).synchronize()
+        return go
+
+    with ops_mode(eng.config.ops_mode):
+        r["graph"] = _timed(entry.graph.replay)
+        r["graph_event"] = _timed(lambda: (entry.graph.replay(), entry.done.record()))
+        r["graph_wait_one_behind"] = _timed(one_behind(entry.graph.replay))
+        last.clear()
+        # the former form from the same layout
+        buf, staging = entry.buf, entry.staging
+        ids = torch.zeros(n, dtype=torch.long, device="cuda")
+        pinned = torch.empty(n, 3, dtype=torch.float64).pin_memory()
+        dev_staging = staging.to("cuda")
+        batch_ = eng.runner.decode_batch(buf, rows, width, caps)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = eng.model.step_paged(batch_, eng.cache.paged)
+            greedy_rows(out[:n])
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=graphs.pool):
+            out = eng.model.step_paged(batch_, eng.cache.paged)
+
         def greedy(back: bool = True):
-            tok, o = fused.greedy_draw(out[:n])
+            tok, o = greedy_rows(out[:n])
             if back:
                 pinned.copy_(o, non_blocking=True)
             return tok
-
-        r["replay"] = _timed(g.replay)
-        r["htod_replay"] = _timed(lambda: (buf.copy_(staging, non_blocking=True), g.replay()))
-        r["dtod_replay"] = _timed(lambda: (buf.copy_(dev_staging), g.replay()))
-        r["htod_ids_replay"] = _timed(lambda: (buf.copy_(staging, non_blocking=True), buf[:n].copy_(ids), g.replay()))
-        r["replay_greedy"] = _timed(lambda: (g.replay(), greedy(False)))
-        r["replay_greedy_dtoh"] = _timed(lambda: (g.replay(), greedy()))
 
         def full():
             buf.copy_(staging, non_blocking=True)
             buf[:n].copy_(ids)
             g.replay()
             greedy()
-            ev.record()
+            torch.cuda.Event().record()
 
-        r["full"] = _timed(full)
-        last = []
-
-        def full_waited():  # the engine's pattern: wait for the step before this one's read-back
-            full()
-            e = torch.cuda.Event()
-            e.record()
-            last.append(e)
-            if len(last) > 1:
-                last.pop(0).synchronize()
-
-        r["full_wait_one_behind"] = _timed(full_waited)
-        # one graph that holds the copies, the step and the draw
-        g2 = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            greedy()
-        torch.cuda.current_stream().wait_stream(side)
-        batch_ = eng.runner.decode_batch(buf, *next(iter(eng.runner.graphs.graphs.keys())))
-        with torch.cuda.graph(g2, pool=eng.runner.graphs.pool):
-            buf.copy_(staging, non_blocking=True)
-            buf[:n].copy_(ids)
-            o2 = eng.model.step_paged(batch_, eng.cache.paged)
-            tok2, d2 = fused.greedy_draw(o2[:n])
-            pinned.copy_(d2, non_blocking=True)
-        r["one_graph"] = _timed(g2.replay)
-
-        def one_graph_waited():
-            g2.replay()
-            e = torch.cuda.Event()
-            e.record()
-            last.append(e)
-            if len(last) > 1:
-                last.pop(0).synchronize()
-
-        last.clear()
-        r["one_graph_wait_one_behind"] = _timed(one_graph_waited)
-        del g2
+        r["former_step_graph"] = _timed(g.replay)
+        r["former_htod"] = _timed(lambda: (buf.copy_(staging, non_blocking=True), g.replay()))
+        r["former_dtod_layout"] = _timed(lambda: (buf.copy_(dev_staging), g.replay()))
+        r["former_htod_ids"] = _timed(lambda: (buf.copy_(staging, non_blocking=True), buf[:n].copy_(ids), g.replay()))
+        r["former_draw"] = _timed(lambda: (g.replay(), greedy(False)))
+        r["former_draw_dtoh"] = _timed(lambda: (g.replay(), greedy()))
+        r["former_full"] = _timed(full)
+        r["former_full_wait_one_behind"] = _timed(one_behind(full))
+        del g
     print("sequences", r, flush=True)
     return r
 

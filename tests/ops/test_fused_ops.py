@@ -235,3 +235,23 @@ def test_group_linear_as_grouped_rows_is_the_per_group_linears():
         other = group_linear_rows(x.roll(1, dims=1), w)
     assert not torch.equal(other[:, :6], group_linear_rows(x, w)[:, :6])
     assert not group_linear_ok(x, w)
+
+
+def test_feed_ids_kernel_takes_the_named_draws_in_place():
+    """``feed_ids``: rows with ``src >= 0`` take ``fed[src]``, the rest keep their id (the kernel
+    under the interpreter equals the composition; several programs: 1500 rows)."""
+    from v4stack.kernels import triton_layout as tl_
+
+    T = 1500
+    ids = torch.randint(0, 1000, (T,), generator=g)
+    fed = torch.randint(1000, 2000, (300,), generator=g)
+    src = torch.randint(-1, 300, (T,), generator=g)
+    want = fused.feed_ids_reference(ids.clone(), src, fed)
+    got = ids.clone()
+    assert tl_.feed_ids(got, src, fed) is got and torch.equal(got, want)
+    assert torch.equal(want[src < 0], ids[src < 0]) and torch.equal(want[src >= 0], fed[src[src >= 0]])
+    ops.reset_counters()
+    out = fused.feed_ids(ids.clone(), src, fed)  # CPU: the composition
+    assert ops.counters()["feed_ids"] == {"torch_composite": 1} and torch.equal(out, want)
+    # inverse control: the sources off by one row take other ids
+    assert not torch.equal(tl_.feed_ids(ids.clone(), torch.where(src >= 0, (src + 1) % 300, src), fed), want)

@@ -61,3 +61,23 @@ def test_topk_rows_on_cuda_serves_the_kernel_in_both_modes():
             got = fused.topk_rows(s, rows, 512)
             assert ops.counters()["topk_rows"] == {"triton_topk_rows": 1}
             assert torch.equal(got.cpu(), want)
+
+
+def test_select_kernels_build_for_hopper():
+    """``kernels/builds.py``: the top-k (one bit a pass on fp32 scores, two bits a pass on bf16 at a
+    16k step's width), the indexer reading keys by index, and the ids feed compile for sm_90a."""
+    from tests.ops.hopper import check, ptx
+
+    got = ptx(("topk_rows", "topk_rows_bf16_pairs", "indexer_scores", "feed_ids"))
+    check(got)
+    assert "wgmma.mma_async" in got["indexer_scores"]  # the indexer's dots on the tensor cores
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_both_searches_choose_the_same_rows(bits):
+    """The one-bit search (shipped) and the two-bit one are the same choice (half scores too)."""
+    s, rows = _case(4, 600, 100, seed=9)
+    want = fused.topk_rows_reference(s, rows, 100)
+    assert torch.equal(ts.topk_rows(s, rows, 100, tile={"BITS": bits}), want)
+    sb = s.bfloat16()
+    assert torch.equal(ts.topk_rows(sb, rows, 100, tile={"BITS": bits}), fused.topk_rows_reference(sb, rows, 100))

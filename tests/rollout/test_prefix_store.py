@@ -31,7 +31,7 @@ def first_logits(eng, prompt, rid="r"):
     seen = []
     orig = eng.runner.run
 
-    def spy(chunks, all_rows=False):
+    def spy(chunks, all_rows=False, draw=False):  # (returns logits: the engine samples them)
         out, rows, r = orig(chunks, all_rows=True), [], 0
         for _, toks in chunks:
             rows.append(out[r : r + len(toks)].clone())

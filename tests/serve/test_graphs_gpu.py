@@ -33,6 +33,9 @@ def test_graph_replays_give_the_eager_tokens(mode):
             assert eng.runner.graphs.error is None and eng.runner.graphs.replays >= 15
         if overlap:  # steps launched with the sampled ids as device inputs
             assert eng.stats.ahead >= 10
+        if graphs:  # greedy rows: each graph drew its tokens and the next one read them on the device
+            g = eng.runner.graphs
+            assert g.draws >= 15 and g.settled == 0 and (g.fed_steps >= 10 or not overlap)
     assert out[True, False] == out[False, False] == out[True, True]
     if mode == "invariant":
         eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8, n_snapshots=0, ops_mode=mode))

@@ -54,8 +54,8 @@ def test_overlapped_decode_gives_the_plain_engines_tokens(model, monkeypatch):
     assert eng.stats.ahead >= 8 and eng.stats.wasted_rows >= 1
     # inverse control: launched-ahead steps fed a wrong id -> other tokens
     run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None:
-                        run(self, runner, chunks, None if ids is None else torch.zeros_like(ids)))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None, src=None, draw=False:
+                        run(self, runner, chunks, None if ids is None else torch.zeros_like(ids), src, draw))
     bad, eng = _run(model, sps[:2], True, _prompts()[:2])
     assert eng.stats.ahead > 0 and [r[0] for r in bad] != [r[0] for r in plain[:2]]
 
@@ -77,3 +77,26 @@ def test_drain_leaves_caches_with_their_requests_tokens(model):
     while eng.has_work():
         eng.step()
     assert all(len(r.output) == 14 for r in reqs[1:])
+
+
+@torch.no_grad()
+def test_greedy_steps_draw_inside_the_static_step_and_feed_the_next(model, monkeypatch):
+    """All-greedy rows: the static step draws its own tokens (``DecodeGraphs._body``, what a graph
+    holds) and the step launched after it takes its ids from those device draws by row (``src``),
+    with requests finishing in between (stop ids, ``max_tokens``) - the plain engine's tokens and
+    log-probabilities."""
+    sps = [SamplingParams(max_tokens=20 + 3 * i) for i in range(4)]
+    plain, _ = _run(model, sps, False)
+    stops = [plain[1][0][9]]
+    sps[1] = SamplingParams(max_tokens=23, stop_token_ids=tuple(stops))
+    got, eng = _run(model, sps, True)
+    assert got[1] == _until(plain[1], stops[0])
+    assert got[:1] + got[2:] == plain[:1] + plain[2:]
+    g = eng.runner.graphs
+    assert g.draws >= 10 and g.fed_steps >= 10 and eng.stats.ahead >= 10 and g.settled == 0
+    # inverse control: the rows named in the wrong order -> other tokens
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None, src=None, draw=False:
+                        run(self, runner, chunks, ids, None if src is None else list(src)[::-1], draw))
+    bad, eng = _run(model, sps, True)
+    assert eng.runner.graphs.fed_steps > 0 and [r[0] for r in bad] != [r[0] for r in plain]

@@ -26,7 +26,7 @@ def _runner():
 def _table(runner, chunks, width):
     rows = 1 << max(0, len(chunks) - 1).bit_length()
     host = runner.decode_host(chunks, rows, width, (0,) * len(runner.ratios)).numpy()
-    return host[4 * rows: 4 * rows + rows * width].reshape(rows, width)
+    return host[5 * rows: 5 * rows + rows * width].reshape(rows, width)
 
 
 def _want(chunks, rows, width):

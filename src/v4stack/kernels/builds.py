@@ -19,6 +19,7 @@ def kernels() -> dict:
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
     from v4stack.kernels import triton_grouped_tma as tgt
+    from v4stack.kernels import triton_layout as tlay
     from v4stack.kernels import triton_ring as ring
     from v4stack.kernels import triton_route as route
     from v4stack.kernels import triton_rows as tr
@@ -74,7 +75,13 @@ def kernels() -> dict:
                                                    [BF, BF, BF, "*i64", BF] + [I] * 10),
                            dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True)),
         "topk_rows": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o", [P, "*i64", "*i64"] + [I] * 5),
-                      dict(EB=4096), dict(num_warps=8)),
+                      dict(EB=4096, BITS=1), dict(num_warps=8)),
+        # two bits a pass on the indexer's bf16 scores, at a 16k step's width
+        "topk_rows_bf16_pairs": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o",
+                                                             [BF, "*i64", "*i64"] + [I] * 5),
+                                 dict(EB=8192, BITS=2), dict(num_warps=16)),
+        "feed_ids": (tlay.feed_ids_kernel, _sig("IDS SRC FED T", ["*i64", "*i64", "*i64", I]), dict(BT=256),
+                     dict(num_warps=4)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
                      dict(BM=64, BN=128, BK=128, SB=128)),
         "softmax_row": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]), dict(LOG=False, BLOCK=4096)),

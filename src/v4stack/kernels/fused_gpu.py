@@ -195,6 +195,12 @@ def entry_rows_ok(table, positions, ratio, per, E) -> bool:
             and table.shape[0] == positions.shape[0] and table.shape[1] >= 1 and ratio >= 1 and per >= 1 and E >= 0)
 
 
+def feed_ids_ok(ids, src, fed) -> bool:
+    return (ids.is_cuda and ids.dim() == 1 and src.shape == ids.shape and fed.dim() == 1
+            and ids.dtype == src.dtype == fed.dtype == torch.int64 and ids.is_contiguous() and src.is_contiguous()
+            and src.device == ids.device == fed.device)
+
+
 def topk_rows_ok(scores, rows, k) -> bool:
     from v4stack.kernels.triton_select import MAX_ENTRIES
 
@@ -281,6 +287,8 @@ def register_all(register) -> None:
              ref("ring_rows_reference")), device="cuda", accepts=_with("triton", ring_rows_ok))
     register("entry_rows", "triton_entry_rows", _guarded("entry_rows", _lazy("triton_layout", "entry_rows"),
              ref("entry_rows_reference")), device="cuda", accepts=_with("triton", entry_rows_ok))
+    register("feed_ids", "triton_feed_ids", _guarded("feed_ids", _lazy("triton_layout", "feed_ids"),
+             ref("feed_ids_reference")), device="cuda", accepts=_with("triton", feed_ids_ok))
     register("topk_rows", "triton_topk_rows", _guarded("topk_rows", _lazy("triton_select", "topk_rows"),
              ref("topk_rows_reference")), device="cuda", accepts=_with("triton", topk_rows_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),

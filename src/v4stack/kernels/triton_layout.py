@@ -5,6 +5,8 @@
 - ``entry_rows``: every row's compressed entries ``e < E`` as pool rows through its block table
   (``block * per + e % per``), -1 where the entry has not closed by this step (``e >= (pos + 1) //
   ratio``) or its block is -1 - the candidates of an HCA layer, and the rows an indexer scores.
+- ``feed_ids``: a decode step's token ids taken, where ``src >= 0``, from the tokens the previous
+  step drew on the device (``fed[src]``), in place - inside the step's graph, not a copy before it.
 
 Integer arithmetic only: the results equal the torch compositions' (``ops/fused.py``).
 """
@@ -58,3 +60,20 @@ def entry_rows(table: torch.Tensor, positions: torch.Tensor, ratio: int, per: in
         launch(entry_rows_kernel, (T, triton.cdiv(E, be)), table, positions, rows, table.shape[1], E, table.stride(0),
                ratio, per, BE=be, num_warps=4)
     return rows
+
+
+@triton.jit
+def feed_ids_kernel(IDS, SRC, FED, T, BT: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    inside = t < T
+    src = tl.load(SRC + t, mask=inside, other=-1)
+    fed = tl.load(FED + tl.where(src >= 0, src, 0), mask=inside & (src >= 0), other=0)
+    tl.store(IDS + t, fed, mask=inside & (src >= 0))
+
+
+def feed_ids(ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    T = ids.shape[0]
+    if T:
+        bt = min(1024, next_pow2(T))
+        launch(feed_ids_kernel, (triton.cdiv(T, bt),), ids, src, fed, T, BT=bt, num_warps=4)
+    return ids

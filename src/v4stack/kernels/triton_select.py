@@ -5,10 +5,10 @@ entries, in entry order.
 rows < 0, k, stable)))``: the top ``k`` by score, ties to the lower entry, listed in ascending entry
 order. One program per query holds its row of scores as order-preserving integer keys (``-0.0``
 taken as ``+0.0``, as a sort compares them equal), finds the ``k``-th largest key by a bitwise
-search from the top bit (16 passes of two bits each: the three counts of a pass packed into one
-sum), takes every key above it and the first ties in entry
-order, and writes the chosen rows by a running count. It replaces a radix sort of the scores, a
-sort of the chosen indices and two gathers (74 us for one CSA layer's queries at batch 64 and 16k
+search from the top bit (32 counting passes; or 16 of two bits, the three counts of a pass packed
+into one sum), takes every key above it and the first ties in entry order, and writes the chosen
+rows by a running count. It replaces a radix sort of the scores, a sort of the chosen indices and
+two gathers (74 us for one CSA layer's queries at batch 64 and 16k
 tokens on an H200). Integer results: equal to the torch composition's for any non-NaN scores.
 """
 
@@ -57,7 +57,9 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: 
     tl.store(OUT + n * s_o + pos, r, mask=sel)
 
 
-TILE = {"BITS": 2}  # bench/indexer_select.py times both searches and the warps
+# one bit a pass: the form measured in the serving step (18 us for 256 queries of 4096 entries,
+# bench/results/indexer_select_h200.json); bench/indexer_select.py times two bits a pass and the warps
+TILE = {"BITS": 1}
 
 
 def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int, tile: dict | None = None) -> torch.Tensor:
@@ -67,5 +69,5 @@ def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int, tile: dict | Non
         t = tile or TILE
         eb = max(16, next_pow2(E))
         launch(topk_rows_kernel, (n,), scores, rows, out, E, k, scores.stride(0), rows.stride(0), out.stride(0), EB=eb,
-               BITS=t.get("BITS", 2), num_warps=t.get("num_warps", min(16, max(4, eb // 512))))
+               BITS=t.get("BITS", 1), num_warps=t.get("num_warps", min(16, max(4, eb // 512))))
     return out

@@ -35,6 +35,8 @@
 - ``ring_rows(positions, slots, R, W)``, ``entry_rows(table, positions, ratio, per, E)``: a
   decode step's ring destinations, window rows and compressed-entry rows, the index tensors its
   layers share (``triton_layout.py``: one kernel each instead of ~3-17 integer kernels).
+- ``feed_ids(ids, src, fed)``: a decode step's token ids from the previous step's device draws
+  where ``src >= 0`` (``ids[t] = fed[src[t]]``, in place; ``triton_layout.py``: one kernel).
 - ``topk_rows(scores, rows, k)``: the indexer's top-k as pool rows in entry order
   (``triton_select.py``: one kernel instead of a radix sort, a sort and two gathers).
 - ``normed_sparse_attention(q, pools, idx, sink, scale, eps)``: the sparse attention of
@@ -210,6 +212,10 @@ def entry_rows_reference(table, positions, ratio: int, per: int, E: int):
     return torch.where(ok, blk * per + e % per, -1)
 
 
+def feed_ids_reference(ids, src, fed):
+    return ids.copy_(torch.where(src >= 0, fed[src.clamp(min=0)], ids))
+
+
 def topk_rows_reference(scores, rows, k: int):
     _, idx = ops.topk(scores.masked_fill(rows < 0, float("-inf")), k, stable=True)
     return rows.gather(1, torch.sort(idx, dim=1).values)
@@ -252,6 +258,13 @@ register("rope", "torch_composite", rope_reference)
 register("ring_rows", "torch_composite", ring_rows_reference)
 register("entry_rows", "torch_composite", entry_rows_reference)
 register("topk_rows", "torch_composite", topk_rows_reference)
+register("feed_ids", "torch_composite", feed_ids_reference)
+
+
+def feed_ids(ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """``ids [T]`` (int64) with ``ids[t] = fed[src[t]]`` where ``src[t] >= 0``, in place: a decode
+    step's token ids taken from the tokens the step before drew on the device."""
+    return call("feed_ids", ops.get_mode(), "int64", ids.device.type, ids, src, fed)
 
 
 def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from v4stack.serve.graphs import DecodeGraphs
 from v4stack.serve.model_runner import ModelRunner
 from v4stack.serve.request import Request, Status
 from v4stack.serve.overlap import InFlight, launch_ahead
-from v4stack.serve.sampling import Draw, Row, SamplingParams, sample_async, sample_greedy_async, top_logprobs
+from v4stack.serve.sampling import Draw, Row, Sampled, SamplingParams, sample_async, sample_greedy_async, top_logprobs
 from v4stack.serve.scheduler import Scheduler
 from v4stack.serve.spec_step import MTPStep
 
@@ -236,8 +236,20 @@ class Engine:
         chunks = [(req.cache, self._tokens(req, req.computed, req.computed + n)) for req, n in plan]
         # prompt logprobs (echo) need the logits of every fed prompt row
         scoring = any(req.prompt_draws is not None and s < len(req.prompt) - 1 for (req, _), s in zip(plan, starts))
+        # every row samples greedily with nothing read on the host: a graphed step draws them itself
+        draw = not scoring and all(req.plain and n == req.pending for req, n in plan)
         with ops_mode(self.config.ops_mode):
-            logits = self.runner.run(chunks, all_rows=scoring)
+            logits = self.runner.run(chunks, all_rows=scoring, draw=draw)
+        if isinstance(logits, Sampled):  # drawn inside the step's graph
+            self.stats.steps += 1
+            self.stats.last_step_cache_bytes = self.runner.last_bytes
+            self.stats.cache_bytes_written += self.runner.last_bytes
+            self.stats.tokens_computed += sum(n for _, n in plan)
+            inf = InFlight([req for req, _ in plan], [req.cache for req, _ in plan], logits)
+            if self.config.overlap:
+                self._inflight = inf
+                return []
+            return self._collect(inf)
         if scoring:
             ends = list(itertools.accumulate(n for _, n in plan))
             for (req, n), s, e in zip(plan, starts, ends):

@@ -1,25 +1,46 @@
 """CUDA graphs for decode steps at bucketed shapes.
 
 A decode step (one token per request, no boundary capture) is laid out in static shapes by
-``ModelRunner.build_decode``: rows padded to a bucket (1, 2, 4, ... ``max_rows``), block tables
+``ModelRunner.decode_layout``: rows padded to a bucket (1, 2, 4, ... ``max_rows``), block tables
 padded to a power-of-two width, per compression ratio a power-of-two number of closing slots for
-the rows whose entry closes (none in most steps: a ratio-m entry closes once every m tokens). The
-first step of a shape is captured into a graph (after a
-warm-up run on a side stream; re-running a decode step writes the same rows again, so the warm-up
-changes nothing); later steps of that shape copy their layout into the graph's static inputs
-and replay it. Every input of a static step is a view of one int64 buffer
-(``ModelRunner.decode_layout`` / ``decode_batch``), so refreshing them is one transfer from pinned
-memory. Graphs are captured and replayed under the engine's ops mode, so both modes get them.
-If a capture fails (an op that needs the host), the engine keeps running eagerly and records why.
+the rows whose entry closes (none in most steps: a ratio-m entry closes once every m tokens).
+Every input of a static step is a view of one int64 buffer, so one transfer refreshes them all.
+
+A graph holds the whole step, so the device goes from one step's graph to the next with nothing
+between them:
+
+- the layout's transfer from pinned staging memory (the graph's first node);
+- the token ids the previous step drew on the device (``ops.fused.feed_ids``): row ``t`` takes
+  ``fed[src[t]]`` where the layout's ``src`` column is >= 0 - the previous step's draws stay on
+  the device, and a launched-ahead step names the rows it continues instead of gathering them;
+- the model step;
+- for a step whose rows are all plain greedy (``draw``), the draw itself
+  (``sampling.greedy_rows``), its ids written to ``fed`` for the next step and its rows to pinned
+  memory (the graph's last node). The engine then only records an event after the replay.
+
+A shape has two graphs used in turn, each with its own staging and read-back buffers: with one
+step in flight, the graph being launched last ran two steps ago, so its buffers were consumed
+(the step's layout read, its draws read back by ``Sampled.collect``). Where that is not so (a
+caller that left a step unread) the launch first settles that step's read-back. Where the runtime
+cannot capture the copies, they are made around the replay instead (``copies_error`` says why).
+
+The first step of a graph is captured (after a warm-up run on a side stream; re-running a decode
+step writes the same rows again, so the warm-up changes nothing, and ``fed`` is put back as it
+was). Graphs are captured and replayed under the engine's ops mode, so both modes get them. If a
+capture fails (an op that needs the host), the engine keeps running eagerly and records why.
+``capture=False`` runs the same body eagerly (how the CPU tests check it).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from v4stack.model.paged import StepBatch
+from v4stack.ops import fused
+from v4stack.serve.sampling import Sampled, greedy_rows
 
 
 def _next_pow2(n: int) -> int:
@@ -34,72 +55,171 @@ def _width(n: int) -> int:
     return _next_pow2(n) if n <= 16 else -(-n // 16) * 16
 
 
-class DecodeGraphs:
-    """``capture=False`` runs the same static layout eagerly (how the CPU tests check it)."""
+@dataclass
+class _Graph:
+    """One captured graph of a static step and the buffers it reads and writes."""
 
+    graph: torch.cuda.CUDAGraph
+    buf: torch.Tensor  # the layout on the device (every input of the step is a view of it)
+    staging: torch.Tensor  # pinned: the layout, copied in by the graph's first node
+    logits: torch.Tensor | None  # without ``draw``
+    tok: torch.Tensor | None  # with ``draw``: the drawn ids [rows] ...
+    out: torch.Tensor | None  # ... and their rows [rows, 3] on the device ...
+    host: torch.Tensor | None  # ... read back into pinned memory
+    per_step: int  # cache bytes a replay writes
+    inside: bool = True  # the layout copy and the read-back are nodes of the graph (else made around it)
+    done: torch.cuda.Event = field(default_factory=torch.cuda.Event)
+    last: Sampled | None = None  # the draws of this graph's last replay
+
+
+class DecodeGraphs:
     def __init__(self, model, cache, max_rows: int = 256, capture: bool = True):
         self.model, self.cache, self.max_rows = model, cache, _next_pow2(max_rows)
         self.capture = capture
-        self.graphs: dict[tuple, tuple] = {}  # (rows, width, closing caps) -> captured step
+        self.graphs: dict[tuple, list[_Graph]] = {}  # (rows, width, closing caps, draw) -> its graphs
+        self._turn: dict[tuple, int] = {}  # which of a shape's two graphs the next step replays
         self.pool = None
         self.error: str | None = None
         self.replays = 0
         self.replay_s = 0.0  # host time inside ``CUDAGraph.replay`` (the launch; a wait, if it blocks)
         self.steps = 0  # decode steps run in the static layout (replayed or eager)
+        self.draws = 0  # of them, steps that drew their tokens inside the step
+        self.fed_steps = 0  # steps whose ids were (partly) the previous step's device draws
+        self.settled = 0  # launches that had to wait for an unread step first (none in the engine's pattern)
+        self.fed: torch.Tensor | None = None  # [max_rows] int64: the ids the last drawing step drew
+        self.copies_inside = True  # capture the layout copy and the read-back as graph nodes (else around replays)
+        self.copies_error: str | None = None  # why they could not be captured, if so
 
-    def _capture(self, batch: StepBatch):
+    def _fed(self, device) -> torch.Tensor:
+        if self.fed is None:
+            self.fed = torch.zeros(self.max_rows, dtype=torch.long, device=device)
+        return self.fed
+
+    def _body(self, runner, buf, batch: StepBatch, rows: int, draw: bool, staging=None, host=None, feed=True):
+        """What a graph holds (and what an eager static step runs)."""
+        if staging is not None:
+            buf.copy_(staging, non_blocking=True)  # the step's whole layout in one transfer
+        R = rows
+        if feed:
+            fused.feed_ids(buf[:R], buf[4 * R : 5 * R], self._fed(buf.device))
+        logits = self.model.step_paged(batch, self.cache.paged)
+        if not draw:
+            return logits, None, None
+        tok, out = greedy_rows(logits)
+        self._fed(tok.device)[:R].copy_(tok)
+        if host is not None:
+            host.copy_(out, non_blocking=True)
+        return None, tok, out
+
+    def _capture(self, runner, key, host_layout) -> _Graph:
+        rows, width, caps, draw = key
+        dev = runner.device
+        buf = host_layout.to(dev)
+        staging = torch.empty_like(host_layout).pin_memory()
+        host = torch.empty(rows, 3, dtype=torch.float64).pin_memory() if draw else None
+        batch = runner.decode_batch(buf, rows, width, caps)
         paged = self.cache.paged
+        fed = self._fed(dev)
+        saved = fed.clone()  # the warm-up draws into ``fed``; the replay must read the previous step's
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             before = paged.bytes_written
-            self.model.step_paged(batch, paged)
+            self._body(runner, buf, batch, rows, draw)
             per_step = paged.bytes_written - before
+            fed.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self.model.step_paged(batch, paged)
+        while True:
+            g = torch.cuda.CUDAGraph()
+            inside = self.copies_inside
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    logits, tok, out = self._body(runner, buf, batch, rows, draw,
+                                                  staging if inside else None, host if inside else None)
+                break
+            except Exception:  # noqa: BLE001  (a runtime that cannot capture the copies: make them around the replay)
+                if not inside:
+                    raise
+                import traceback
+
+                self.copies_inside, self.copies_error = False, traceback.format_exc()[-1500:]
+                paged.bytes_written -= per_step
         paged.bytes_written -= per_step  # the capture counted its writes without running them
         self.pool = g.pool()
-        return g, out, per_step
+        return _Graph(g, buf, staging, logits, tok, out, host, per_step, inside)
 
-    def run(self, runner, chunks, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One static decode step; ``ids`` (a device tensor ``[len(chunks)]``), when given, are the
-        step's token ids, copied on the device over the layout's (the previous step's sampled
-        tokens, which the host has not read yet)."""
+    def run(self, runner, chunks, ids: torch.Tensor | None = None, src: list[int] | None = None,
+            draw: bool = False):
+        """One static decode step. Its token ids: the chunks' (host) ids, or ``ids`` (a device
+        tensor ``[len(chunks)]``), or for rows ``t`` with ``src[t] >= 0`` the previous step's
+        device draw ``src[t]`` (that step drew inside its graph: ``Sampled.fed``). Returns the
+        logits ``[len(chunks), V]``, or with ``draw`` the step's ``Sampled`` greedy draws."""
         self.steps += 1
         n = len(chunks)
         rows = _next_pow2(n)
-        # (steps where no entry closes skip the closing work: no closing slots)
-        width, caps, host = runner.decode_layout(chunks, rows, _width)
-        key = (rows, width, caps)
-        entry = self.graphs.get(key)
-        if entry is None:
-            buf = host.to(runner.device)
-            if ids is not None:
-                buf[:n].copy_(ids)
-            batch = runner.decode_batch(buf, rows, width, caps)
-            if not (self.capture and self.error is None):
-                return self.model.step_paged(batch, self.cache.paged)[:n]
+        dev = runner.device
+        if ids is not None:  # device ids: fed rows 0..n-1 (the graph's feed reads them after its layout copy)
+            self._fed(dev)[:n].copy_(ids)
+            src = range(n)
+        if src is not None:
+            self.fed_steps += 1
+        width, caps, host_layout = runner.decode_layout(chunks, rows, _width, src)
+        key = (rows, width, caps, draw)
+        self.draws += draw
+        pair = self.graphs.get(key)
+        if pair is None and (not self.capture or self.error is not None):
+            return self._eager(runner, host_layout, key, n, src is not None)
+        turn = self._turn.get(key, 0)
+        self._turn[key] = 1 - turn
+        if pair is None or len(pair) <= turn:
             try:
-                g, out, per_step = self._capture(batch)
+                entry = self._capture(runner, key, host_layout)
             except Exception:  # an op that needs the host: stay eager
                 import traceback
 
                 self.error = traceback.format_exc()[-2500:]
-                return self.model.step_paged(batch, self.cache.paged)[:n]
-            staging = torch.empty_like(host).pin_memory()
-            entry = self.graphs[key] = (g, buf, staging, torch.cuda.Event(), out, per_step)
-        g, buf, staging, copied, out, per_step = entry
-        copied.synchronize()  # the last step's copy out of ``staging`` is done before it is rewritten
-        staging.copy_(host)
-        buf.copy_(staging, non_blocking=True)  # the step's whole layout in one transfer
-        copied.record()
-        if ids is not None:
-            buf[:n].copy_(ids)
+                return self._eager(runner, host_layout, key, n, src is not None)
+            pair = self.graphs.setdefault(key, [])
+            pair.append(entry)
+            turn = len(pair) - 1
+        entry = pair[turn]
+        if entry.last is not None and entry.last.unread:  # its last draws must be read before they are overwritten
+            self.settled += 1
+            entry.last.settle()
+        if not entry.done.query():  # its last replay has not read its staging yet (not in the engine's pattern)
+            self.settled += 1
+            entry.done.synchronize()
+        entry.staging.copy_(host_layout)
+        if not entry.inside:
+            entry.buf.copy_(entry.staging, non_blocking=True)
         t0 = time.perf_counter()
-        g.replay()
+        entry.graph.replay()
         self.replay_s += time.perf_counter() - t0
+        if draw and not entry.inside:
+            entry.host.copy_(entry.out, non_blocking=True)
+        entry.done.record()
         self.replays += 1
-        self.cache.paged.bytes_written += per_step
-        return out[:n]
+        self.cache.paged.bytes_written += entry.per_step
+        if not draw:
+            return entry.logits[:n]
+        s = Sampled(entry.tok[:n], entry.host[:n], entry.done, None, None)
+        s.fed = True
+        entry.last = s
+        return s
+
+    def _eager(self, runner, host_layout, key, n: int, feed: bool):
+        rows, width, caps, draw = key
+        buf = host_layout.to(runner.device)
+        logits, tok, out = self._body(runner, buf, runner.decode_batch(buf, rows, width, caps), rows, draw, feed=feed)
+        if not draw:
+            return logits[:n]
+        if tok.device.type == "cuda":  # an eager step on CUDA (a capture that failed): read back as usual
+            host = torch.empty(rows, 3, dtype=torch.float64).pin_memory()
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            s = Sampled(tok[:n], host[:n], done, None, None)
+        else:
+            s = Sampled(tok[:n], out[:n], None, None, None)
+        s.fed = True
+        return s

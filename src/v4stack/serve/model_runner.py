@@ -105,23 +105,24 @@ class ModelRunner:
             caps.append(0 if n == 0 else min(rows, 1 << (n - 1).bit_length()))
         return tuple(caps)
 
-    def decode_layout(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width_of):
+    def decode_layout(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width_of, src=None):
         """A static decode step's shape and host layout in one pass over the chunks: ``(width,
         caps, host)`` with ``width = width_of(most blocks of a request)`` and ``host`` as
         ``decode_host`` lays it out."""
         rcs, pos, slots, most = self._gather(chunks)
         width = width_of(max(1, most))
         caps = self.closing_caps(chunks, rows, pos)
-        return width, caps, self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps)
+        return width, caps, self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps, src)
 
     def decode_host(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int,
-                    caps: tuple[int, ...]) -> torch.Tensor:
+                    caps: tuple[int, ...], src=None) -> torch.Tensor:
         """The varying part of a static decode step as one int64 host tensor (one copy moves it):
-        ids, positions, ends, state slots ``[rows]`` each, the block table ``[rows, width]``, then
-        per ratio the closing slots' request row, entry number and destination pool row
-        (``[cap]`` each)."""
+        ids, positions, ends, state slots, feed sources ``[rows]`` each (``src``: the row of the
+        previous step's device draws a row's id is taken from, -1 for none;
+        ``DecodeGraphs``), the block table ``[rows, width]``, then per ratio the closing slots'
+        request row, entry number and destination pool row (``[cap]`` each)."""
         rcs, pos, slots, _ = self._gather(chunks)
-        return self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps)
+        return self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps, src)
 
     def _gather(self, chunks: list[tuple[RequestCache, list[int]]]):
         """The chunks' caches, positions (int64 array) and state slots, with the per-slot block
@@ -131,11 +132,18 @@ class ModelRunner:
         most = self._refresh_tables(rcs, slots)
         return rcs, np.array([rc.pos for rc in rcs], dtype=np.int64), slots, most
 
-    def _layout(self, ids_l, pos_n, slots_l, n: int, rows: int, width: int, caps: tuple[int, ...]) -> torch.Tensor:
+    def _layout(self, ids_l, pos_n, slots_l, n: int, rows: int, width: int, caps: tuple[int, ...],
+                src=None) -> torch.Tensor:
         B, R, W = self.cache.B, rows, width
-        out = np.empty(4 * R + R * W + 3 * sum(caps), dtype=np.int64)
-        ids, pos, end, slots = (out[i * R : (i + 1) * R] for i in range(4))
-        table = out[4 * R : 4 * R + R * W].reshape(R, W)
+        T = 5 * R  # where the table starts
+        out = np.empty(T + R * W + 3 * sum(caps), dtype=np.int64)
+        ids, pos, end, slots, feed = (out[i * R : (i + 1) * R] for i in range(5))
+        table = out[T : T + R * W].reshape(R, W)
+        if src is None:
+            feed[:] = -1
+        else:
+            feed[:n] = src
+            feed[n:] = -1
         ids[:n] = ids_l
         ids[n:] = 0
         pos[:n] = pos_n
@@ -150,7 +158,7 @@ class ModelRunner:
                 self._grow_tables(W)
                 tab = self._tab
             table[:n] = tab[slots[:n], :W]
-        off, scratch = 4 * R + R * W, self.cache.blocks.scratch
+        off, scratch = T + R * W, self.cache.blocks.scratch
         for r, cap in zip(self.ratios, caps):
             if cap == 0:
                 continue
@@ -211,31 +219,35 @@ class ModelRunner:
         if ar is None:
             ar = self._arange[R] = torch.arange(R, device=self.device)
         pos = buf[R : 2 * R]
-        closing, off = {}, 4 * R + R * W
+        closing, off = {}, 5 * R + R * W
         for r, cap in zip(self.ratios, caps):
             if cap:
                 closing[r] = Closing(buf[off : off + cap], buf[off + cap : off + 2 * cap], buf[off + 2 * cap : off + 3 * cap])
                 off += 3 * cap
         return StepBatch(
             ids=buf[:R], positions=pos, seq=ar, row0=ar, pos0=pos, end=buf[2 * R : 3 * R],
-            slots=buf[3 * R : 4 * R], block_table=buf[4 * R : 4 * R + R * W].view(R, W), max_end=W * self.cache.B,
+            slots=buf[3 * R : 4 * R], block_table=buf[5 * R : 5 * R + R * W].view(R, W), max_end=W * self.cache.B,
             decode=True, closing=closing, captures=None, out_rows=None,
         )
 
     def run(self, chunks: list[tuple[RequestCache, list[int]]], all_rows: bool = False,
-            ids: torch.Tensor | None = None) -> torch.Tensor:
+            ids: torch.Tensor | None = None, src: list[int] | None = None, draw: bool = False):
         """Run one step; returns the logits of each request's last fed row ``[len(chunks), V]``
         (of every fed row with ``all_rows``). The caches advance past the fed tokens. A decode
         step with no boundary capture replays a captured CUDA graph when ``graphs`` is set
         (``graphed`` says whether it did).
 
         ``ids`` (a decode step through ``graphs`` only): the step's token ids as a device tensor;
-        the chunks then carry a placeholder token each, which ``cache.advance`` records and the
-        caller replaces with the real id once it is read back (``RequestCache.tokens``). Such a
-        step must close no block (its hash would need the ids)."""
+        ``src``: row ``t``'s id is row ``src[t]`` of the previous step's draws, made inside its
+        graph (``Sampled.fed``). The chunks then carry a placeholder token each, which
+        ``cache.advance`` records and the caller replaces with the real id once it is read back
+        (``RequestCache.tokens``). Such a step must close no block (its hash would need the ids).
+
+        ``draw``: the rows are all plain greedy ones; a step through ``graphs`` then draws them
+        inside its graph and returns their ``Sampled`` instead of the logits."""
         before = self.cache.paged.bytes_written
         g = self.graphs
-        if ids is None:
+        if ids is None and src is None:
             caps = self.cache.plan_captures(chunks)
             self.graphed = g is not None and not all_rows and not any(caps) and \
                 all(len(t) == 1 for _, t in chunks) and len(chunks) <= g.max_rows
@@ -245,12 +257,12 @@ class ModelRunner:
             if not self.graphed:
                 raise ValueError("run: device token ids need a static decode step")
         if self.graphed:
-            logits = g.run(self, chunks, ids)
+            out = g.run(self, chunks, ids, src, draw)
         else:
             batch = self.build(chunks, caps)
             if all_rows:
                 batch.out_rows = None
-            logits = self.model.step_paged(batch, self.cache.paged)
+            out = self.model.step_paged(batch, self.cache.paged)
         self.last_bytes = self.cache.paged.bytes_written - before
         self.cache.advance_all(chunks, caps)
-        return logits
+        return out

@@ -1,11 +1,12 @@
 """Overlapped decode: the next step is launched before the host reads this step's tokens.
 
 With ``EngineConfig(overlap=True)`` a decode step that replays a static graph is not waited for:
-its sampling is launched, its read-back queued (``sampling.sample_async``), and ``Engine.step``
-returns. The next call launches the step after it at once - its token ids are the device tensor
-of the sampled ids, copied into the graph's inputs on the device - and only then waits for the
-earlier step's tokens and does the host work for them (stop checks, events, cache book-keeping)
-while the device runs the later step. The device is never left waiting for the host's step
+its sampling is launched, its read-back queued (``sampling.sample_async``; all-greedy rows are
+drawn inside the graph itself), and ``Engine.step`` returns. The next call launches the step after
+it at once - its token ids are the sampled ids on the device: the graph reads them from the draws
+of the graph before (by row, ``DecodeGraphs``), or they are copied into its inputs - and only then
+waits for the earlier step's tokens and does the host work for them (stop checks, events, cache
+book-keeping) while the device runs the later step. The device is never left waiting for the host's step
 work, and the host never waits for the step it has just launched.
 
 A step is launched ahead only when it is the step the scheduler would run anyway, up to rows
@@ -84,14 +85,18 @@ def launch_ahead(eng, inf: InFlight) -> InFlight | None:
         rc = r.cache
         if len(rc.blocks) * B <= rc.pos and not cm.reserve(rc, 1):
             return None  # (blocks taken so far serve these requests' next row anyway)
-    tok = inf.sampled.tokens
-    if len(keep) != len(inf.reqs):
+    tok, src = inf.sampled.tokens, None
+    if inf.sampled.fed:  # drawn inside the last step's graph: this step's graph reads them there
+        tok, src = None, keep
+    elif len(keep) != len(inf.reqs):
         tok = tok[torch.tensor(keep, dtype=torch.long).to(tok.device, non_blocking=True)]
     fed = [PLACEHOLDER]
     chunks = [(r.cache, fed) for r in reqs]
     with ops_mode(eng.config.ops_mode):
-        logits = eng.runner.run(chunks, ids=tok)
-        if plain:
+        logits = eng.runner.run(chunks, ids=tok, src=src, draw=plain)
+        if isinstance(logits, Sampled):
+            sampled = logits
+        elif plain:
             sampled = sample_greedy_async(logits)
         else:
             rows = [Row(r.params, r.params.seed, len(r.output) + 1, r.output, r.prompt, tuple(r.stop_ids))

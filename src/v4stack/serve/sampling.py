@@ -236,16 +236,31 @@ class Sampled:
         self.tokens, self._host, self._done, self._lp, self._rows = tokens, host, done, lp, rows
         self._pinned = pinned
         self.wait_s = 0.0  # how long ``collect`` waited for the device
+        # drawn inside a decode step's graph: ``tokens`` are also rows 0.. of the graphs' fed buffer,
+        # which the next graph reads its ids from (``DecodeGraphs``)
+        self.fed = False
 
-    def collect(self) -> list[Draw]:
-        if self._done is not None:
-            t0 = time.perf_counter()
-            self._done.synchronize()  # the step's one wait (only this step's work, not later launches)
-            self.wait_s = time.perf_counter() - t0
-        vals = self._host.tolist() if not isinstance(self._host, list) else self._host
+    @property
+    def unread(self) -> bool:
+        """The values still sit in the buffer the device writes them to (not yet ``settle``d)."""
+        return self._done is not None
+
+    def settle(self) -> None:
+        """Wait for the read-back and keep its values, so the buffer it landed in may be reused."""
+        if self._done is None:
+            return
+        t0 = time.perf_counter()
+        self._done.synchronize()  # the step's one wait (only this step's work, not later launches)
+        self.wait_s += time.perf_counter() - t0
+        vals = self._host.tolist()
         if self._pinned is not None:  # read: the buffer may take the next step's tokens
             self._pinned.put(self._host, self._done)
-            self._pinned, self._host, self._done = None, vals, None
+            self._pinned = None
+        self._host, self._done = vals, None
+
+    def collect(self) -> list[Draw]:
+        self.settle()
+        vals = self._host if isinstance(self._host, list) else self._host.tolist()
         draws = [Draw(int(t), c, None, p) for t, c, p in vals]
         rows = self._rows
         if rows is None:  # plain rows: no log-probability report
@@ -284,10 +299,10 @@ class _Pinned:
 _PINNED = _Pinned()
 
 
-def sample_greedy_async(logits: torch.Tensor) -> Sampled:
-    """``sample_async`` for rows that are all ``SamplingParams.plain``: the same draws, without a
-    per-row description (``collect`` gives no alternatives, as such rows ask for none). On CUDA
-    one kernel (ids and both log-probabilities) and one read-back into a reused pinned buffer."""
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy draws of plain rows on the logits' device, nothing read back: the ids ``[B]``
+    (int64) and ``[B, 3]`` float64 rows (id, its log-probability, the policy log-probability at
+    temperature 1). On CUDA one kernel (``ops.fused.greedy_draw``); a CUDA graph can hold it."""
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [rows, V], got {tuple(logits.shape)}")
     if logits.device.type != "cuda":  # ``sample_async``'s greedy path, without per-row parameters
@@ -295,10 +310,18 @@ def sample_greedy_async(logits: torch.Tensor) -> Sampled:
         lp = _model_logprobs(raw)
         tok = torch.argmax(raw, dim=-1)
         one = torch.ones(raw.shape[0], 1, dtype=torch.float64)  # the policy temperature of a greedy row
-        out = torch.stack([tok.double(), lp.gather(1, tok[:, None])[:, 0].double(),
-                           _policy_logprob(raw, tok, one).double()], 1)
-        return Sampled(tok, out, None, lp, None)
-    tok, out = fused.greedy_draw(logits.detach())
+        return tok, torch.stack([tok.double(), lp.gather(1, tok[:, None])[:, 0].double(),
+                                 _policy_logprob(raw, tok, one).double()], 1)
+    return fused.greedy_draw(logits.detach())
+
+
+def sample_greedy_async(logits: torch.Tensor) -> Sampled:
+    """``sample_async`` for rows that are all ``SamplingParams.plain``: the same draws, without a
+    per-row description (``collect`` gives no alternatives, as such rows ask for none). On CUDA
+    one kernel (ids and both log-probabilities) and one read-back into a reused pinned buffer."""
+    tok, out = greedy_rows(logits)
+    if logits.device.type != "cuda":
+        return Sampled(tok, out, None, None, None)
     host, done = _PINNED.take(tuple(out.shape), out.dtype)
     host.copy_(out, non_blocking=True)
     done.record(torch.cuda.current_stream(logits.device))
