@@ -106,9 +106,10 @@ def _timed(fn, n: int = 20) -> float:
 def sequences(eng, batch: int) -> dict:
     """The device time per step of the shipped graph (layout copy, feed, step, draw, read-back all
     inside) replayed back to back, with the engine's event after each and its wait one step
-    behind; against the former form - the step alone in a graph, with the layout copy, the ids
-    copy, the draw's two kernels and the read-back around it - built from the same layout, with
-    its parts added one by one."""
+    behind; the same body with the layout copy and the read-back around the replay (``around``:
+    ``DecodeGraphs.copies_inside`` off); and the former form - the step alone in a graph, with the
+    layout copy, the ids copy, the draw's two kernels and the read-back around it - built from the
+    same layout, with its parts added one by one."""
     from v4stack.ops.mode import mode as ops_mode
     from v4stack.serve.sampling import greedy_rows
 
@@ -135,6 +136,27 @@ def sequences(eng, batch: int) -> dict:
         r["graph_event"] = _timed(lambda: (entry.graph.replay(), entry.done.record()))
         r["graph_wait_one_behind"] = _timed(one_behind(entry.graph.replay))
         last.clear()
+        # the same body with the layout copy and the read-back around the replay instead of inside
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        batch_ = eng.runner.decode_batch(entry.buf, rows, width, caps)
+        with torch.cuda.stream(side):
+            graphs._body(eng.runner, entry.buf, batch_, rows, True)
+        torch.cuda.current_stream().wait_stream(side)
+        ga = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(ga, pool=graphs.pool):
+            _, _, out_a = graphs._body(eng.runner, entry.buf, batch_, rows, True)
+
+        def around():
+            entry.buf.copy_(entry.staging, non_blocking=True)
+            ga.replay()
+            entry.host.copy_(out_a, non_blocking=True)
+            torch.cuda.Event().record()
+
+        r["around_full"] = _timed(around)
+        r["around_wait_one_behind"] = _timed(one_behind(around))
+        last.clear()
+        del ga
         # the former form from the same layout
         buf, staging = entry.buf, entry.staging
         ids = torch.zeros(n, dtype=torch.long, device="cuda")

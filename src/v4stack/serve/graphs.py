@@ -40,7 +40,7 @@ import torch
 
 from v4stack.model.paged import StepBatch
 from v4stack.ops import fused
-from v4stack.serve.sampling import Sampled, greedy_rows
+from v4stack.serve.sampling import Sampled, greedy_rows, sample_greedy_async
 
 
 def _next_pow2(n: int) -> int:
@@ -89,6 +89,7 @@ class DecodeGraphs:
         self.fed: torch.Tensor | None = None  # [max_rows] int64: the ids the last drawing step drew
         self.copies_inside = True  # capture the layout copy and the read-back as graph nodes (else around replays)
         self.copies_error: str | None = None  # why they could not be captured, if so
+        self.draw_error: str | None = None  # why a step's draw could not be captured (then drawn outside)
 
     def _fed(self, device) -> torch.Tensor:
         if self.fed is None:
@@ -125,9 +126,11 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             before = paged.bytes_written
-            self._body(runner, buf, batch, rows, draw)
+            try:
+                self._body(runner, buf, batch, rows, draw)
+            finally:
+                fed.copy_(saved)
             per_step = paged.bytes_written - before
-            fed.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         while True:
             g = torch.cuda.CUDAGraph()
@@ -158,6 +161,7 @@ class DecodeGraphs:
         n = len(chunks)
         rows = _next_pow2(n)
         dev = runner.device
+        draw = draw and self.draw_error is None
         if ids is not None:  # device ids: fed rows 0..n-1 (the graph's feed reads them after its layout copy)
             self._fed(dev)[:n].copy_(ids)
             src = range(n)
@@ -174,9 +178,13 @@ class DecodeGraphs:
         if pair is None or len(pair) <= turn:
             try:
                 entry = self._capture(runner, key, host_layout)
-            except Exception:  # an op that needs the host: stay eager
+            except Exception:  # an op that needs the host: stay eager (a draw that cannot be captured: draw outside)
                 import traceback
 
+                if draw:
+                    self.draw_error = traceback.format_exc()[-2500:]
+                    self.draws -= 1
+                    return self.run_undrawn(runner, chunks, src)
                 self.error = traceback.format_exc()[-2500:]
                 return self._eager(runner, host_layout, key, n, src is not None)
             pair = self.graphs.setdefault(key, [])
@@ -206,6 +214,14 @@ class DecodeGraphs:
         s.fed = True
         entry.last = s
         return s
+
+    def run_undrawn(self, runner, chunks, src):
+        """The step without its draw (a drawing graph failed to capture), sampled the usual way."""
+        self.steps -= 1
+        if src is not None:
+            self.fed_steps -= 1
+        logits = self.run(runner, chunks, None, src, False)
+        return sample_greedy_async(logits)
 
     def _eager(self, runner, host_layout, key, n: int, feed: bool):
         rows, width, caps, draw = key
