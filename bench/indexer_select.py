@@ -5,7 +5,8 @@ top-512), ``T`` queries each reading its own request's keys from the pool by row
 the engine holds them). ``indexer``: ``triton_gemm.indexer_scores`` for every candidate tile, its
 scores compared bit for bit with the current tile's and timed under CUDA graphs, beside the
 bytes the call must read over the measured copy bandwidth. ``topk``: ``triton_select.topk_rows``,
-its rows compared with the torch composition, one bit a pass (shipped) against two. (A radix-select form of the top-k, a 256-bin
+its rows compared with the torch composition in every form (one or two bits a pass, a row in
+one block or two). (A radix-select form of the top-k, a 256-bin
 histogram a byte, measured 40 / 21 us against the bitwise search's 18 / 14 at 8509bec:
 ``bench/results/indexer_select_h200.json``.)
 
@@ -76,13 +77,15 @@ def indexer_cases(bw: float) -> list:
     return out
 
 
-TOPK_FORMS = [{"BITS": 1}, {"BITS": 2}, {"BITS": 1, "num_warps": 8}, {"BITS": 2, "num_warps": 8},
-              {"BITS": 2, "num_warps": 4}, {"BITS": 2, "num_warps": 16}]
+TOPK_FORMS = [{"BITS": 1, "SPLIT": True}, {"BITS": 1}, {"BITS": 2}, {"BITS": 2, "SPLIT": True},
+              {"BITS": 1, "SPLIT": True, "num_warps": 4}, {"BITS": 1, "SPLIT": True, "num_warps": 16},
+              {"BITS": 1, "num_warps": 8}, {"BITS": 2, "num_warps": 8}, {"BITS": 2, "num_warps": 16}]
 
 
 def topk_cases() -> list:
-    """The shipped search (one bit a pass) against two bits a pass and other warps, at 4096 entries
-    and at a 16k step's table width (4608: 144 blocks of 32 entries, the last 512 padding)."""
+    """The shipped search (one bit a pass, a row past a power of two in two blocks) against the row
+    in one block, two bits a pass and other warps, at 4096 entries and at a 16k step's table width
+    (4608: 144 blocks of 32 entries, the last 512 padding)."""
     from v4stack.kernels import triton_select as ts
     from v4stack.ops import fused
 

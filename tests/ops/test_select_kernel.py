@@ -24,7 +24,7 @@ def _case(n, E, k, seed):
     return s, rows
 
 
-@pytest.mark.parametrize("n,E,k", [(3, 40, 8), (5, 100, 32), (2, 7, 7), (4, 600, 512)])
+@pytest.mark.parametrize("n,E,k", [(3, 40, 8), (5, 100, 32), (2, 7, 7), (4, 600, 512), (3, 4608, 512)])
 def test_topk_rows_kernel_is_the_stable_top_k_in_entry_order(n, E, k):
     s, rows = _case(n, E, k, seed=n + E)
     got = ts.topk_rows(s, rows, k)
@@ -64,20 +64,31 @@ def test_topk_rows_on_cuda_serves_the_kernel_in_both_modes():
 
 
 def test_select_kernels_build_for_hopper():
-    """``kernels/builds.py``: the top-k (one bit a pass on fp32 scores, two bits a pass on bf16 at a
-    16k step's width), the indexer reading keys by index, and the ids feed compile for sm_90a."""
+    """``kernels/builds.py``: the top-k (one bit a pass on fp32 scores; on bf16 at a 16k step's width
+    two bits a pass, and one in two blocks), the indexer reading keys by index, and the ids feed
+    compile for sm_90a."""
     from tests.ops.hopper import check, ptx
 
-    got = ptx(("topk_rows", "topk_rows_bf16_pairs", "indexer_scores", "feed_ids"))
+    got = ptx(("topk_rows", "topk_rows_bf16_pairs", "topk_rows_bf16_split", "indexer_scores", "feed_ids"))
     check(got)
     assert "wgmma.mma_async" in got["indexer_scores"]  # the indexer's dots on the tensor cores
 
 
 @pytest.mark.parametrize("bits", [1, 2])
-def test_both_searches_choose_the_same_rows(bits):
-    """The one-bit search (shipped) and the two-bit one are the same choice (half scores too)."""
+@pytest.mark.parametrize("split", [False, True])
+def test_every_search_form_chooses_the_same_rows(bits, split):
+    """The one-bit search (shipped), the two-bit one, each with the row in one block or in two (600
+    entries as 512 + 128): the same choice, half scores too, and ties at the k-th score that run
+    across the two blocks (every score equal: the first k entries)."""
+    form = {"BITS": bits, "SPLIT": split}
     s, rows = _case(4, 600, 100, seed=9)
     want = fused.topk_rows_reference(s, rows, 100)
-    assert torch.equal(ts.topk_rows(s, rows, 100, tile={"BITS": bits}), want)
+    assert torch.equal(ts.topk_rows(s, rows, 100, tile=form), want)
     sb = s.bfloat16()
-    assert torch.equal(ts.topk_rows(sb, rows, 100, tile={"BITS": bits}), fused.topk_rows_reference(sb, rows, 100))
+    assert torch.equal(ts.topk_rows(sb, rows, 100, tile=form), fused.topk_rows_reference(sb, rows, 100))
+    flat = torch.zeros(3, 600)
+    flat[1, 550:] = 1.0  # the tail block's entries above the tied rest
+    r = torch.arange(1800).view(3, 600)
+    got = ts.topk_rows(flat, r, 530, tile=form)
+    assert torch.equal(got, fused.topk_rows_reference(flat, r, 530))
+    assert torch.equal(got[0], r[0, :530])  # the ties taken in entry order, across the blocks

@@ -75,11 +75,15 @@ def kernels() -> dict:
                                                    [BF, BF, BF, "*i64", BF] + [I] * 10),
                            dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True)),
         "topk_rows": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o", [P, "*i64", "*i64"] + [I] * 5),
-                      dict(EB=4096, BITS=1), dict(num_warps=8)),
+                      dict(EB=4096, BITS=1, EBT=0), dict(num_warps=8)),
         # two bits a pass on the indexer's bf16 scores, at a 16k step's width
         "topk_rows_bf16_pairs": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o",
                                                              [BF, "*i64", "*i64"] + [I] * 5),
-                                 dict(EB=8192, BITS=2), dict(num_warps=16)),
+                                 dict(EB=8192, BITS=2, EBT=0), dict(num_warps=16)),
+        # the same width in two blocks (4096 + 512), one bit a pass
+        "topk_rows_bf16_split": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o",
+                                                             [BF, "*i64", "*i64"] + [I] * 5),
+                                 dict(EB=4096, BITS=1, EBT=512), dict(num_warps=8)),
         "feed_ids": (tlay.feed_ids_kernel, _sig("IDS SRC FED T", ["*i64", "*i64", "*i64", I]), dict(BT=256),
                      dict(num_warps=4)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),

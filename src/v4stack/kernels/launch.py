@@ -142,11 +142,15 @@ _stream = _device = None
 
 def _check_order(kernel, args, consts):
     """Every constexpr named, after the runtime arguments, in the kernel's order (the key holds
-    their values by position; a default left out would shift them)."""
+    their values by position; a default left out would shift them), and a warp count the GPU
+    compiler takes."""
     names = kernel.arg_names
     cx = [k for k in consts if k not in ("num_warps", "num_stages")]
     if cx != names[len(args):]:
         raise TypeError(f"{kernel.__name__}: constexprs must follow the runtime arguments in order {names}")
+    w = consts.get("num_warps", 4)
+    if not (isinstance(w, int) and 1 <= w <= 32 and w & (w - 1) == 0):  # the GPU compiler refuses any other
+        raise ValueError(f"{kernel.__name__}: num_warps must be a power of two up to 32, got {w!r}")
 
 
 def _compile(kernel, grid, args, consts, key, cache):
