@@ -4,6 +4,8 @@
   the shipped slice pair (``triton_mhc.hc_pre``, 3xTF32, both modes) against ``triton_wide.hc_pre``
   at each candidate tile (and its first launch alone, ``partials_graph_s``); the error of pre /
   post / comb against float64.
+- ``read_norm``: the coefficients and the sublayer's normalised input - ``hc_pre`` then
+  ``hc_read_norm`` (three launches) against ``hc_pre_read_norm`` (two).
 - ``router``: the router's logits ``[M, 8]`` from ``[M, 4096]`` bf16 rows - fast mode's path before
   (the rows widened to fp32 by a copy, then ``ops.linear`` on the fp32 weight) against
   ``triton_wide.linear_widened`` on the bf16 weight; the error against float64.
@@ -97,6 +99,38 @@ def hc_cases() -> list:
     return out
 
 
+def read_norm_cases() -> list:
+    """Fast mode's coefficients and the sublayer's normalised input: ``triton_wide.hc_pre`` then
+    ``triton_rows.hc_read_norm`` (three launches) against ``triton_wide.hc_pre_read_norm`` (two: the
+    finish, the split and the read in one), and their differences."""
+    from v4stack.kernels import triton_rows as trw
+    from v4stack.kernels import triton_wide as tw
+
+    out = []
+    for M in ROWS:
+        g = torch.Generator(device="cuda").manual_seed(M + 7)
+        x = torch.randn(M, 4, 4096, device="cuda", generator=g).bfloat16()
+        fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
+        scale = torch.rand(3, device="cuda", generator=g) + 0.5
+        base = torch.randn(24, device="cuda", generator=g)
+        nw = (torch.rand(4096, device="cuda", generator=g) + 0.5).bfloat16()
+        args = (x, fn, scale, base, 4, 20, 1e-6, 1e-6)
+
+        def two():
+            pre, post, comb = tw.hc_pre(*args)
+            return trw.hc_read_norm(x, pre, nw, 1e-6), post, comb
+
+        a, b = two(), tw.hc_pre_read_norm(*args, nw, 1e-6)
+        rec = {"rows": M, "separate_graph_s": graph_time(two),
+               "fused_graph_s": graph_time(lambda: tw.hc_pre_read_norm(*args, nw, 1e-6)),
+               "post_comb_max_abs_diff": max(float((u - v).abs().max()) for u, v in zip(a[1:], b[1:])),
+               "input_max_abs_diff": float((a[0].float() - b[0].float()).abs().max()),
+               "input_bits_equal": bool(torch.equal(a[0], b[0]))}
+        print("read_norm", rec, flush=True)
+        out.append(rec)
+    return out
+
+
 def router_cases() -> list:
     from v4stack import ops
     from v4stack.kernels import triton_wide as tw
@@ -157,7 +191,7 @@ def greedy_cases(bw: float) -> list:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="hc,router,greedy")
+    ap.add_argument("--parts", default="hc,read_norm,router,greedy")
     a = ap.parse_args(argv)
     from bench.indexer_select import copy_bandwidth
 
@@ -166,6 +200,8 @@ def main(argv=None) -> None:
     res = {"device_name": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw}
     if "hc" in parts:
         res["hc_pre"] = hc_cases()
+    if "read_norm" in parts:
+        res["read_norm"] = read_norm_cases()
     if "router" in parts:
         res["router"] = router_cases()
     if "greedy" in parts:

@@ -29,6 +29,33 @@ def test_hc_pre_wide_matches_float64_and_is_row_local():
     assert all(torch.equal(a[0], b[17]) for a, b in zip(alone, got))
 
 
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_hc_pre_read_norm_wide_is_the_two_ops_and_row_local(with_weight):
+    """One launch for the coefficients' finish and the read with its norm: against float64 (the
+    composition of the two references), a row alone == the row in the batch, and the same as the
+    wide ``hc_pre`` followed by ``hc_read_norm``'s kernel (the pre it reads is the one it stored)."""
+    from v4stack.kernels import triton_rows as trw
+
+    x = torch.randn(13, 4, 80, generator=g).bfloat16()
+    fn = torch.randn(24, 320, generator=g) * 0.05
+    scale, base = _coeffs()
+    wt = (torch.rand(80, generator=g) + 0.5).bfloat16() if with_weight else None
+    y, post, comb = tw.hc_pre_read_norm(x, fn, scale, base, 4, 20, 1e-6, 1e-6, wt, 1e-5, tile=SMALL)
+    xd = x.double()
+    want = fused.hc_pre_read_norm_reference(xd, fn.double(), scale.double(), base.double(), 4, 20, 1e-6, 1e-6,
+                                            None if wt is None else wt.double(), 1e-5)
+    torch.testing.assert_close(post.double(), want[1], atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(comb.double(), want[2], atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(y.double(), want[0], atol=3e-2, rtol=2e-2)  # bf16 output
+    pre, post2, comb2 = tw.hc_pre(x, fn, scale, base, 4, 20, 1e-6, 1e-6, tile=SMALL)
+    assert torch.equal(post, post2) and torch.equal(comb, comb2)
+    assert torch.equal(y, trw.hc_read_norm(x, pre, wt, 1e-5))
+    alone = tw.hc_pre_read_norm(x[9:10].clone(), fn, scale, base, 4, 20, 1e-6, 1e-6, wt, 1e-5, tile=SMALL)
+    assert all(torch.equal(a[0], b[9]) for a, b in zip(alone, (y, post, comb)))
+    # inverse control: another sublayer's pre (the rows reversed) reads other inputs
+    assert not torch.equal(trw.hc_read_norm(x, pre.flip(0), wt, 1e-5), y)
+
+
 def test_hc_head_pre_wide_matches_float64_and_is_row_local():
     x = torch.randn(11, 4, 80, generator=g).bfloat16()
     fn = torch.randn(4, 320, generator=g) * 0.05
@@ -73,6 +100,9 @@ def test_wide_kernels_take_fast_mode_on_cuda_only():
     assert [i.name for i in _candidates(("hc_pre", "fast", "bfloat16", "cuda"))][:2] == ["triton_hc_pre_wide",
                                                                                          "triton_hc_pre"]
     assert [i.name for i in _candidates(("hc_head_pre", "fast", "bfloat16", "cuda"))][0] == "triton_hc_head_pre_wide"
+    assert [i.name for i in _candidates(("hc_pre_read_norm", "fast", "bfloat16", "cuda"))][0] == \
+        "triton_hc_pre_read_norm_wide"
+    assert [i.name for i in _candidates(("hc_pre_read_norm", "invariant", "bfloat16", "cuda"))] == ["composite"]
     assert "triton_hc_pre_wide" not in [i.name for i in _candidates(("hc_pre", "invariant", "bfloat16", "cuda"))]
     assert "triton_linear_widened" not in [i.name for i in _candidates(("linear_widened", "invariant", "bfloat16",
                                                                          "cuda"))]
@@ -103,7 +133,16 @@ def test_wide_kernels_on_the_device_at_v4_widths():
         fh = torch.randn(4, 16384, device="cuda") / 64
         sh, bh = torch.rand(1, device="cuda") + 0.5, torch.randn(4, device="cuda")
         head = fused.hc_head_pre(x, fh, sh, bh, 1e-6, 1e-6)
+        nw = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
+        y, post, comb = fused.hc_pre_read_norm(x, fn, scale, base, 4, 20, 1e-6, 1e-6, nw, 1e-6)
+        y2 = fused.hc_read_norm(x, got[0], nw, 1e-6)
     assert "triton_hc_head_pre_wide" in str(ops.counters())
+    assert "triton_hc_pre_read_norm_wide" in str(ops.counters())
+    # the one launch against the two: the coefficients within rounding (its reductions run in eight
+    # warps), the input as the norm of the read
+    torch.testing.assert_close(post, got[1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(comb, got[2], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(y.float(), y2.float(), atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(head.double(), fused.hc_head_pre_reference(x.double(), fh.double(), sh.double(),
                                                                           bh.double(), 1e-6, 1e-6),
                                atol=1e-5, rtol=1e-5)
@@ -118,12 +157,12 @@ def test_wide_kernels_on_the_device_at_v4_widths():
 
 
 def test_wide_kernels_build_for_hopper_on_bf16_wgmma():
-    """``kernels/builds.py``: the partials kernel (fp32 weight in parts, and a bf16 weight) and the
-    greedy block kernel compile for sm_90a with correctly rounded arithmetic; the projections run
+    """``kernels/builds.py``: the partials kernel (fp32 weight in parts, and a bf16 weight), the
+    coefficients' finish with the read, and the greedy block kernel compile for sm_90a with correctly rounded arithmetic; the projections run
     on bf16 ``wgmma`` (no TF32 anywhere), the fp32 weight's parts rounded to nearest."""
     from tests.ops.hopper import check, ptx
 
-    got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "moe_route_one"))
+    got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "moe_route_one", "finish_read_norm"))
     check(got)
     for name in ("wide_partials", "wide_partials_bf16w"):
         assert "wgmma.mma_async" in got[name] and ".bf16" in got[name], name

@@ -20,6 +20,7 @@ def kernels() -> dict:
     from v4stack.kernels import triton_grouped as tgr
     from v4stack.kernels import triton_grouped_tma as tgt
     from v4stack.kernels import triton_layout as tlay
+    from v4stack.kernels import triton_mhc as tm
     from v4stack.kernels import triton_ring as ring
     from v4stack.kernels import triton_route as route
     from v4stack.kernels import triton_rows as tr
@@ -101,6 +102,11 @@ def kernels() -> dict:
                   dict(KC=tw.TILE["KC"], BM=tw.TILE["BM"], BN=bn, BK=tw.TILE["BK"], SPLIT_W=wt == P, RMS=rms),
                   dict(num_warps=tw.TILE["num_warps"], num_stages=tw.TILE["num_stages"]))
            for name, wt, bn, rms in (("wide_partials", P, 32, True), ("wide_partials_bf16w", BF, 16, False))},
+        "finish_read_norm": (tm.finish_read_norm_kernel,
+                             _sig("P PSS Y SCALE BASE PRE POST COMB X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj "
+                                  "s_on rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
+                             dict(S=64, SP=64, BN=32, NH=4, ITERS=20, HAS_W=True, NB=4, BD=4096),
+                             dict(num_warps=8, num_stages=1)),
         "greedy_blocks": (tsm.greedy_blocks_kernel, _sig("X PM PS PI V s_x NC", [BF, P, P, "*i32", I, I, I]),
                           dict(CHUNK=tsm.TILE["CHUNK"], BLOCK=tsm.TILE["BLOCK"]), dict(num_warps=tsm.TILE["num_warps"])),
         **route.builds(),  # the MoE routing kernels (moe_*)

@@ -30,6 +30,16 @@ def hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
     return x.dtype == torch.bfloat16 and hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps)
 
 
+def hc_pre_read_norm_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps) -> bool:
+    """Fast mode's ``triton_wide.hc_pre_read_norm``: ``hc_pre_wide_ok``, and a row read in one block."""
+    from v4stack.kernels.triton_rows import READ_NORM_ONE
+
+    return (hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps) and x.shape[2] <= READ_NORM_ONE
+            and (weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[2] and weight.is_contiguous()
+                                    and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                                    and weight.device == x.device)))
+
+
 def hc_head_pre_wide_ok(x, fn, scale, base, eps, norm_eps) -> bool:
     """Fast mode's ``triton_wide.hc_head_pre``: bf16 streams, the rest as ``hc_head_pre_ok``."""
     return x.dtype == torch.bfloat16 and hc_head_pre_ok(x, fn, scale, base, eps, norm_eps)
@@ -241,6 +251,9 @@ def register_all(register) -> None:
     # of the 3xTF32 slice kernels both modes share
     register("hc_pre", "triton_hc_pre_wide", _guarded("hc_pre_wide", _lazy("triton_wide", "hc_pre"),
              ref("hc_pre_reference")), mode="fast", device="cuda", accepts=_with("triton", hc_pre_wide_ok))
+    register("hc_pre_read_norm", "triton_hc_pre_read_norm_wide", _guarded("hc_pre_read_norm_wide",
+             _lazy("triton_wide", "hc_pre_read_norm"), ref("hc_pre_read_norm_reference")), mode="fast", device="cuda",
+             accepts=_with("triton", hc_pre_read_norm_wide_ok))
     register("hc_head_pre", "triton_hc_head_pre_wide", _guarded("hc_head_pre_wide",
              _lazy("triton_wide", "hc_head_pre"), ref("hc_head_pre_reference")), mode="fast", device="cuda",
              accepts=_with("triton", hc_head_pre_wide_ok))

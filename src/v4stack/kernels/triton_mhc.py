@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import launch, next_pow2
+from v4stack.kernels.triton_rows import _read_block, _store_normed
 from v4stack.kernels.triton_slices import FINISH_BN, _finish_rows
 
 
@@ -77,6 +78,42 @@ def finish_split_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, M, N, MN, Kf, n
     _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
     tl.debug_barrier()  # the row's mix, stored by the warp's lanes, is read back by other lanes
     _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1)
+
+
+@triton.jit
+def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, M, N, MN, Kf, norm_eps, s_ym, eps,
+                            D, Df, s_xn, s_xj, s_on, rms_eps, S: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr,
+                            NH: tl.constexpr, ITERS: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
+                            BD: tl.constexpr):
+    """Fast mode's ``hc_pre`` finish and the sublayer's normalised input in one program a row:
+    ``finish_split_kernel``'s sum of the partials and split (the mix in ``Y``; pre, post, comb),
+    then ``hc_read_norm_kernel``'s one-block read of the streams ``X`` with that pre and its RMS
+    norm into ``OUT`` - one launch where there were two (the row's coefficients are short work
+    for a program: what the two launches cost was mostly their latency)."""
+    pm = tl.program_id(0)
+    _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
+    tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
+    _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1)
+    tl.debug_barrier()  # and so is its pre
+    r = pm.to(tl.int64)
+    y, d = _read_block(X, PRE, r, 0, NH, D, s_xn, s_xj, NH, NB, BD)
+    _store_normed(OUT, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + rms_eps)), D, s_on,
+                  HAS_W)
+
+
+def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, eps: float, norm_eps: float,
+                     x, weight, rms_eps: float, y):
+    """``finish_read_norm_kernel`` over a projection's slice partials ``p [S, M, N]`` / ``pss [S,
+    M]`` and the streams ``x [M, n, D]`` (contiguous, D <= ``triton_rows.READ_NORM_ONE``): the mix
+    into ``mix [M, N]``, pre, post, comb into ``out``, the normalised read into ``y [M, D]``."""
+    M, N = mix.shape
+    D = x.shape[2]
+    n = out[0].shape[1]
+    launch(finish_read_norm_kernel, (M,), p, pss, mix, scale, base, *out, x, weight if weight is not None else y, y,
+           M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
+           y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters,
+           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), num_warps=8, num_stages=1)
+    return y
 
 
 def _outputs(N, n, device):

@@ -113,6 +113,23 @@ def hc_pre(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float, 
     return finish_split(p, pss, S, fn.shape[1], y, scale, base, out, iters, eps, norm_eps)
 
 
+def hc_pre_read_norm(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float, weight, rms_eps: float,
+                     tile: dict | None = None):
+    """``ops.fused.hc_pre_read_norm`` in fast mode: the streams ``x [M, n, d]`` (bf16) -> the
+    sublayer's normalised input ``[M, d]``, post, comb: ``hc_pre``'s partials, then one launch for
+    the finish, the split and the read with its norm (``triton_mhc.finish_read_norm``)."""
+    from v4stack.kernels.triton_mhc import _outputs, finish_read_norm
+
+    M = x.shape[0]
+    out = _outputs(M, n, x.device)
+    y = torch.empty(M, x.shape[2], dtype=x.dtype, device=x.device)
+    if M:
+        p, pss, S = partials(x.reshape(M, -1), fn, True, tile)
+        mix = torch.empty(M, fn.shape[0], dtype=torch.float32, device=x.device)
+        finish_read_norm(p, pss, S, fn.shape[1], mix, scale, base, out, iters, eps, norm_eps, x, weight, rms_eps, y)
+    return y, out[1], out[2]
+
+
 def linear_widened(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None = None,
                    tile: dict | None = None) -> torch.Tensor:
     """``ops.fused.linear_widened`` in fast mode: ``x.float() @ w.float().T`` (``x [M, K]`` half,

@@ -7,7 +7,7 @@ from torch import nn
 
 from v4stack.config import ModelConfig
 from v4stack.model.attention import Attention, Segment
-from v4stack.model.mhc import hc_coefficients, hc_parameters, hc_write, read_norm
+from v4stack.model.mhc import coefficients_read_norm, hc_coefficients, hc_parameters, hc_write, read_norm
 from v4stack.model.moe import MoE
 from v4stack.model import rowwise
 from v4stack.model.norm import RMSNorm
@@ -29,11 +29,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 token_ids: torch.Tensor) -> torch.Tensor:
         """Streams ``x [N, n_hc, d]`` -> new streams."""
-        pre, post, comb = rowwise.step(hc_coefficients, x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                       self.iters, self.hc_eps, self.norm_eps, params=(1, 2, 3))
-        y = self.attn(read_norm(x, pre, self.attn_norm), positions, segments, self.layer_id)
-        x = hc_write(x, y, post, comb)
-        pre, post, comb = rowwise.step(hc_coefficients, x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-                                       self.iters, self.hc_eps, self.norm_eps, params=(1, 2, 3))
-        y = self.ffn(read_norm(x, pre, self.ffn_norm), token_ids)
-        return hc_write(x, y, post, comb)
+        h, post, comb = self._sublayer_input(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
+        x = hc_write(x, self.attn(h, positions, segments, self.layer_id), post, comb)
+        h, post, comb = self._sublayer_input(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
+        return hc_write(x, self.ffn(h, token_ids), post, comb)
+
+    def _sublayer_input(self, x, fn, base, scale, norm):
+        """A sublayer's normalised input and the mHC write's post, comb: the coefficients then the
+        read with its norm - one row step of both where no trainer hook splits them (inference:
+        fast mode's kernels fuse their launches), two row steps under a hook."""
+        if rowwise.hooked():
+            pre, post, comb = rowwise.step(hc_coefficients, x, fn, base, scale, self.iters, self.hc_eps,
+                                           self.norm_eps, params=(1, 2, 3))
+            return read_norm(x, pre, norm), post, comb
+        return coefficients_read_norm(x, fn, base, scale, self.iters, self.hc_eps, self.norm_eps, norm.weight,
+                                      norm.eps)

@@ -15,7 +15,7 @@ from torch import nn
 
 from v4stack import ops
 from v4stack.model import rowwise
-from v4stack.ops.fused import hc_head_pre, hc_pre, hc_read_norm, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
+from v4stack.ops.fused import hc_head_pre, hc_pre, hc_pre_read_norm, hc_read_norm, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
 
 
 def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -42,6 +42,13 @@ def read_norm(x: torch.Tensor, pre: torch.Tensor, norm) -> torch.Tensor:
     """A sublayer's normalised input: ``norm(hc_read(x, pre))`` for an ``RMSNorm`` ``norm``, one row
     step over its weight (one kernel on CUDA, ``fused.hc_read_norm``)."""
     return rowwise.step(hc_read_norm, x, pre, norm.weight, norm.eps, params=(2,))
+
+
+def coefficients_read_norm(x, fn, base, scale, iters: int, eps: float, norm_eps: float, norm_weight,
+                           rms_eps: float):
+    """``hc_coefficients`` then ``read_norm`` with its pre -> (the sublayer's input, post, comb)
+    (fast mode on CUDA: one launch for the coefficients' finish and the read, ``fused.hc_pre_read_norm``)."""
+    return hc_pre_read_norm(x, fn, scale, base, x.shape[1], iters, eps, norm_eps, norm_weight, rms_eps)
 
 
 def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,11 @@ def step(fn, *args, params: tuple[int, ...] = ()):
     return fn(*args) if hook is None else hook.call(fn, args, params)
 
 
+def hooked() -> bool:
+    """Whether a hook is installed (a caller may then keep its row steps apart)."""
+    return _HOOK.get() is not None
+
+
 def module_step(module, forward, *args):
     hook = _HOOK.get()
     return forward(*args) if hook is None else hook.call_module(module, args)

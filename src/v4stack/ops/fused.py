@@ -12,6 +12,9 @@
   read in the projection's kernel instead of copied to fp32 first).
 - ``hc_read_norm(x, pre, weight, eps)``: a sublayer's input, ``rms_norm(hc_read(x, pre), weight,
   eps)`` (``triton_rows.py``: one row kernel, the read never written).
+- ``hc_pre_read_norm(x, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps)``: the two
+  above, the input and post, comb returned (fast mode on CUDA: the coefficients' finish and the
+  read in one launch).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
   (times the routing weight) between their GEMMs, one kernel on CUDA.
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
@@ -110,6 +113,12 @@ def hc_head_pre_reference(x, fn, scale, base, eps: float, norm_eps: float):
 
 def hc_read_norm_reference(x, pre, weight, eps: float):
     return ops.rms_norm(ops.hc_read(x, pre), weight, eps)
+
+
+def hc_pre_read_norm_reference(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float, weight,
+                               rms_eps: float):
+    pre, post, comb = hc_pre(x, fn, scale, base, n, iters, eps, norm_eps)  # each op as its own dispatch serves it
+    return hc_read_norm(x, pre, weight, rms_eps), post, comb
 
 
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -250,6 +259,7 @@ register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
 register("hc_read_norm", "torch_composite", hc_read_norm_reference)
+register("hc_pre_read_norm", "composite", hc_pre_read_norm_reference)
 register("hc_head_pre", "torch_composite", hc_head_pre_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
@@ -332,6 +342,15 @@ def hc_head_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: to
     """The head's stream weights ``pre [N, n]`` (compute dtype) from the streams ``x [N, n, d]``:
     ``sigmoid(hc_mix(x, fn) * scale + base) + eps``."""
     return call("hc_head_pre", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, eps, norm_eps)
+
+
+def hc_pre_read_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
+                     eps: float, norm_eps: float, weight: torch.Tensor | None, rms_eps: float):
+    """A sublayer's mHC coefficients and its normalised input: ``hc_pre`` then ``hc_read_norm`` with
+    its pre -> (input ``[N, d]`` in ``x``'s dtype, post, comb). Both modes compose the two ops;
+    fast mode on CUDA does the finish, the split and the read in one launch (``triton_wide.py``)."""
+    return call("hc_pre_read_norm", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, n, iters,
+                eps, norm_eps, weight, rms_eps)
 
 
 def hc_read_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
