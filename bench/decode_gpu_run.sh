@@ -13,8 +13,8 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
 # work between two steps' graphs (GAPS_S)
 [ "${SELECT_S:-0}" != 0 ] && timeout "$SELECT_S" python3 -m bench.indexer_select --out "$W/indexer_select_h200.json" \
     > "$W/indexer_select.log" 2>&1; [ "${SELECT_S:-0}" != 0 ] && grep -E "^topk|BS.: 128, .CH.: 1, .num_warps.: 4" "$W/indexer_select.log" | tail -20
-[ "${WIDE_S:-0}" != 0 ] && timeout "$WIDE_S" python3 -m bench.wide_projections --parts hc,read_norm --out "$W/wide_projections_h200.json" \
-    > "$W/wide_projections.log" 2>&1; [ "${WIDE_S:-0}" != 0 ] && grep -E "^read_norm" "$W/wide_projections.log"
+[ "${WIDE_S:-0}" != 0 ] && timeout "$WIDE_S" python3 -m bench.wide_projections --parts read_norm,router --out "$W/wide_projections_h200.json" \
+    > "$W/wide_projections.log" 2>&1; [ "${WIDE_S:-0}" != 0 ] && grep -E "^read_norm|^router_with_gate" "$W/wide_projections.log"
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_h200.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack

@@ -8,7 +8,8 @@
   ``hc_read_norm`` (three launches) against ``hc_pre_read_norm`` (two).
 - ``router``: the router's logits ``[M, 8]`` from ``[M, 4096]`` bf16 rows - fast mode's path before
   (the rows widened to fp32 by a copy, then ``ops.linear`` on the fp32 weight) against
-  ``triton_wide.linear_widened`` on the bf16 weight; the error against float64.
+  ``triton_wide.linear_widened`` on the bf16 weight; the error against float64; and the whole router
+  (the logits, then the gate) against ``triton_wide.router`` (the gate adding the partials itself).
 - ``greedy``: ``triton_sample.greedy_draw`` over ``[M, 129280]`` bf16 logits at each launch shape,
   ids against ``argmax`` and log-probabilities against float64.
 
@@ -158,6 +159,18 @@ def router_cases() -> list:
             print("router", M, t, {k: v for k, v in rec.items() if k != "tile"}, case["widened_copy_then_linear"],
                   flush=True)
             case["tiles"].append(rec)
+        # the whole router: the logits then the gate (two launches after the partials' one) against
+        # the gate adding the partials itself
+        from v4stack.kernels import triton_route as trt
+
+        bias = torch.randn(8, device="cuda", generator=g) * 0.1
+        a = trt.moe_gate(tw.linear_widened(x, w, wide), bias, None, None, 6, 2.5)
+        b = tw.router(x, w, wide, bias, None, None, 6, 2.5)
+        case["router_with_gate"] = {
+            "separate_graph_s": graph_time(lambda: trt.moe_gate(tw.linear_widened(x, w, wide), bias, None, None, 6, 2.5)),
+            "fused_graph_s": graph_time(lambda: tw.router(x, w, wide, bias, None, None, 6, 2.5)),
+            "bits_equal": bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))}
+        print("router_with_gate", M, case["router_with_gate"], flush=True)
         out.append(case)
     return out
 

@@ -109,7 +109,7 @@ def test_cpu_calls_run_the_composite_reference_in_both_modes():
 
 def test_route_kernels_build_for_hopper():
     # kernels/builds.py: each compiles for sm_90a with the declared float semantics
-    check(ptx(("moe_gate", "moe_gate_e8", "moe_gate_hashed", "moe_route", "moe_route_e8", "moe_unsort_combine")))
+    check(ptx(("moe_gate", "moe_gate_e8", "moe_gate_hashed", "moe_gate_e8_partials", "moe_route", "moe_route_e8", "moe_unsort_combine")))
 
 
 @pytest.mark.gpu

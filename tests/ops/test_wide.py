@@ -93,6 +93,32 @@ def test_linear_widened_bf16_weight_is_exact_products_and_row_local():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("hashed", [False, True])
+def test_router_sums_the_logits_partials_in_the_gate_with_their_bits(hashed):
+    """``triton_wide.router``: the gate's kernel adds the logits' slice partials itself - the same
+    expert ids and weights, bit for bit, as ``linear_widened`` then the gate on its logits (K = 320:
+    three slices, the last one cut); a token alone as in the batch."""
+    from v4stack.kernels import triton_route as trt
+
+    T, E, k = 21, 8, 3
+    x = torch.randn(T, 320, generator=g).bfloat16()
+    w = torch.randn(E, 320, generator=g) * 0.05
+    bias = None if hashed else torch.randn(E, generator=g) * 0.1
+    table = torch.randint(0, E, (50, k), generator=g, dtype=torch.int32) if hashed else None
+    ids = torch.randint(0, 50, (T,), generator=g) if hashed else None
+    got = tw.router(x, w, w, bias, table, ids, k, 2.5, tile=SMALL)
+    want = trt.moe_gate(tw.linear_widened(x, w, w, SMALL), bias, table, ids, k, 2.5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = fused.moe_gate_reference(x.double() @ w.double().T, None if bias is None else bias.double(), table, ids,
+                                   k, 2.5)
+    torch.testing.assert_close(got[1].double(), ref[1], atol=1e-5, rtol=1e-5)
+    one = tw.router(x[7:8].clone(), w, w, bias, table, None if ids is None else ids[7:8].clone(), k, 2.5, tile=SMALL)
+    assert torch.equal(one[0][0], got[0][7]) and torch.equal(one[1][0], got[1][7])
+    if not hashed:  # inverse control: the partials of other rows route otherwise
+        other = tw.router(x.flip(0), w, w, bias, table, ids, k, 2.5, tile=SMALL)
+        assert not torch.equal(other[1], got[1])
+
+
 def test_wide_kernels_take_fast_mode_on_cuda_only():
     from v4stack.kernels import fused_gpu
     from v4stack.ops.dispatch import _candidates
@@ -103,6 +129,8 @@ def test_wide_kernels_take_fast_mode_on_cuda_only():
     assert [i.name for i in _candidates(("hc_pre_read_norm", "fast", "bfloat16", "cuda"))][0] == \
         "triton_hc_pre_read_norm_wide"
     assert [i.name for i in _candidates(("hc_pre_read_norm", "invariant", "bfloat16", "cuda"))] == ["composite"]
+    assert [i.name for i in _candidates(("router", "fast", "bfloat16", "cuda"))][0] == "triton_router_wide"
+    assert [i.name for i in _candidates(("router", "invariant", "bfloat16", "cuda"))] == ["composite"]
     assert "triton_hc_pre_wide" not in [i.name for i in _candidates(("hc_pre", "invariant", "bfloat16", "cuda"))]
     assert "triton_linear_widened" not in [i.name for i in _candidates(("linear_widened", "invariant", "bfloat16",
                                                                          "cuda"))]
@@ -136,6 +164,11 @@ def test_wide_kernels_on_the_device_at_v4_widths():
         nw = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
         y, post, comb = fused.hc_pre_read_norm(x, fn, scale, base, 4, 20, 1e-6, 1e-6, nw, 1e-6)
         y2 = fused.hc_read_norm(x, got[0], nw, 1e-6)
+        rb = torch.randn(8, device="cuda") * 0.1
+        routed = fused.router(r, w, w.float(), rb, None, None, 6, 2.5)
+        gated = fused.moe_gate(logits, rb, None, None, 6, 2.5)
+    assert "triton_router_wide" in str(ops.counters())
+    assert torch.equal(routed[0], gated[0]) and torch.equal(routed[1], gated[1])  # the logits' bits, summed in the gate
     assert "triton_hc_head_pre_wide" in str(ops.counters())
     assert "triton_hc_pre_read_norm_wide" in str(ops.counters())
     # the one launch against the two: the coefficients within rounding (its reductions run in eight

@@ -115,12 +115,8 @@ def greedy_draw_ok(logits) -> bool:
             and logits.stride(1) == 1 and 0 < logits.shape[1] < 2**31)
 
 
-def moe_gate_ok(logits, bias, table, token_ids, k, scale) -> bool:
-    T = logits.shape[0] if logits.dim() == 2 else 0
-    E = logits.shape[1] if logits.dim() == 2 else 0
-    dev = logits.device
-    return (logits.is_cuda and logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
-            and 1 <= E <= 1024 and 1 <= k <= min(E, 64)
+def _gate_args_ok(T, E, dev, bias, table, token_ids, k) -> bool:
+    return (1 <= E <= 1024 and 1 <= k <= min(E, 64)
             and (table is None) != (bias is None)
             and (bias is None or (bias.dtype == torch.float32 and bias.shape == (E,) and bias.is_contiguous()
                                   and bias.device == dev))
@@ -129,6 +125,19 @@ def moe_gate_ok(logits, bias, table, token_ids, k, scale) -> bool:
                                    and token_ids is not None and token_ids.dtype == torch.int64
                                    and token_ids.shape == (T,) and token_ids.is_contiguous()
                                    and token_ids.device == dev)))
+
+
+def moe_gate_ok(logits, bias, table, token_ids, k, scale) -> bool:
+    T = logits.shape[0] if logits.dim() == 2 else 0
+    E = logits.shape[1] if logits.dim() == 2 else 0
+    return (logits.is_cuda and logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and _gate_args_ok(T, E, logits.device, bias, table, token_ids, k))
+
+
+def router_ok(x, w, wide, bias, table, token_ids, k, scale) -> bool:
+    """Fast mode's ``triton_wide.router``: ``linear_widened_ok`` rows and weight, ``moe_gate_ok``'s
+    routing arguments for their logits."""
+    return linear_widened_ok(x, w, wide) and _gate_args_ok(x.shape[0], w.shape[0], x.device, bias, table, token_ids, k)
 
 
 def moe_route_ok(indices, weights, n_experts, joined=False) -> bool:
@@ -257,6 +266,8 @@ def register_all(register) -> None:
     register("hc_head_pre", "triton_hc_head_pre_wide", _guarded("hc_head_pre_wide",
              _lazy("triton_wide", "hc_head_pre"), ref("hc_head_pre_reference")), mode="fast", device="cuda",
              accepts=_with("triton", hc_head_pre_wide_ok))
+    register("router", "triton_router_wide", _guarded("router_wide", _lazy("triton_wide", "router"),
+             ref("router_reference")), mode="fast", device="cuda", accepts=_with("triton", router_ok))
     register("linear_widened", "triton_linear_widened", _guarded("linear_widened",
              _lazy("triton_wide", "linear_widened"), ref("linear_widened_reference")), mode="fast", device="cuda",
              accepts=_with("triton", linear_widened_ok))

@@ -27,15 +27,24 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from v4stack.kernels.launch import _INTERPRET, launch, next_pow2
+from v4stack.kernels.triton_slices import _add_in_order
 
 
 @triton.jit
 def gate_kernel(L, B, TAB, TOK, IDX, WO, E, s_l, scale, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                HASHED: tl.constexpr, HAS_B: tl.constexpr, ACCURATE: tl.constexpr):
+                HASHED: tl.constexpr, HAS_B: tl.constexpr, ACCURATE: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):
+    """One token a program. ``S`` > 0: ``L`` is the logits' slice partials ``[S, T, E]`` (``s_l`` =
+    T * E), added in slice order as ``triton_slices.finish_kernel`` adds them (the same bits)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BE)
     ok = c < E
-    x = tl.load(L + t * s_l + c, mask=ok, other=0.0).to(tl.float32)
+    if S > 0:
+        j = tl.arange(0, SP).to(tl.int64)
+        parts = tl.load(L + (t * E + c)[None, :, None] + j[None, None, :] * s_l,
+                        mask=ok[None, :, None] & (j < S)[None, None, :], other=0.0)
+        x = tl.reshape(_add_in_order(tl.zeros([1, BE], tl.float32), parts, 1, BE, SP), [BE])
+    else:
+        x = tl.load(L + t * s_l + c, mask=ok, other=0.0).to(tl.float32)
     if ACCURATE:  # libdevice's accurate functions (on the GPU; Triton's interpreter has no libdevice)
         e = libdevice.exp(x)
     else:
@@ -83,7 +92,21 @@ def moe_gate(logits: torch.Tensor, bias, table, token_ids, k: int, scale: float)
         hashed = table is not None
         launch(gate_kernel, (T,), logits, bias if bias is not None else logits, table if hashed else idx,
                token_ids if hashed else idx, idx, w, E, logits.stride(0), float(scale), K=k, KP=next_pow2(k), BE=next_pow2(E),
-               HASHED=hashed, HAS_B=bias is not None, ACCURATE=not _INTERPRET, num_warps=1)
+               HASHED=hashed, HAS_B=bias is not None, ACCURATE=not _INTERPRET, S=0, SP=1, num_warps=1)
+    return idx, w
+
+
+def moe_gate_partials(parts: torch.Tensor, S: int, bias, table, token_ids, k: int, scale: float):
+    """``moe_gate`` of the logits whose slice partials are ``parts [S', T, E]`` (the first ``S``
+    slices taken), summed in the gate's kernel."""
+    _, T, E = parts.shape
+    idx = torch.empty(T, k, dtype=torch.int64, device=parts.device)
+    w = torch.empty(T, k, dtype=torch.float32, device=parts.device)
+    if T:
+        hashed = table is not None
+        launch(gate_kernel, (T,), parts, bias if bias is not None else parts, table if hashed else idx,
+               token_ids if hashed else idx, idx, w, E, T * E, float(scale), K=k, KP=next_pow2(k), BE=next_pow2(E),
+               HASHED=hashed, HAS_B=bias is not None, ACCURATE=not _INTERPRET, S=S, SP=next_pow2(S), num_warps=1)
     return idx, w
 
 
@@ -227,9 +250,13 @@ def builds() -> dict:
     unsort = dict(O="*bf16", RANK="*i64", IDX="*i64", S="*bf16", Y="*bf16", k="i32", D="i32", s_o="i32", s_s="i32",
                   s_y="i32")
     return {
-        "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True, ACCURATE=True)),
-        "moe_gate_e8": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True, ACCURATE=True)),
-        "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False, ACCURATE=True)),
+        "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True, ACCURATE=True, S=0, SP=1)),
+        "moe_gate_e8": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True, ACCURATE=True, S=0, SP=1)),
+        "moe_gate_hashed": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=True, HAS_B=False, ACCURATE=True, S=0,
+                                                    SP=1)),
+        # fast mode's router: the logits' 16 slice partials (K = 4096) summed in the gate
+        "moe_gate_e8_partials": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True, ACCURATE=True,
+                                                         S=16, SP=16)),
         "moe_route": (route_kernel, route, dict(K=6, BP=1024, JOIN=False)),
         "moe_route_e8": (route_kernel, route, dict(K=6, BP=512, JOIN=True)),
         "moe_route_one": (route_kernel, route, dict(K=6, BP=2048, JOIN=True, ONE=True)),

@@ -143,6 +143,20 @@ def linear_widened(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor | None =
     return y
 
 
+def router(x, w, wide, bias, table, token_ids, k: int, scale: float, tile: dict | None = None):
+    """``ops.fused.router`` in fast mode: the logits' partials of the bf16 rows (``linear_widened``'s
+    first launch), then ``triton_route``'s gate kernel adding them in slice order itself - the
+    logits ``linear_widened`` would have written, without the launch that writes them."""
+    from v4stack.kernels.triton_route import moe_gate_partials
+
+    M, N = x.shape[0], w.shape[0]
+    if M == 0:
+        return (torch.empty(0, k, dtype=torch.int64, device=x.device),
+                torch.empty(0, k, dtype=torch.float32, device=x.device))
+    p, _, S = partials(x, w, False, tile)
+    return moe_gate_partials(p.view(S, M, N), S, bias, table, token_ids, k, scale)
+
+
 def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float, tile: dict | None = None):
     """``ops.fused.hc_head_pre`` in fast mode: the head's stream weights from the streams ``x [M, n,
     d]`` (bf16): the partials, ``finish_kernel``'s ordered sum with the RMS factor, then

@@ -27,7 +27,7 @@ from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import linear_widened, moe_gate, moe_route, moe_unsort_combine, swiglu_act
+from v4stack.ops.fused import moe_route, moe_unsort_combine, router, swiglu_act
 
 
 class Expert(nn.Module):
@@ -97,10 +97,9 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
         """-> (expert indices ``[N, k]``, routing weights ``[N, k]`` in the compute dtype)."""
         cd = compute_dtype(x.dtype)
-        logits = linear_widened(x, self.weight, self._weight_in(cd))
         if self.hashed:
-            return moe_gate(logits, None, self.tid2eid, token_ids, self.topk, self.scale)
-        return moe_gate(logits, self.bias.to(cd), None, None, self.topk, self.scale)
+            return router(x, self.weight, self._weight_in(cd), None, self.tid2eid, token_ids, self.topk, self.scale)
+        return router(x, self.weight, self._weight_in(cd), self.bias.to(cd), None, None, self.topk, self.scale)
 
 
 class ExpertBackend(Protocol):

@@ -45,6 +45,8 @@
 - ``normed_sparse_attention(q, pools, idx, sink, scale, eps)``: the sparse attention of
   per-head RMS-normalised queries (fast mode's many-row kernel normalises the queries it loads;
   ``normalises_queries(q)`` says where, so the caller skips its own pass).
+- ``router(x, w, wide, bias, table, token_ids, k, scale)``: ``moe_gate`` of ``linear_widened``
+  (fast mode on CUDA: the logits' partials summed in the gate's kernel).
 - ``linear_widened(x, w, wide)``: a narrow fp32 projection of half rows (the router's logits):
   ``linear(x.to(wide.dtype), wide)``; fast mode on CUDA reads the rows unwidened (``triton_wide.py``).
 - ``greedy_draw(logits)``: a decode step's greedy tokens and their log-probabilities from the
@@ -173,6 +175,10 @@ def moe_gate_reference(logits, bias, table, token_ids, k: int, scale: float):
     return idx, w / ops.sum(w, -1, keepdim=True) * scale
 
 
+def router_reference(x, w, wide, bias, table, token_ids, k: int, scale: float):
+    return moe_gate(linear_widened(x, w, wide), bias, table, token_ids, k, scale)  # each op as its dispatch serves it
+
+
 def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool = False):
     if joined:
         indices = torch.nn.functional.pad(indices, (0, 1), value=n_experts)
@@ -249,6 +255,7 @@ register("normed_sparse_attention", "torch_composite", normed_sparse_attention_r
 register("greedy_draw", "torch_composite", greedy_draw_reference)
 register("linear_widened", "torch_composite", linear_widened_reference)
 register("moe_gate", "torch_composite", moe_gate_reference)
+register("router", "composite", router_reference)
 register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
@@ -412,6 +419,15 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tenso
     -> (expert ids ``[T, k]`` int64, weights ``[T, k]`` in the logits' dtype)."""
     return call("moe_gate", ops.get_mode(), str(logits.dtype)[6:], logits.device.type, logits, bias, table, token_ids,
                 k, scale)
+
+
+def router(x: torch.Tensor, w: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None,
+           table: torch.Tensor | None, token_ids, k: int, scale: float):
+    """The router from its rows: ``moe_gate(linear_widened(x, w, wide), bias, table, token_ids, k,
+    scale)``. Fast mode on CUDA sums the logits' partials inside the gate's kernel (the same bits:
+    the slices added in order), one launch fewer."""
+    return call("router", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, w, wide, bias, table, token_ids, k,
+                scale)
 
 
 def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool = False):
