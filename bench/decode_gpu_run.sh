@@ -4,6 +4,7 @@
 # step, and the GPU tests of the fused ops and the serving engine (first, with SELECT_S / GAPS_S set:
 # bench/indexer_select.py and bench/step_gaps.py). Run from the repo root with
 # PYTHONPATH, V4STACK_COMMIT and V4STACK_DIRTY set; results under $OUT/decode (packed as decode.tgz).
+# A stage whose *_S is 0 is skipped.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 W=${WORK:-/tmp/decode_run}
@@ -18,23 +19,23 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_h200.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack
-timeout "${CHECK_S:-120}" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
+[ "${CHECK_S:-120}" != 0 ] && timeout "${CHECK_S:-120}" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
     --set 'compress_ratios=[0,0,4,128]' --set n_routed_experts=8 --set num_nextn_predict_layers=0 --prompts 8 \
     --phases invariant,fast,mixed_rope --out "$W/model_invariance_flash4_h200.json" > "$W/model_check.log" 2>&1
-grep -iE "differ|steps|error" "$W/model_check.log" | tail -8
+grep -iE "differ|steps|error" "$W/model_check.log" 2>/dev/null | tail -8
 pack
-timeout "${SERVE_S:-120}" python3 -m bench.serve_roofline --device cuda --configs ${CONFIGS:-flash4,flash8} --batches ${BATCHES:-1,16,64,256} \
+[ "${SERVE_S:-120}" != 0 ] && timeout "${SERVE_S:-120}" python3 -m bench.serve_roofline --device cuda --configs ${CONFIGS:-flash4,flash8} --batches ${BATCHES:-1,16,64,256} \
     --steps ${STEPS:-8} --point-budget-s 4 --out "$W/serve_engine_h200.json" > "$W/serve_roofline.log" 2>&1
-grep -E "^flash" "$W/serve_roofline.log"
+grep -E "^flash" "$W/serve_roofline.log" 2>/dev/null
 pack
 [ "${PROFILE_S:-60}" != 0 ] && timeout "${PROFILE_S:-60}" python3 -m bench.serve_profile --device cuda --configs flash4 \
     --modes fast --batches 64,256 --contexts ${PROFILE_CTX:-1024,16384} --steps 4 --warmup 4 --out "$W/serve_profile_h200.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
 pack
-timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --continue-on-collection-errors tests/ops/test_fused_ops.py \
+[ "${TESTS_S:-90}" != 0 ] && timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --continue-on-collection-errors tests/ops/test_fused_ops.py \
     tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/ops/test_route_kernels.py tests/ops/test_select_kernel.py \
     tests/ops/test_slices.py::test_on_the_gpu_bf16_streams_give_their_fp32_copy_bits_at_the_shipped_tiles tests/ops/test_cuda_attention.py tests/ops/test_wide.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" | tail -20
+grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" 2>/dev/null | tail -20
 pack
 [ "${DK_S:-60}" != 0 ] && timeout "${DK_S:-60}" python3 -m bench.decode_kernels --rows 64,256 --out "$W/decode_kernels_h200.json" > "$W/decode_kernels.log" 2>&1; grep -E "x proj|indexer|topk|hc_mix|equal" "$W/decode_kernels.log" | tail -20
 pack
