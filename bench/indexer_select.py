@@ -60,7 +60,8 @@ def indexer_cases(bw: float) -> list:
         rows[:, ENTRIES - 3:] = -1  # entries not yet closed
         ref = tg.indexer_scores(q, w, pool, rows, tile=TILES[0])
         need = pool.numel() * 2 + rows.numel() * 8 + ref.numel() * 2 + q.numel() * 2
-        case = {"queries": T, "entries": ENTRIES, "table_width": width, "bytes": need, "floor_s": need / bw, "tiles": []}
+        case = {"queries": T, "entries": ENTRIES, "table_width": width, "bytes": need, "floor_s": need / bw,
+                "tiles": []}
         for t in TILES:
             rec = {"tile": t}
             try:

@@ -6,8 +6,8 @@ drawn inside the graph itself), and ``Engine.step`` returns. The next call launc
 it at once - its token ids are the sampled ids on the device: the graph reads them from the draws
 of the graph before (by row, ``DecodeGraphs``), or they are copied into its inputs - and only then
 waits for the earlier step's tokens and does the host work for them (stop checks, events, cache
-book-keeping) while the device runs the later step. The device is never left waiting for the host's step
-work, and the host never waits for the step it has just launched.
+book-keeping) while the device runs the later step. The device is never left waiting for the
+host's step work, and the host never waits for the step it has just launched.
 
 A step is launched ahead only when it is the step the scheduler would run anyway, up to rows
 that may turn out finished: every running request is a decoding request of the step in flight,
