@@ -114,7 +114,10 @@ def sequences(eng, batch: int) -> dict:
     from v4stack.serve.sampling import greedy_rows
 
     graphs = eng.runner.graphs
-    key, pair = next((k, p) for k, p in graphs.graphs.items() if k[3])  # a drawing step's graphs
+    found = next(((k, p) for k, p in graphs.graphs.items() if k[3]), None)  # a drawing step's graphs
+    if found is None:
+        return {"error": "no drawing graph", "draw_error": graphs.draw_error, "graph_error": graphs.error}
+    key, pair = found
     rows, width, caps, _ = key
     entry = pair[0]
     n = batch
