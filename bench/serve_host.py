@@ -1,6 +1,7 @@
 """The engine's host time per decode step, with the model's device work taken out.
 
     python -m bench.serve_host --batches 64,256 --context 1024 --out bench/results/serve_host_cpu.json
+    python -m bench.serve_host --batches 256 --context 3000 --steps 160 --out bench/results/serve_host_gc_cpu.json
 
 A decode step under ``overlap`` costs the device its kernels and the host its Python: scheduling,
 the model runner's layout, the cache manager's book-keeping, sampling's launch and read-back,
@@ -10,12 +11,14 @@ measures that part alone: the tiny preset on the CPU, every request's cache hold
 tokens (``serve_roofline.fill``), and ``V4Model.step_paged`` answering with a fixed logits tensor
 of the right shape (so the step's device work - here CPU kernels - is nothing; everything else is
 the engine's own code, the static decode layout included). ``host_s_p50`` is the median wall time
-of one ``Engine.step``; ``--profile`` adds the top functions by own time.
+of one ``Engine.step``; ``gc_full_collections_ms`` the Python full collections (generation 2) that
+ran during the timed steps and how long each took; ``--profile`` adds the top functions by own time.
 """
 
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -25,6 +28,19 @@ import torch
 from bench.runner import write_result
 from bench.serve_roofline import build_config, fill, random_model
 from v4stack.serve.engine import Engine, EngineConfig
+
+
+def _full_collections(out: list):
+    """A ``gc.callbacks`` hook appending each full (generation 2) collection's duration in ms to ``out``."""
+    t0 = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            t0[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            out.append((time.perf_counter() - t0[0]) * 1e3)
+
+    return cb
 
 
 def host_point(batch: int, ctx: int, steps: int, mode: str, profile: bool) -> dict:
@@ -44,8 +60,10 @@ def host_point(batch: int, ctx: int, steps: int, mode: str, profile: bool) -> di
     fill(eng, batch, ctx, steps + 12, seed=batch + ctx)
     for _ in range(4):
         eng.step()
-    times = []
+    times, full = [], []
     prof = cProfile.Profile() if profile else None
+    hook = _full_collections(full)
+    gc.callbacks.append(hook)
     for _ in range(steps):
         t0 = time.perf_counter()
         if prof is not None:
@@ -54,9 +72,11 @@ def host_point(batch: int, ctx: int, steps: int, mode: str, profile: bool) -> di
         if prof is not None:
             prof.disable()
         times.append(time.perf_counter() - t0)
+    gc.callbacks.remove(hook)
     times.sort()
     res = {"batch": batch, "context": ctx, "mode": mode, "steps": steps, "host_s_p50": times[len(times) // 2],
-           "host_s_min": times[0], "host_s_mean": sum(times) / len(times), "steps_ahead": eng.stats.ahead}
+           "host_s_min": times[0], "host_s_mean": sum(times) / len(times), "host_s_max": times[-1],
+           "gc_full_collections_ms": full, "steps_ahead": eng.stats.ahead}
     if prof is not None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)

@@ -22,6 +22,18 @@ def ptx(names):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def registers(names):
+    """``kernels.builds.registers`` of each name, in a fresh process as ``ptx``."""
+    code = ("import json,sys; from v4stack.kernels import builds; "
+            "print(json.dumps({n: builds.registers(n) for n in sys.argv[1:]}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def check(ptx: dict):
     for name, src in ptx.items():
         assert ".entry" in src, name

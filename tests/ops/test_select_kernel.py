@@ -69,9 +69,21 @@ def test_select_kernels_build_for_hopper():
     compile for sm_90a."""
     from tests.ops.hopper import check, ptx
 
-    got = ptx(("topk_rows", "topk_rows_bf16_pairs", "topk_rows_bf16_split", "indexer_scores", "feed_ids"))
+    got = ptx(("topk_rows", "topk_rows_bf16_wide", "topk_rows_bf16_pairs", "topk_rows_bf16_split", "indexer_scores",
+               "feed_ids"))
     check(got)
     assert "wgmma.mma_async" in got["indexer_scores"]  # the indexer's dots on the tensor cores
+
+
+def test_split_top_k_fits_two_programs_an_sm():
+    """Why a 16k step's row is held as 4096 + 512: at 8 warps its program fits twice in an SM's
+    65536 registers, where the 8192-wide one of 16 warps fits once (Triton's ptxas, no spills)."""
+    from tests.ops.hopper import registers
+
+    got = registers(("topk_rows_bf16_split", "topk_rows_bf16_wide"))
+    split, wide = got["topk_rows_bf16_split"], got["topk_rows_bf16_wide"]
+    assert split["spill_bytes"] == 0 and wide["spill_bytes"] == 0
+    assert 2 * 256 * split["registers"] <= 65536 < 2 * 512 * wide["registers"]
 
 
 @pytest.mark.parametrize("bits", [1, 2])

@@ -77,11 +77,14 @@ def kernels() -> dict:
                            dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True)),
         "topk_rows": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o", [P, "*i64", "*i64"] + [I] * 5),
                       dict(EB=4096, BITS=1, EBT=0), dict(num_warps=8)),
-        # two bits a pass on the indexer's bf16 scores, at a 16k step's width
+        # a 16k step's width (4608) on the indexer's bf16 scores: one 8192-wide block (the form before
+        # the split), two bits a pass, and two blocks (4096 + 512)
+        "topk_rows_bf16_wide": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o",
+                                                            [BF, "*i64", "*i64"] + [I] * 5),
+                                dict(EB=8192, BITS=1, EBT=0), dict(num_warps=16)),
         "topk_rows_bf16_pairs": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o",
                                                              [BF, "*i64", "*i64"] + [I] * 5),
                                  dict(EB=8192, BITS=2, EBT=0), dict(num_warps=16)),
-        # the same width in two blocks (4096 + 512), one bit a pass
         "topk_rows_bf16_split": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o",
                                                              [BF, "*i64", "*i64"] + [I] * 5),
                                  dict(EB=4096, BITS=1, EBT=512), dict(num_warps=8)),
@@ -125,3 +128,30 @@ def build(name: str, arch: int = 90):
     opts = opts[0] if opts else {}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32),
                           options=opts)
+
+
+def registers(name: str, arch: int = 90) -> dict:
+    """Registers a thread and spill bytes of kernel ``name``'s ``sm_{arch}a`` build, as Triton's
+    bundled ``ptxas -v`` reports them."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(build(name, arch).asm["ptx"])
+        r = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", str(src), "-o", str(Path(d) / "k.o")],
+                           capture_output=True, text=True, check=True)
+    log = r.stdout + r.stderr
+    return {"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))}
+
+
+if __name__ == "__main__":  # python -m v4stack.kernels.builds NAME ...: each build's registers and spills
+    import sys
+
+    for n in sys.argv[1:]:
+        print(n, registers(n))

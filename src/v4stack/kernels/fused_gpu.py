@@ -35,9 +35,7 @@ def hc_pre_read_norm_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps, weight
     from v4stack.kernels.triton_rows import READ_NORM_ONE
 
     return (hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps) and x.shape[2] <= READ_NORM_ONE
-            and (weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[2] and weight.is_contiguous()
-                                    and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                                    and weight.device == x.device)))
+            and _norm_weight_ok(x, weight) and (weight is None or weight.is_contiguous()))
 
 
 def hc_head_pre_wide_ok(x, fn, scale, base, eps, norm_eps) -> bool:
@@ -81,13 +79,17 @@ def hc_head_pre_ok(x, fn, scale, base, eps, norm_eps) -> bool:
     return resolve("hc_mix", ops.get_mode(), "float32", "cuda", flat, fn, norm_eps).name == "triton_hc_mix"
 
 
+def _norm_weight_ok(x, weight) -> bool:
+    """An RMS norm weight (or None) for rows of ``x [..., d]``."""
+    return weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[-1] and weight.device == x.device
+                              and weight.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
 def hc_read_norm_ok(x, pre, weight, eps) -> bool:
     fl = (torch.float32, torch.bfloat16, torch.float16)
     return (x.is_cuda and x.dim() == 3 and x.dtype in fl and 1 <= x.shape[1] <= 16 and x.shape[2] >= 1
             and pre.is_cuda and pre.dtype == torch.float32 and tuple(pre.shape) == tuple(x.shape[:2])
-            and pre.device == x.device
-            and (weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[2] and weight.dtype in fl
-                                    and weight.device == x.device)))
+            and pre.device == x.device and _norm_weight_ok(x, weight))
 
 
 def table_ok(table, positions, freqs) -> bool:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import launch, next_pow2
-from v4stack.kernels.triton_rows import _read_block, _store_normed
+from v4stack.kernels.triton_rows import _read_norm_row
 from v4stack.kernels.triton_slices import FINISH_BN, _finish_rows
 
 
@@ -95,10 +95,7 @@ def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, 
     tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
     _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1)
     tl.debug_barrier()  # and so is its pre
-    r = pm.to(tl.int64)
-    y, d = _read_block(X, PRE, r, 0, NH, D, s_xn, s_xj, NH, NB, BD)
-    _store_normed(OUT, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + rms_eps)), D, s_on,
-                  HAS_W)
+    _read_norm_row(X, PRE, W, OUT, pm.to(tl.int64), NH, D, Df, s_xn, s_xj, NH, s_on, rms_eps, HAS_W, NB, BD)
 
 
 def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, eps: float, norm_eps: float,

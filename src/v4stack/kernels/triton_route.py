@@ -86,27 +86,25 @@ def gate_kernel(L, B, TAB, TOK, IDX, WO, E, s_l, scale, K: tl.constexpr, KP: tl.
 def moe_gate(logits: torch.Tensor, bias, table, token_ids, k: int, scale: float):
     """-> expert ids ``[T, k]`` (int64) and routing weights ``[T, k]`` (fp32)."""
     T, E = logits.shape
-    idx = torch.empty(T, k, dtype=torch.int64, device=logits.device)
-    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
-    if T:
-        hashed = table is not None
-        launch(gate_kernel, (T,), logits, bias if bias is not None else logits, table if hashed else idx,
-               token_ids if hashed else idx, idx, w, E, logits.stride(0), float(scale), K=k, KP=next_pow2(k), BE=next_pow2(E),
-               HASHED=hashed, HAS_B=bias is not None, ACCURATE=not _INTERPRET, S=0, SP=1, num_warps=1)
-    return idx, w
+    return _gate(logits, T, E, logits.stride(0), 0, bias, table, token_ids, k, scale)
 
 
 def moe_gate_partials(parts: torch.Tensor, S: int, bias, table, token_ids, k: int, scale: float):
     """``moe_gate`` of the logits whose slice partials are ``parts [S', T, E]`` (the first ``S``
     slices taken), summed in the gate's kernel."""
     _, T, E = parts.shape
-    idx = torch.empty(T, k, dtype=torch.int64, device=parts.device)
-    w = torch.empty(T, k, dtype=torch.float32, device=parts.device)
+    return _gate(parts, T, E, T * E, S, bias, table, token_ids, k, scale)
+
+
+def _gate(L, T: int, E: int, s_l: int, S: int, bias, table, token_ids, k: int, scale: float):
+    idx = torch.empty(T, k, dtype=torch.int64, device=L.device)
+    w = torch.empty(T, k, dtype=torch.float32, device=L.device)
     if T:
         hashed = table is not None
-        launch(gate_kernel, (T,), parts, bias if bias is not None else parts, table if hashed else idx,
-               token_ids if hashed else idx, idx, w, E, T * E, float(scale), K=k, KP=next_pow2(k), BE=next_pow2(E),
-               HASHED=hashed, HAS_B=bias is not None, ACCURATE=not _INTERPRET, S=S, SP=next_pow2(S), num_warps=1)
+        launch(gate_kernel, (T,), L, bias if bias is not None else L, table if hashed else idx,
+               token_ids if hashed else idx, idx, w, E, s_l, float(scale), K=k, KP=next_pow2(k), BE=next_pow2(E),
+               HASHED=hashed, HAS_B=bias is not None, ACCURATE=not _INTERPRET, S=S, SP=next_pow2(max(S, 1)),
+               num_warps=1)
     return idx, w
 
 

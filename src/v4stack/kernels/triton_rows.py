@@ -225,9 +225,7 @@ def hc_read_norm_kernel(X, Pre, W, Y, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS
     the sum of squares (per lane, then one tree) and the read again (the same bits) scaled."""
     r = tl.program_id(0).to(tl.int64)
     if ONE:
-        y, d = _read_block(X, Pre, r, 0, n, D, s_xn, s_xj, s_pn, NB, BD)
-        _store_normed(Y, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + eps)), D, s_yn,
-                      HAS_W)
+        _read_norm_row(X, Pre, W, Y, r, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS_W, NB, BD)
     else:
         acc = tl.zeros([BD], tl.float32)
         for d0 in range(0, D, BD):
@@ -237,6 +235,15 @@ def hc_read_norm_kernel(X, Pre, W, Y, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS
         for d0 in range(0, D, BD):
             y, d = _read_block(X, Pre, r, d0, n, D, s_xn, s_xj, s_pn, NB, BD)
             _store_normed(Y, W, r, d, y, inv, D, s_yn, HAS_W)
+
+
+@triton.jit
+def _read_norm_row(X, Pre, W, Y, r, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS_W: tl.constexpr, NB: tl.constexpr,
+                   BD: tl.constexpr):
+    """Row ``r``'s read in one block of ``BD >= D`` columns, RMS-normalised and stored (also run by
+    ``triton_mhc.finish_read_norm_kernel``)."""
+    y, d = _read_block(X, Pre, r, 0, n, D, s_xn, s_xj, s_pn, NB, BD)
+    _store_normed(Y, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + eps)), D, s_yn, HAS_W)
 
 
 @triton.jit

@@ -9,7 +9,8 @@ search from the top bit (32 counting passes; or 16 of two bits, the three counts
 into one sum; a row just past a power of two in two blocks, ``SPLIT``), takes every key above it
 and the first ties in entry order, and writes the chosen rows by a running count. It replaces a
 radix sort of the scores, a sort of the chosen indices and two gathers (74 us for one CSA layer's
-queries at batch 64 and 16k tokens on an H200). Integer results: equal to the torch composition's for any non-NaN scores.
+queries at batch 64 and 16k tokens on an H200). Integer results: equal to the torch composition's
+for any non-NaN scores.
 """
 
 import torch
@@ -18,8 +19,8 @@ import triton.language as tl
 
 from v4stack.kernels.launch import launch, next_pow2
 
-MAX_ENTRIES = 16384  # one program holds a query's entries (and a count fits 16 bits); wider rows take the
-# torch composition
+# one program holds a query's entries (and a count fits 16 bits); wider rows take the torch composition
+MAX_ENTRIES = 16384
 
 
 @triton.jit
@@ -88,9 +89,10 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: 
 
 # one bit a pass: the form measured in the serving step (18 us for 256 queries of 4096 entries,
 # bench/results/indexer_select_h200.json, 1 program an SM at 8192); a row just past a power of two
-# in two blocks: a 16k step's 4608 entries as 4096 + 512 (97 registers a thread at 8 warps, so two
-# programs an SM, against one 8192-wide program of 16 warps at 88) - the same rows for any split,
-# and rows up to a power of two are held as before. bench/indexer_select.py times every form.
+# in two blocks: a 16k step's 4608 entries as 4096 + 512 (123 registers a thread at 8 warps, so two
+# programs an SM, against one 8192-wide program of 16 warps at 93: `python -m v4stack.kernels.builds
+# topk_rows_bf16_split topk_rows_bf16_wide`) - the same rows for any split, and rows up to a power
+# of two are held as before. bench/indexer_select.py times every form.
 TILE = {"BITS": 1, "SPLIT": True}
 
 

@@ -40,7 +40,7 @@ import torch
 
 from v4stack.model.paged import StepBatch
 from v4stack.ops import fused
-from v4stack.serve.sampling import Sampled, greedy_rows, sample_greedy_async
+from v4stack.serve.sampling import Sampled, greedy_rows
 
 
 def _next_pow2(n: int) -> int:
@@ -156,41 +156,30 @@ class DecodeGraphs:
         """One static decode step. Its token ids: the chunks' (host) ids, or ``ids`` (a device
         tensor ``[len(chunks)]``), or for rows ``t`` with ``src[t] >= 0`` the previous step's
         device draw ``src[t]`` (that step drew inside its graph: ``Sampled.fed``). Returns the
-        logits ``[len(chunks), V]``, or with ``draw`` the step's ``Sampled`` greedy draws."""
+        logits ``[len(chunks), V]``, or with ``draw`` the step's ``Sampled`` greedy draws where it
+        could draw them (a CPU step, or a captured graph; elsewhere the logits, for the caller to
+        sample)."""
         self.steps += 1
         n = len(chunks)
         rows = _next_pow2(n)
         dev = runner.device
-        draw = draw and self.draw_error is None
         if ids is not None:  # device ids: fed rows 0..n-1 (the graph's feed reads them after its layout copy)
             self._fed(dev)[:n].copy_(ids)
             src = range(n)
-        if src is not None:
-            self.fed_steps += 1
+        self.fed_steps += src is not None
         width, caps, host_layout = runner.decode_layout(chunks, rows, _width, src)
-        key = (rows, width, caps, draw)
+        entry = None
+        if self.capture and self.error is None:
+            draw = draw and self.draw_error is None
+            entry = self._entry(runner, (rows, width, caps, draw), host_layout)
+            if entry is None and draw:  # the draw could not be captured: the step without it
+                draw = False
+                entry = self._entry(runner, (rows, width, caps, False), host_layout)
+        if entry is None:  # eager: the CPU draws in the step, CUDA leaves the draw to the caller
+            draw = draw and dev.type != "cuda"
+            self.draws += draw
+            return self._eager(runner, host_layout, (rows, width, caps, draw), n, src is not None)
         self.draws += draw
-        pair = self.graphs.get(key)
-        if pair is None and (not self.capture or self.error is not None):
-            return self._eager(runner, host_layout, key, n, src is not None)
-        turn = self._turn.get(key, 0)
-        self._turn[key] = 1 - turn
-        if pair is None or len(pair) <= turn:
-            try:
-                entry = self._capture(runner, key, host_layout)
-            except Exception:  # an op that needs the host: stay eager (a draw that cannot be captured: draw outside)
-                import traceback
-
-                if draw:
-                    self.draw_error = traceback.format_exc()[-2500:]
-                    self.draws -= 1
-                    return self.run_undrawn(runner, chunks, src)
-                self.error = traceback.format_exc()[-2500:]
-                return self._eager(runner, host_layout, key, n, src is not None)
-            pair = self.graphs.setdefault(key, [])
-            pair.append(entry)
-            turn = len(pair) - 1
-        entry = pair[turn]
         if entry.last is not None and entry.last.unread:  # its last draws must be read before they are overwritten
             self.settled += 1
             entry.last.settle()
@@ -210,32 +199,32 @@ class DecodeGraphs:
         self.cache.paged.bytes_written += entry.per_step
         if not draw:
             return entry.logits[:n]
-        s = Sampled(entry.tok[:n], entry.host[:n], entry.done, None, None)
-        s.fed = True
-        entry.last = s
-        return s
+        entry.last = Sampled(entry.tok[:n], entry.host[:n], entry.done, None, None, fed=True)
+        return entry.last
 
-    def run_undrawn(self, runner, chunks, src):
-        """The step without its draw (a drawing graph failed to capture), sampled the usual way."""
-        self.steps -= 1
-        if src is not None:
-            self.fed_steps -= 1
-        logits = self.run(runner, chunks, None, src, False)
-        return sample_greedy_async(logits)
+    def _entry(self, runner, key, host_layout) -> _Graph | None:
+        """The graph of ``key`` this step replays (the shape's two in turn, captured on first use),
+        or None where the capture failed (``draw_error`` for a drawing graph, else ``error``)."""
+        pair = self.graphs.setdefault(key, [])
+        turn = self._turn.get(key, 0)
+        self._turn[key] = 1 - turn
+        if len(pair) <= turn:
+            try:
+                pair.append(self._capture(runner, key, host_layout))
+            except Exception:  # an op that needs the host
+                import traceback
+
+                if key[3]:
+                    self.draw_error = traceback.format_exc()[-2500:]
+                else:
+                    self.error = traceback.format_exc()[-2500:]
+                if not pair:
+                    del self.graphs[key]
+                return None
+        return pair[turn]
 
     def _eager(self, runner, host_layout, key, n: int, feed: bool):
         rows, width, caps, draw = key
         buf = host_layout.to(runner.device)
         logits, tok, out = self._body(runner, buf, runner.decode_batch(buf, rows, width, caps), rows, draw, feed=feed)
-        if not draw:
-            return logits[:n]
-        if tok.device.type == "cuda":  # an eager step on CUDA (a capture that failed): read back as usual
-            host = torch.empty(rows, 3, dtype=torch.float64).pin_memory()
-            host.copy_(out, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            s = Sampled(tok[:n], host[:n], done, None, None)
-        else:
-            s = Sampled(tok[:n], out[:n], None, None, None)
-        s.fed = True
-        return s
+        return Sampled(tok[:n], out[:n], None, None, None, fed=True) if draw else logits[:n]

@@ -232,13 +232,13 @@ class Sampled:
     waits for the one read-back and returns the ``Draw`` of every row."""
 
     def __init__(self, tokens: torch.Tensor, host: torch.Tensor, done, lp: torch.Tensor | None,
-                 rows: list[Row] | None, pinned: "_Pinned | None" = None):
+                 rows: list[Row] | None, pinned: "_Pinned | None" = None, fed: bool = False):
         self.tokens, self._host, self._done, self._lp, self._rows = tokens, host, done, lp, rows
         self._pinned = pinned
         self.wait_s = 0.0  # how long ``collect`` waited for the device
-        # drawn inside a decode step's graph: ``tokens`` are also rows 0.. of the graphs' fed buffer,
-        # which the next graph reads its ids from (``DecodeGraphs``)
-        self.fed = False
+        # drawn inside a decode step's static body: ``tokens`` are also rows 0.. of the graphs' fed
+        # buffer, which the next step reads its ids from (``DecodeGraphs``)
+        self.fed = fed
 
     @property
     def unread(self) -> bool:
