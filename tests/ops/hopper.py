@@ -10,28 +10,25 @@ import sys
 TF32X3 = ("gemm_fp32_tf32x3", "hc_mix", "hc_mix_bf16_streams")
 
 
-def ptx(names):
-    # a fresh process without TRITON_INTERPRET: the kernels must be real JIT functions to compile
-    code = ("import json,sys; from v4stack.kernels import builds; "
-            "print(json.dumps({n: builds.build(n).asm['ptx'] for n in sys.argv[1:]}))")
+def _fresh(expr: str, names) -> dict:
+    """``{n: expr(n)}`` for each kernel name, computed in a fresh process without ``TRITON_INTERPRET``
+    (the kernels must be real JIT functions to compile); ``expr`` is a ``kernels.builds`` call on ``n``."""
+    code = f"import json,sys; from v4stack.kernels import builds; print(json.dumps({{n: {expr} for n in sys.argv[1:]}}))"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def ptx(names):
+    return _fresh("builds.build(n).asm['ptx']", names)
 
 
 def registers(names):
-    """``kernels.builds.registers`` of each name, in a fresh process as ``ptx``."""
-    code = ("import json,sys; from v4stack.kernels import builds; "
-            "print(json.dumps({n: builds.registers(n) for n in sys.argv[1:]}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    """``kernels.builds.registers`` of each name."""
+    return _fresh("builds.registers(n)", names)
 
 
 def check(ptx: dict):
