@@ -93,7 +93,7 @@ def test_greedy_steps_draw_inside_the_static_step_and_feed_the_next(model, monke
     assert got[1] == _until(plain[1], stops[0])
     assert got[:1] + got[2:] == plain[:1] + plain[2:]
     g = eng.runner.graphs
-    assert g.draws >= 10 and g.fed_steps >= 10 and eng.stats.ahead >= 10 and g.settled == 0
+    assert g.draws >= 10 and g.fed_steps >= 10 and eng.stats.ahead >= 10  # (settling: the GPU test's)
     # inverse control: the rows named in the wrong order -> other tokens
     run = DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None, src=None, draw=False:
