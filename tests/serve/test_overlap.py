@@ -10,6 +10,7 @@ import torch
 
 from v4stack.config import preset
 from v4stack.model import V4Model
+from v4stack.serve.cache.manager import PLACEHOLDER
 from v4stack.serve.engine import Engine, EngineConfig
 from v4stack.serve.graphs import DecodeGraphs
 from v4stack.serve.sampling import SamplingParams
@@ -54,8 +55,8 @@ def test_overlapped_decode_gives_the_plain_engines_tokens(model, monkeypatch):
     assert eng.stats.ahead >= 8 and eng.stats.wasted_rows >= 1
     # inverse control: launched-ahead steps fed a wrong id -> other tokens
     run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None, src=None, draw=False:
-                        run(self, runner, chunks, None if ids is None else torch.zeros_like(ids), src, draw))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None, src=None, draw=False, captures=None:
+                        run(self, runner, chunks, None if ids is None else torch.zeros_like(ids), src, draw, captures))
     bad, eng = _run(model, sps[:2], True, _prompts()[:2])
     assert eng.stats.ahead > 0 and [r[0] for r in bad] != [r[0] for r in plain[:2]]
 
@@ -96,7 +97,60 @@ def test_greedy_steps_draw_inside_the_static_step_and_feed_the_next(model, monke
     assert g.draws >= 10 and g.fed_steps >= 10 and eng.stats.ahead >= 10  # (settling: the GPU test's)
     # inverse control: the rows named in the wrong order -> other tokens
     run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None, src=None, draw=False:
-                        run(self, runner, chunks, ids, None if src is None else list(src)[::-1], draw))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, runner, chunks, ids=None, src=None, draw=False, captures=None:
+                        run(self, runner, chunks, ids, None if src is None else list(src)[::-1], draw, captures))
     bad, eng = _run(model, sps, True)
     assert eng.runner.graphs.fed_steps > 0 and [r[0] for r in bad] != [r[0] for r in plain]
+
+
+@torch.no_grad()
+def test_blocks_closed_by_launched_ahead_tokens_are_published(model):
+    """A launched-ahead step may feed the token that closes a block (its id still on the device):
+    the block's boundary snapshot is written in that step, and the block is hashed and published
+    once the id is read back. Three requests close their blocks in the same steps (three captures
+    in a static step of four capture slots, one padding). Later requests whose prompts are the
+    first ones' prompts and outputs reuse every full block, and their tokens equal a cold engine's.
+    Inverse control: no snapshot for a block a placeholder closes -> the later requests miss."""
+    B = model.cfg.block_tokens
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (9,), generator=g).tolist() for _ in range(3)]  # blocks close at 16, 32, 48
+
+    def run(blind_snapshots: bool):
+        eng = Engine(model, EngineConfig(n_blocks=64, n_slots=4, max_running=4, ops_mode="invariant", overlap=True))
+        cm, blind = eng.cache, []
+        plan = cm.plan_captures
+
+        def plan_(chunks):
+            out = plan(chunks)
+            for (_, new), caps in zip(chunks, out):
+                if PLACEHOLDER in new:
+                    blind.extend(caps)
+                    if not blind_snapshots:
+                        for slot in caps.values():
+                            cm.snap.release(slot)
+                        caps.clear()
+            return out
+
+        cm.plan_captures = plan_
+        first = [eng.add_request(p, SamplingParams(max_tokens=48)) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        closed_blind = sorted(blind)
+        follow = [p + r.output[:45] for p, r in zip(prompts, first)]  # 54 tokens: three full blocks each
+        second = [eng.add_request(f, SamplingParams(max_tokens=6)) for f in follow]
+        while eng.has_work():
+            eng.step()
+        return follow, second, closed_blind
+
+    follow, second, closed_blind = run(True)
+    assert closed_blind == sorted([B, 2 * B, 3 * B] * 3)  # each block end was fed by a launched-ahead step
+    assert [r.cached_tokens for r in second] == [3 * B] * 3
+    cold = Engine(model, EngineConfig(n_blocks=64, n_slots=4, max_running=4, ops_mode="invariant"))
+    ref = [cold.add_request(f, SamplingParams(max_tokens=6)) for f in follow]
+    while cold.has_work():
+        cold.step()
+    assert [r.cached_tokens for r in ref] == [0] * 3
+    assert [(r.output, [d.logprob for d in r.draws]) for r in second] == \
+        [(r.output, [d.logprob for d in r.draws]) for r in ref]
+    _, missed, _ = run(False)
+    assert all(r.cached_tokens < 3 * B for r in missed)

@@ -25,7 +25,7 @@ def _runner():
 
 def _table(runner, chunks, width):
     rows = 1 << max(0, len(chunks) - 1).bit_length()
-    host = runner.decode_host(chunks, rows, width, (0,) * len(runner.ratios)).numpy()
+    host = runner.decode_host(chunks, rows, width, (0,) * (len(runner.ratios) + 1)).numpy()
     return host[5 * rows: 5 * rows + rows * width].reshape(rows, width)
 
 

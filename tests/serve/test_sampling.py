@@ -68,7 +68,7 @@ def test_logprobs_are_the_models_distribution():
     ref = torch.log_softmax(x, -1)
     assert d[0].logprob == pytest.approx(float(ref[0, d[0].token]), abs=1e-6)
     assert [t for t, _ in d[0].top] == ref[0].argsort(descending=True)[:5].tolist()
-    assert d[1].top == [] and d[1].token == int(x[1].argmax())
+    assert d[1].top == () and d[1].token == int(x[1].argmax())
 
 
 def test_sampler_advance_is_a_counter():

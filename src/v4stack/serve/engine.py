@@ -290,6 +290,8 @@ class Engine:
         now = time.perf_counter()
         st = self.stats
         running = Status.RUNNING
+        cache = self.cache
+        B = cache.B
         for req, rc, d in zip(inf.reqs, inf.caches, draws):
             if req.status is not running or req.cache is not rc:
                 st.wasted_rows += 1  # finished (or taken out) while this step was in flight
@@ -299,6 +301,8 @@ class Engine:
             p = len(req.prompt) + len(out)
             if rc.pos > p:  # overlap: the step after this one already fed the token as a placeholder
                 rc.tokens[p] = tok
+                if len(rc.hashes) < (p + 1) // B:  # it closed a block: publish it now its ids are known
+                    cache.publish(rc)
             out.append(tok)
             req.draws.append(d)
             req.token_times.append(now)

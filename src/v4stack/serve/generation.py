@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from v4stack.serve.metrics import ApiMetrics
 from v4stack.serve.runner import EngineRunner, Event
-from v4stack.serve.sampling import SEED_MAX, SamplingParams
+from v4stack.serve.sampling import SEED_MAX, DrawLog, SamplingParams
 from v4stack.serve.stops import StopMatcher
 from v4stack.tokenizer import ByteTokenizer
 
@@ -32,7 +32,7 @@ class Job:
     rid: str
     primary: bool
     ids: list[int] = field(default_factory=list)
-    draws: list = field(default_factory=list)
+    draws: DrawLog = field(default_factory=DrawLog)
     text: str = ""
     finish: str | None = None
     error: str | None = None
@@ -49,7 +49,7 @@ class Job:
 
     @property
     def cumulative_logprob(self) -> float:
-        return sum(d.logprob for d in self.draws)
+        return sum(self.draws.logprobs)
 
     def feed(self, ev: Event, now: float) -> tuple[str, list]:
         """Apply one engine event; returns (text released, draws of the new tokens)."""

@@ -1,10 +1,13 @@
 """CUDA graphs for decode steps at bucketed shapes.
 
-A decode step (one token per request, no boundary capture) is laid out in static shapes by
+A decode step (one token per request) is laid out in static shapes by
 ``ModelRunner.decode_layout``: rows padded to a bucket (1, 2, 4, ... ``max_rows``), block tables
 padded to a power-of-two width, per compression ratio a power-of-two number of closing slots for
-the rows whose entry closes (none in most steps: a ratio-m entry closes once every m tokens).
-Every input of a static step is a view of one int64 buffer, so one transfer refreshes them all.
+the rows whose entry closes (none in most steps: a ratio-m entry closes once every m tokens), and a
+power-of-two number of boundary captures for the rows whose token ends a block (the state
+snapshot prefix reuse needs; at batch 256 and 128-token blocks about two rows a step when the
+requests' positions are spread, so a step without any is the exception in real traffic). Every
+input of a static step is a view of one int64 buffer, so one transfer refreshes them all.
 
 A graph holds the whole step, so the device goes from one step's graph to the next with nothing
 between them:
@@ -152,7 +155,7 @@ class DecodeGraphs:
         return _Graph(g, buf, staging, logits, tok, out, host, per_step, inside)
 
     def run(self, runner, chunks, ids: torch.Tensor | None = None, src: list[int] | None = None,
-            draw: bool = False):
+            draw: bool = False, captures: list[dict[int, int]] | None = None):
         """One static decode step. Its token ids: the chunks' (host) ids, or ``ids`` (a device
         tensor ``[len(chunks)]``), or for rows ``t`` with ``src[t] >= 0`` the previous step's
         device draw ``src[t]`` (that step drew inside its graph: ``Sampled.fed``). Returns the
@@ -167,7 +170,7 @@ class DecodeGraphs:
             self._fed(dev)[:n].copy_(ids)
             src = range(n)
         self.fed_steps += src is not None
-        width, caps, host_layout = runner.decode_layout(chunks, rows, _width, src)
+        width, caps, host_layout = runner.decode_layout(chunks, rows, _width, src, captures)
         entry = None
         if self.capture and self.error is None:
             draw = draw and self.draw_error is None

@@ -82,15 +82,26 @@ class ModelRunner:
             out_rows=_long([c - 1 for c in cu[1:]], dev),
         )
 
-    def build_decode(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int) -> StepBatch:
+    def build_decode(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int,
+                     captures: list[dict[int, int]] | None = None) -> StepBatch:
         """A decode step (one token per request) in static shapes: ``rows`` rows (padding rows use
-        the scratch slot, an empty block table and position 0), block tables ``width`` wide, and
-        per ratio the rows whose entry closes in this step, listed in a power-of-two number of
+        the scratch slot, an empty block table and position 0), block tables ``width`` wide, per
+        ratio the rows whose entry closes in this step, listed in a power-of-two number of
         closing slots (``closing_caps``; extra slots repeat the first closing row and write to the
-        scratch block; none when no entry closes). Entries are listed up to the table width, so
-        the shapes depend on ``(rows, width, caps)`` only - what a captured graph needs."""
-        caps = self.closing_caps(chunks, rows)
-        return self.decode_batch(self.decode_host(chunks, rows, width, caps).to(self.device), rows, width, caps)
+        scratch block; none when no entry closes), and the boundary captures the same way (extra
+        ones write the snapshot pool's scratch slot). Entries are listed up to the table width,
+        so the shapes depend on ``(rows, width, caps)`` only - what a captured graph needs;
+        ``caps`` is the closing slots per ratio, then the capture slots."""
+        caps = self.closing_caps(chunks, rows) + (self.capture_cap(captures, rows),)
+        return self.decode_batch(self.decode_host(chunks, rows, width, caps, captures=captures).to(self.device),
+                                 rows, width, caps)
+
+    @staticmethod
+    def capture_cap(captures: list[dict[int, int]] | None, rows: int) -> int:
+        """Capture slots of a decode step: 0 without captures, else the next power of two of their
+        number (a decode token closes at most one block, so at most ``rows``)."""
+        n = sum(map(len, captures)) if captures else 0
+        return 0 if n == 0 else min(rows, 1 << (n - 1).bit_length())
 
     def closing_caps(self, chunks: list[tuple[RequestCache, list[int]]], rows: int,
                      pos: np.ndarray | None = None) -> tuple[int, ...]:
@@ -105,24 +116,27 @@ class ModelRunner:
             caps.append(0 if n == 0 else min(rows, 1 << (n - 1).bit_length()))
         return tuple(caps)
 
-    def decode_layout(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width_of, src=None):
+    def decode_layout(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width_of, src=None,
+                      captures: list[dict[int, int]] | None = None):
         """A static decode step's shape and host layout in one pass over the chunks: ``(width,
         caps, host)`` with ``width = width_of(most blocks of a request)`` and ``host`` as
         ``decode_host`` lays it out."""
         rcs, pos, slots, most = self._gather(chunks)
         width = width_of(max(1, most))
-        caps = self.closing_caps(chunks, rows, pos)
-        return width, caps, self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps, src)
+        caps = self.closing_caps(chunks, rows, pos) + (self.capture_cap(captures, rows),)
+        return width, caps, self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps, src,
+                                         captures)
 
     def decode_host(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width: int,
-                    caps: tuple[int, ...], src=None) -> torch.Tensor:
+                    caps: tuple[int, ...], src=None, captures: list[dict[int, int]] | None = None) -> torch.Tensor:
         """The varying part of a static decode step as one int64 host tensor (one copy moves it):
         ids, positions, ends, state slots, feed sources ``[rows]`` each (``src``: the row of the
         previous step's device draws a row's id is taken from, -1 for none;
         ``DecodeGraphs``), the block table ``[rows, width]``, then per ratio the closing slots'
-        request row, entry number and destination pool row (``[cap]`` each)."""
+        request row, entry number and destination pool row (``[cap]`` each), then the captures'
+        request row, position and snapshot slot (``[caps[-1]]`` each)."""
         rcs, pos, slots, _ = self._gather(chunks)
-        return self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps, src)
+        return self._layout([t[0] for _, t in chunks], pos, slots, len(rcs), rows, width, caps, src, captures)
 
     def _gather(self, chunks: list[tuple[RequestCache, list[int]]]):
         """The chunks' caches, positions (int64 array) and state slots, with the per-slot block
@@ -133,7 +147,7 @@ class ModelRunner:
         return rcs, np.array([rc.pos for rc in rcs], dtype=np.int64), slots, most
 
     def _layout(self, ids_l, pos_n, slots_l, n: int, rows: int, width: int, caps: tuple[int, ...],
-                src=None) -> torch.Tensor:
+                src=None, captures=None) -> torch.Tensor:
         B, R, W = self.cache.B, rows, width
         T = 5 * R  # where the table starts
         out = np.empty(T + R * W + 3 * sum(caps), dtype=np.int64)
@@ -159,7 +173,7 @@ class ModelRunner:
                 tab = self._tab
             table[:n] = tab[slots[:n], :W]
         off, scratch = T + R * W, self.cache.blocks.scratch
-        for r, cap in zip(self.ratios, caps):
+        for r, cap in zip(self.ratios, caps[:-1]):
             if cap == 0:
                 continue
             per = B // r
@@ -171,6 +185,15 @@ class ModelRunner:
             dest[:k] = table[rows_, np.minimum(entry[:k] // per, W - 1)] * per + entry[:k] % per
             dest[k:] = scratch * per
             off += 3 * cap
+        cap = caps[-1]
+        if cap:
+            seq, at, slot = out[off : off + cap], out[off + cap : off + 2 * cap], out[off + 2 * cap : off + 3 * cap]
+            k = 0
+            for i, c in enumerate(captures):
+                for P, s in c.items():
+                    seq[k], at[k], slot[k] = i, P, s
+                    k += 1
+            seq[k:], at[k:], slot[k:] = seq[0], at[0], self.cache.snap.scratch
         return torch.from_numpy(out)
 
     def _grow_tables(self, need: int) -> None:
@@ -220,14 +243,17 @@ class ModelRunner:
             ar = self._arange[R] = torch.arange(R, device=self.device)
         pos = buf[R : 2 * R]
         closing, off = {}, 5 * R + R * W
-        for r, cap in zip(self.ratios, caps):
+        for r, cap in zip(self.ratios, caps[:-1]):
             if cap:
                 closing[r] = Closing(buf[off : off + cap], buf[off + cap : off + 2 * cap], buf[off + 2 * cap : off + 3 * cap])
                 off += 3 * cap
+        cap = caps[-1]
+        captures = Captures(buf[off : off + cap], buf[off + cap : off + 2 * cap], buf[off + 2 * cap : off + 3 * cap]) \
+            if cap else None
         return StepBatch(
             ids=buf[:R], positions=pos, seq=ar, row0=ar, pos0=pos, end=buf[2 * R : 3 * R],
             slots=buf[3 * R : 4 * R], block_table=buf[5 * R : 5 * R + R * W].view(R, W), max_end=W * self.cache.B,
-            decode=True, closing=closing, captures=None, out_rows=None,
+            decode=True, closing=closing, captures=captures, out_rows=None,
         )
 
     def run(self, chunks: list[tuple[RequestCache, list[int]]], all_rows: bool = False,
@@ -247,17 +273,16 @@ class ModelRunner:
         inside its graph and returns their ``Sampled`` instead of the logits."""
         before = self.cache.paged.bytes_written
         g = self.graphs
+        caps = self.cache.plan_captures(chunks)  # (a placeholder's block: planned without its hash)
         if ids is None and src is None:
-            caps = self.cache.plan_captures(chunks)
-            self.graphed = g is not None and not all_rows and not any(caps) and \
+            self.graphed = g is not None and not all_rows and \
                 all(len(t) == 1 for _, t in chunks) and len(chunks) <= g.max_rows
-        else:  # placeholder tokens, one per chunk: no block closes, so no capture is due
-            caps = None
+        else:  # placeholder tokens, one per chunk
             self.graphed = g is not None and not all_rows and len(chunks) <= g.max_rows
             if not self.graphed:
                 raise ValueError("run: device token ids need a static decode step")
         if self.graphed:
-            out = g.run(self, chunks, ids, src, draw)
+            out = g.run(self, chunks, ids, src, draw, caps if any(caps) else None)
         else:
             batch = self.build(chunks, caps)
             if all_rows:

@@ -13,8 +13,10 @@ A step is launched ahead only when it is the step the scheduler would run anyway
 that may turn out finished: every running request is a decoding request of the step in flight,
 none waits to be admitted (unless the batch is full), none reaches ``max_tokens`` with the token
 in flight (those are left out), its sampling needs no host-side token list (no penalties, bias or
-``min_tokens`` masking), its fed token closes no block (a closed block's hash needs the id) and
-every cache can reserve its next row without preemption. Otherwise the in-flight step is read
+``min_tokens`` masking) and every cache can reserve its next row without preemption. A fed token
+that closes a block is fine: the block's boundary snapshot is written in the step as planned
+without its hash (``CacheManager.plan_captures``), and the block is hashed and published when the
+id is read back (``CacheManager.publish``). Otherwise the in-flight step is read
 first and the engine schedules as it always does. A row whose request finished on the token in
 flight (a stop id) was computed for nothing; its output is dropped and its cache was freed with
 the request (``EngineStats.wasted_rows``). The fed token's id is recorded in the request's cache
@@ -28,11 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from v4stack.ops.mode import mode as ops_mode
-from v4stack.serve.cache.manager import RequestCache
+from v4stack.serve.cache.manager import PLACEHOLDER, RequestCache
 from v4stack.serve.request import Request, Status
 from v4stack.serve.sampling import Row, Sampled, sample_async, sample_greedy_async
 
-PLACEHOLDER = -1  # a fed token whose id is still on the device
 
 
 @dataclass
@@ -71,8 +72,6 @@ def launch_ahead(eng, inf: InFlight) -> InFlight | None:
             if _needs_host_tokens(req, index):
                 return None
             plain = False
-        if (rc.pos + 1) % B == 0:
-            return None
         keep.append(i)
         reqs.append(req)
     if live != len(sch.running):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from v4stack.serve.cache.manager import RequestCache
-from v4stack.serve.sampling import Draw, SamplingParams, fresh_seed
+from v4stack.serve.sampling import Draw, DrawLog, SamplingParams, fresh_seed
 from v4stack.serve.stops import StopMatcher
 from v4stack.tokenizer import ByteTokenizer
 
@@ -39,7 +39,7 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     stop_ids: frozenset[int] = frozenset()  # the engine finishes on these (stop_token_ids, EOS)
     stop_reason: int | None = None  # the id that finished it
-    draws: list[Draw] = field(default_factory=list)  # per output token: its logprob (+ top-n)
+    draws: DrawLog = field(default_factory=DrawLog)  # per output token: its logprob (+ top-n)
     prompt_draws: list[Draw | None] | None = None  # per prompt token when prompt_logprobs is set
     plain: bool = field(default=False, init=False)  # params.plain, read once per step per request
 

@@ -18,6 +18,7 @@ default.
 from __future__ import annotations
 
 import secrets
+from array import array
 import time
 from dataclasses import dataclass, field
 
@@ -127,12 +128,64 @@ class Row:
     no_stop_ids: tuple[int, ...] = ()  # masked while index < min_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class Draw:
     token: int
     logprob: float  # under the model's distribution (raw logits)
-    top: list[tuple[int, float]] | None = None  # (token, logprob), best first, when asked
+    top: list[tuple[int, float]] | tuple | None = None  # (token, logprob), best first, when asked (``()``: zero)
     sampled_logprob: float = 0.0  # under the temperature-scaled distribution (1 when greedy), float64
+
+
+class DrawLog:
+    """A request's ``Draw`` per output token, kept as columns: the ids and the two log-probabilities
+    in typed arrays, the alternatives (when asked) by index. A list of ``Draw`` objects would be one
+    object the cyclic collector tracks per token - at 256 requests, 256 more each step, and what a
+    full collection walks (``serve/heap.py``); arrays hold no references, so a long generation
+    adds nothing to it. Reads give ``Draw``s: ``log[i]``, ``log[a:b]`` (a list), iteration."""
+
+    __slots__ = ("tokens", "logprobs", "sampled", "tops")
+
+    def __init__(self, draws=()):
+        self.tokens, self.logprobs, self.sampled = array("q"), array("d"), array("d")
+        self.tops: dict[int, list | tuple] = {}
+        self.extend(draws)
+
+    def append(self, d: Draw) -> None:
+        if d.top is not None:
+            self.tops[len(self.tokens)] = d.top
+        self.tokens.append(d.token)
+        self.logprobs.append(d.logprob)
+        self.sampled.append(d.sampled_logprob)
+
+    def extend(self, draws) -> None:
+        for d in draws:
+            self.append(d)
+
+    def __iadd__(self, draws) -> "DrawLog":
+        self.extend(draws)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _at(self, i: int) -> Draw:
+        return Draw(self.tokens[i], self.logprobs[i], self.tops.get(i), self.sampled[i])
+
+    def __getitem__(self, i):
+        n = len(self.tokens)
+        if isinstance(i, slice):
+            return [self._at(k) for k in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("draw index out of range")
+        return self._at(i)
+
+    def __iter__(self):
+        return (self._at(k) for k in range(len(self.tokens)))
+
+    def __repr__(self) -> str:
+        return f"DrawLog({len(self)} draws)"
 
 
 def top_logprobs(logprobs: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
@@ -261,20 +314,17 @@ class Sampled:
     def collect(self) -> list[Draw]:
         self.settle()
         vals = self._host if isinstance(self._host, list) else self._host.tolist()
-        draws = [Draw(int(t), c, None, p) for t, c, p in vals]
         rows = self._rows
         if rows is None:  # plain rows: no log-probability report
-            return draws
-        want = [b for b in range(len(rows)) if rows[b].params.logprobs]
+            return [Draw(int(t), c, None, p) for t, c, p in vals]
+        asked = [r.params.logprobs for r in rows]
+        top: list = [None if n is None else () for n in asked]  # () : asked for zero alternatives
+        want = [b for b, n in enumerate(asked) if n]
         if want:
-            n = max(rows[b].params.logprobs for b in want)
-            tops = top_logprobs(self._lp[want], n)
+            tops = top_logprobs(self._lp[want], max(asked[b] for b in want))
             for b, t in zip(want, tops):
-                draws[b].top = t[: rows[b].params.logprobs]
-        for b in range(len(rows)):
-            if rows[b].params.logprobs == 0:
-                draws[b].top = []
-        return draws
+                top[b] = t[: asked[b]]
+        return [Draw(int(t), c, k, p) for (t, c, p), k in zip(vals, top)]
 
 
 class _Pinned:

@@ -11,6 +11,7 @@ import torch
 from v4stack.config import ModelConfig
 from v4stack.model import V4Model
 from v4stack.model.weights import load_model
+from v4stack.serve import heap
 from v4stack.serve.engine import Engine, EngineConfig
 from v4stack.serve.limits import ServerOptions
 from v4stack.serve.runner import EngineRunner
@@ -33,6 +34,7 @@ def serve(cfg: ModelConfig, model_dir: str | None, model_name: str, host: str, p
     runner = make_runner(cfg, model_dir, engine_cfg, seed, dtype, device)
     app = build_app(runner, model_name, opts)
     edge = app.state.edge
+    heap.settle()  # the model, engine and app are built: keep them out of every later full collection
 
     class Draining(uvicorn.Server):
         def handle_exit(self, sig, frame):

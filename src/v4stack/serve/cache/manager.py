@@ -35,6 +35,7 @@ def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
 
 
 ROOT = b"v4stack-prefix-v1"
+PLACEHOLDER = -1  # a fed token whose id is still on the device (an overlapped step: serve/overlap.py)
 
 
 @dataclass
@@ -45,6 +46,9 @@ class RequestCache:
     tokens: list[int] = field(default_factory=list)  # every token fed so far
     hashes: list[bytes] = field(default_factory=list)  # chain value of each full block
     hit_tokens: int = 0
+    # boundary snapshots written for blocks whose last token was still a placeholder when the step
+    # was planned ({block end: snapshot slot}): published with their block by ``publish``
+    unhashed: dict[int, int] = field(default_factory=dict)
 
 
 class CacheManager:
@@ -159,21 +163,31 @@ class CacheManager:
         the step need a boundary snapshot, and the snapshot slot each is written to, as
         ``{position: slot}`` per request. A block whose published copy already has a snapshot
         needs none; when slots run out the least recently used snapshot goes, then the step's own
-        earliest capture (so the latest boundaries win, as if taken one after another)."""
+        earliest capture (so the latest boundaries win, as if taken one after another). A block
+        closed by a ``PLACEHOLDER`` token cannot be looked up (its hash needs the id): it gets a
+        slot, which ``publish`` gives back if an equal block turns out to hold one already."""
         out: list[dict[int, int]] = []
         pending: list[tuple[dict, int]] = []
+        B = self.B
         for rc, new in chunks:
             caps: dict[int, int] = {}
             out.append(caps)
+            first, end = rc.pos // B, (rc.pos + len(new)) // B
+            if first == end:  # no block ends inside the step (a decode token, most steps)
+                continue
             hashes = list(rc.hashes)
-            while len(hashes) < rc.pos // self.B:  # a restored cache may not carry its chain
+            while len(hashes) < first:  # a restored cache may not carry its chain
                 hashes.append(self._block_hash(rc, hashes, len(hashes), []))
-            for j in range(rc.pos // self.B, (rc.pos + len(new)) // self.B):
-                h = self._block_hash(rc, hashes, j, new)
-                hashes.append(h)
-                bid = self.blocks.lookup(h)
-                if bid is not None and bid in self.snap_of:
-                    continue
+            for j in range(first, end):
+                if PLACEHOLDER in new[max(0, j * B - rc.pos) : (j + 1) * B - rc.pos]:
+                    blind = True  # (and every later block of the chain: none in a one-token step)
+                else:
+                    h = self._block_hash(rc, hashes, j, new)
+                    hashes.append(h)
+                    bid = self.blocks.lookup(h)
+                    if bid is not None and bid in self.snap_of:
+                        continue
+                    blind = False
                 slot = self.snap.acquire()
                 if slot is None and self.snap_of:
                     _, slot = self.snap_of.popitem(last=False)
@@ -182,14 +196,18 @@ class CacheManager:
                     slot = owner.pop(P)
                 if slot is None:
                     continue
-                P = (j + 1) * self.B
+                P = (j + 1) * B
                 caps[P] = slot
                 pending.append((caps, P))
+                if blind:
+                    break
         return out
 
     def advance(self, rc: RequestCache, new_tokens: list[int], captures: dict[int, int]) -> None:
         """Book-keeping after a step fed ``new_tokens``: positions, fill counts, published full
-        blocks, and the boundary snapshots the step wrote (the model wrote all data in place)."""
+        blocks, and the boundary snapshots the step wrote (the model wrote all data in place). A
+        block whose tokens include a ``PLACEHOLDER`` is published by ``publish`` once the id is in
+        ``rc.tokens``."""
         old = rc.pos
         rc.tokens.extend(new_tokens)
         rc.pos += len(new_tokens)
@@ -197,13 +215,22 @@ class CacheManager:
         for j in range(old // B, rc.pos // B + 1):
             if j < len(rc.blocks):
                 self.blocks.meta[rc.blocks[j]].filled = min(B, max(0, rc.pos - j * B))
+        rc.unhashed.update(captures)
+        self.publish(rc)
+
+    def publish(self, rc: RequestCache) -> None:
+        """Hash and publish ``rc``'s full blocks not published yet, up to the first that still
+        holds a ``PLACEHOLDER``, each with the boundary snapshot its step wrote (if any)."""
+        B, caps = self.B, rc.unhashed
         while len(rc.hashes) < rc.pos // B:
             j = len(rc.hashes)
+            if PLACEHOLDER in rc.tokens[j * B : (j + 1) * B]:
+                return
             h = self._block_hash(rc, rc.hashes, j, [])
             rc.hashes.append(h)
             self.blocks.register(rc.blocks[j], h)
             bid = self.blocks.lookup(h)  # ours, or an equal block published first
-            slot = captures.get((j + 1) * B)
+            slot = caps.pop((j + 1) * B, None)
             if bid is not None and bid in self.snap_of:
                 self.snap_of.move_to_end(bid)
                 if slot is not None:
@@ -213,6 +240,8 @@ class CacheManager:
                     self.snap.release(slot)
                 else:
                     self.snap_of[bid] = slot
+        for P in [P for P in caps if P <= len(rc.hashes) * B]:  # (none expected: a block's slot goes with it)
+            self.snap.release(caps.pop(P))
 
     def advance_all(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]] | None) -> None:
         """``advance`` for every chunk of a step (``captures`` None: none). A decode token that
@@ -232,6 +261,9 @@ class CacheManager:
                 self.advance(rc, toks, c or {})
 
     def free(self, rc: RequestCache) -> None:
+        for slot in rc.unhashed.values():  # snapshots of blocks that were never published
+            self.snap.release(slot)
+        rc.unhashed.clear()
         for b in rc.blocks:
             self.blocks.decref(b)
         rc.blocks = []
