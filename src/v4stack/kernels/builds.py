@@ -87,7 +87,7 @@ def kernels() -> dict:
                                  dict(EB=8192, BITS=2, EBT=0), dict(num_warps=16)),
         "topk_rows_bf16_split": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o",
                                                              [BF, "*i64", "*i64"] + [I] * 5),
-                                 dict(EB=4096, BITS=1, EBT=512), dict(num_warps=8)),
+                                 dict(EB=4096, BITS=1, EBT=512), dict(num_warps=4)),
         "feed_ids": (tlay.feed_ids_kernel, _sig("IDS SRC FED T", ["*i64", "*i64", "*i64", I]), dict(BT=256),
                      dict(num_warps=4)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
