@@ -1,5 +1,5 @@
 #!/bin/bash
-# One H200 call for the decode path's kernels: the whole-model check (flash4, both modes and the
+# One H200 (or H100) call for the decode path's kernels: the whole-model check (flash4, both modes and the
 # mixed-rotation control), the serving roofline (both configs, batch 1..256), a profile of the fast
 # step, and the GPU tests of the fused ops and the serving engine (first, with SELECT_S / GAPS_S set:
 # bench/indexer_select.py and bench/step_gaps.py). Run from the repo root with
@@ -8,28 +8,30 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 W=${WORK:-/tmp/decode_run}
+# result files are named for the card that ran them (a call for an H200 may be served by an H100)
+CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h100 && echo h100 || echo h200)}
 mkdir -p "$W"
 pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" "$OUT/decode.tgz"; }
 # optional first stages: the indexer / top-k forms (SELECT_S), the coefficients' launches (WIDE_S) and the
 # work between two steps' graphs (GAPS_S)
-[ "${SELECT_S:-0}" != 0 ] && timeout "$SELECT_S" python3 -m bench.indexer_select --out "$W/indexer_select_h200.json" \
+[ "${SELECT_S:-0}" != 0 ] && timeout "$SELECT_S" python3 -m bench.indexer_select --out "$W/indexer_select_${CARD}.json" \
     > "$W/indexer_select.log" 2>&1; [ "${SELECT_S:-0}" != 0 ] && grep -E "^topk|BS.: 128, .CH.: 1, .num_warps.: 4" "$W/indexer_select.log" | tail -20
-[ "${WIDE_S:-0}" != 0 ] && timeout "$WIDE_S" python3 -m bench.wide_projections --parts read_norm,router --out "$W/wide_projections_h200.json" \
+[ "${WIDE_S:-0}" != 0 ] && timeout "$WIDE_S" python3 -m bench.wide_projections --parts read_norm,router --out "$W/wide_projections_${CARD}.json" \
     > "$W/wide_projections.log" 2>&1; [ "${WIDE_S:-0}" != 0 ] && grep -E "^read_norm|^router_with_gate" "$W/wide_projections.log"
-[ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_h200.json" > "$W/step_gaps.log" 2>&1; \
+[ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_${CARD}.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack
 [ "${CHECK_S:-120}" != 0 ] && timeout "${CHECK_S:-120}" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
     --set 'compress_ratios=[0,0,4,128]' --set n_routed_experts=8 --set num_nextn_predict_layers=0 --prompts 8 \
-    --phases invariant,fast,mixed_rope --out "$W/model_invariance_flash4_h200.json" > "$W/model_check.log" 2>&1
+    --phases invariant,fast,mixed_rope --out "$W/model_invariance_flash4_${CARD}.json" > "$W/model_check.log" 2>&1
 grep -iE "differ|steps|error" "$W/model_check.log" 2>/dev/null | tail -8
 pack
 [ "${SERVE_S:-120}" != 0 ] && timeout "${SERVE_S:-120}" python3 -m bench.serve_roofline --device cuda --configs ${CONFIGS:-flash4,flash8} --batches ${BATCHES:-1,16,64,256} \
-    --steps ${STEPS:-8} --point-budget-s 4 --out "$W/serve_engine_h200.json" > "$W/serve_roofline.log" 2>&1
+    --steps ${STEPS:-8} --point-budget-s 4 --out "$W/serve_engine_${CARD}.json" > "$W/serve_roofline.log" 2>&1
 grep -E "^flash" "$W/serve_roofline.log" 2>/dev/null
 pack
 [ "${PROFILE_S:-60}" != 0 ] && timeout "${PROFILE_S:-60}" python3 -m bench.serve_profile --device cuda --configs flash4 \
-    --modes fast --batches 64,256 --contexts ${PROFILE_CTX:-1024,16384} --steps 4 --warmup 4 --out "$W/serve_profile_h200.json" \
+    --modes fast --batches 64,256 --contexts ${PROFILE_CTX:-1024,16384} --steps 4 --warmup 4 --out "$W/serve_profile_${CARD}.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
 pack
 [ "${TESTS_S:-90}" != 0 ] && timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --continue-on-collection-errors tests/ops/test_fused_ops.py \
@@ -37,8 +39,8 @@ pack
     tests/ops/test_slices.py::test_on_the_gpu_bf16_streams_give_their_fp32_copy_bits_at_the_shipped_tiles tests/ops/test_cuda_attention.py tests/ops/test_wide.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" 2>/dev/null | tail -20
 pack
-[ "${DK_S:-60}" != 0 ] && timeout "${DK_S:-60}" python3 -m bench.decode_kernels --rows 64,256 --out "$W/decode_kernels_h200.json" > "$W/decode_kernels.log" 2>&1; grep -E "x proj|indexer|topk|hc_mix|equal" "$W/decode_kernels.log" | tail -20
+[ "${DK_S:-60}" != 0 ] && timeout "${DK_S:-60}" python3 -m bench.decode_kernels --rows 64,256 --out "$W/decode_kernels_${CARD}.json" > "$W/decode_kernels.log" 2>&1; grep -E "x proj|indexer|topk|hc_mix|equal" "$W/decode_kernels.log" | tail -20
 pack
-[ "${ROPE_S:-60}" != 0 ] && timeout "${ROPE_S:-60}" python3 -m bench.rope_shapes --out "$W/rope_shapes_h200.json" > "$W/rope_shapes.log" 2>&1; tail -2 "$W/rope_shapes.log"
-[ "${NORM_S:-60}" != 0 ] && timeout "${NORM_S:-60}" python3 -m bench.norm_rows --out "$W/norm_rows_h200.json" > "$W/norm_rows.log" 2>&1; tail -2 "$W/norm_rows.log"
+[ "${ROPE_S:-60}" != 0 ] && timeout "${ROPE_S:-60}" python3 -m bench.rope_shapes --out "$W/rope_shapes_${CARD}.json" > "$W/rope_shapes.log" 2>&1; tail -2 "$W/rope_shapes.log"
+[ "${NORM_S:-60}" != 0 ] && timeout "${NORM_S:-60}" python3 -m bench.norm_rows --out "$W/norm_rows_${CARD}.json" > "$W/norm_rows.log" 2>&1; tail -2 "$W/norm_rows.log"
 pack

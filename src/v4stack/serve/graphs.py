@@ -206,14 +206,17 @@ class DecodeGraphs:
         return entry.last
 
     def _entry(self, runner, key, host_layout) -> _Graph | None:
-        """The graph of ``key`` this step replays (the shape's two in turn, captured on first use),
-        or None where the capture failed (``draw_error`` for a drawing graph, else ``error``)."""
+        """The graph of ``key`` this step replays (the shape's two in turn, both captured on its
+        first use, so a shape's second use - a closing pattern's next occurrence, say - does not
+        stop the device for a capture), or None where the capture failed (``draw_error`` for a
+        drawing graph, else ``error``)."""
         pair = self.graphs.setdefault(key, [])
         turn = self._turn.get(key, 0)
         self._turn[key] = 1 - turn
-        if len(pair) <= turn:
+        if len(pair) < 2:
             try:
-                pair.append(self._capture(runner, key, host_layout))
+                while len(pair) < 2:
+                    pair.append(self._capture(runner, key, host_layout))
             except Exception:  # an op that needs the host
                 import traceback
 
