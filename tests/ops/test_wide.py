@@ -140,6 +140,23 @@ def test_wide_kernels_take_fast_mode_on_cuda_only():
     assert not fused_gpu.linear_widened_ok(x.half(), torch.empty(8, 64), torch.empty(8, 64))
 
 
+def test_fused_read_norm_is_for_decode_sized_calls(monkeypatch):
+    """The fused coefficients-and-read launch takes up to ``READ_NORM_FUSED_ROWS`` rows (where it was
+    measured faster); a prefill's rows take the two launches. Control: the same call at the bound
+    is accepted, so the refusal is the row count's."""
+    from v4stack.kernels import fused_gpu
+
+    monkeypatch.setattr(fused_gpu, "hc_pre_wide_ok", lambda *a: True)  # the device checks, on the CPU
+    weight, rows = torch.empty(4096, device="meta"), fused_gpu.READ_NORM_FUSED_ROWS
+
+    def ok(m):
+        x = torch.empty(m, 4, 4096, device="meta")
+        return fused_gpu.hc_pre_read_norm_wide_ok(x, None, None, None, 4, 20, 1e-6, 1e-6, weight, 1e-5)
+
+    assert ok(rows) and ok(1)
+    assert not ok(rows + 1) and not ok(4096)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_wide_kernels_on_the_device_at_v4_widths():

@@ -30,12 +30,21 @@ def hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps) -> bool:
     return x.dtype == torch.bfloat16 and hc_pre_ok(x, fn, scale, base, n, iters, eps, norm_eps)
 
 
+# Most rows the fused coefficients-and-read launch takes: at decode sizes it is the faster (256 rows
+# 14.7 against 15.2 us for the two launches on an H100), at a prefill's 4096 rows the slower (172.7
+# against 141.9: its one program a row runs the partials' sum, the split and the read in turn);
+# bench/results/wide_projections_h100.json, part read_norm.
+READ_NORM_FUSED_ROWS = 256
+
+
 def hc_pre_read_norm_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps) -> bool:
-    """Fast mode's ``triton_wide.hc_pre_read_norm``: ``hc_pre_wide_ok``, and a row read in one block."""
+    """Fast mode's ``triton_wide.hc_pre_read_norm``: ``hc_pre_wide_ok``, a row read in one block,
+    at most ``READ_NORM_FUSED_ROWS`` rows (more: the two launches)."""
     from v4stack.kernels.triton_rows import READ_NORM_ONE
 
-    return (hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps) and x.shape[2] <= READ_NORM_ONE
-            and _norm_weight_ok(x, weight) and (weight is None or weight.is_contiguous()))
+    return (x.shape[0] <= READ_NORM_FUSED_ROWS and hc_pre_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps)
+            and x.shape[2] <= READ_NORM_ONE and _norm_weight_ok(x, weight)
+            and (weight is None or weight.is_contiguous()))
 
 
 def hc_head_pre_wide_ok(x, fn, scale, base, eps, norm_eps) -> bool:
