@@ -161,7 +161,9 @@ def sequences(eng, batch: int) -> dict:
         last.clear()
         del ga
         # the former form from the same layout
-        buf, staging = entry.buf, entry.staging
+        buf = entry.buf
+        staging = entry.staging.clone().pin_memory()
+        staging[:n] = 0  # the former layout carried its ids; the shipped one's fed rows hold -1 (PLACEHOLDER)
         ids = torch.zeros(n, dtype=torch.long, device="cuda")
         pinned = torch.empty(n, 3, dtype=torch.float64).pin_memory()
         dev_staging = staging.to("cuda")
