@@ -213,20 +213,19 @@ class DecodeGraphs:
         pair = self.graphs.setdefault(key, [])
         turn = self._turn.get(key, 0)
         self._turn[key] = 1 - turn
-        if len(pair) < 2:
-            try:
-                while len(pair) < 2:
-                    pair.append(self._capture(runner, key, host_layout))
-            except Exception:  # an op that needs the host
-                import traceback
+        try:
+            while len(pair) < 2:
+                pair.append(self._capture(runner, key, host_layout))
+        except Exception:  # an op that needs the host
+            import traceback
 
-                if key[3]:
-                    self.draw_error = traceback.format_exc()[-2500:]
-                else:
-                    self.error = traceback.format_exc()[-2500:]
-                if not pair:
-                    del self.graphs[key]
-                return None
+            if key[3]:
+                self.draw_error = traceback.format_exc()[-2500:]
+            else:
+                self.error = traceback.format_exc()[-2500:]
+            if not pair:
+                del self.graphs[key]
+            return None
         return pair[turn]
 
     def _eager(self, runner, host_layout, key, n: int, feed: bool):

@@ -1,10 +1,11 @@
 """The serving process's heap and Python's cyclic collector.
 
-A decode step at batch 256 leaves the host ~0.5 ms of slack (it prepares step n+1 while the
-device runs step n), and a full collection stops the host for as long as it takes to walk every
-tracked object: with torch imported and a model loaded that is ~200k objects, ~75 ms, and at 256
-requests of 16k-token contexts the token lists add ~50 ms more (``bench/serve_host.py`` records
-each full collection). One such pause costs the device a hundred steps' slack at once. Two things
+A decode step at batch 256 leaves the host the device's step time less its own work (2.52 against
+0.76 ms a step for flash4 on an H100, ``bench/results/serve_engine_h100.json``), and a full
+collection stops the host for as long as it takes to walk every tracked object: one took 130 ms at
+batch 256 with 3000-token contexts on the tiny preset (``bench/results/serve_host_gc_cpu.json``;
+``bench/serve_host.py`` records each full collection and, with ``settle``, how many objects were
+frozen: 227k there). One such pause costs the device dozens of steps' slack at once. Two things
 keep the collector off the hot path:
 
 - ``settle()`` once the process has loaded its model and warmed its engine: one collection, then

@@ -22,6 +22,11 @@ def _long(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
+
+def _slots(n: int, rows: int) -> int:
+    """Static slots for ``n`` listed rows: 0 for none, else the next power of two, at most ``rows``."""
+    return 0 if n == 0 else min(rows, 1 << (n - 1).bit_length())
+
 class ModelRunner:
     def __init__(self, model: V4Model, cache: CacheManager):
         self.model, self.cache = model, cache
@@ -100,8 +105,7 @@ class ModelRunner:
     def capture_cap(captures: list[dict[int, int]] | None, rows: int) -> int:
         """Capture slots of a decode step: 0 without captures, else the next power of two of their
         number (a decode token closes at most one block, so at most ``rows``)."""
-        n = sum(map(len, captures)) if captures else 0
-        return 0 if n == 0 else min(rows, 1 << (n - 1).bit_length())
+        return _slots(sum(map(len, captures)) if captures else 0, rows)
 
     def closing_caps(self, chunks: list[tuple[RequestCache, list[int]]], rows: int,
                      pos: np.ndarray | None = None) -> tuple[int, ...]:
@@ -112,8 +116,7 @@ class ModelRunner:
             pos = np.fromiter((rc.pos for rc, _ in chunks), dtype=np.int64, count=len(chunks))
         caps = []
         for r in self.ratios:
-            n = int(np.count_nonzero((pos + 1) % r == 0))
-            caps.append(0 if n == 0 else min(rows, 1 << (n - 1).bit_length()))
+            caps.append(_slots(int(np.count_nonzero((pos + 1) % r == 0)), rows))
         return tuple(caps)
 
     def decode_layout(self, chunks: list[tuple[RequestCache, list[int]]], rows: int, width_of, src=None,

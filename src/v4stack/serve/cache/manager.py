@@ -240,8 +240,6 @@ class CacheManager:
                     self.snap.release(slot)
                 else:
                     self.snap_of[bid] = slot
-        for P in [P for P in caps if P <= len(rc.hashes) * B]:  # (none expected: a block's slot goes with it)
-            self.snap.release(caps.pop(P))
 
     def advance_all(self, chunks: list[tuple[RequestCache, list[int]]], captures: list[dict[int, int]] | None) -> None:
         """``advance`` for every chunk of a step (``captures`` None: none). A decode token that
