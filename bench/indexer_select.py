@@ -36,6 +36,13 @@ TILES = [
     {"BS": 128, "CH": 4, "num_warps": 8, "num_stages": 3},
     {"BS": 128, "CH": 4, "num_warps": 4, "num_stages": 2},
     {"BS": 64, "CH": 2, "num_warps": 4, "num_stages": 2},
+    # the pipelined chunk loop (PIPE stages; the query loaded once a program, no branch a chunk)
+    {"BS": 128, "CH": 2, "PIPE": 2, "num_warps": 4},
+    {"BS": 128, "CH": 4, "PIPE": 3, "num_warps": 4},
+    {"BS": 128, "CH": 9, "PIPE": 3, "num_warps": 4},
+    {"BS": 64, "CH": 4, "PIPE": 3, "num_warps": 4},
+    {"BS": 64, "CH": 8, "PIPE": 4, "num_warps": 4},
+    {"BS": 128, "CH": 4, "PIPE": 2, "num_warps": 8},
 ]
 
 

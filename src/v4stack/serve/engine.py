@@ -284,7 +284,7 @@ class Engine:
     def _collect(self, inf: InFlight) -> list[Request]:
         """Read a step's sampled tokens and do the host work for them (once per step for every
         request: kept to plain Python on local names)."""
-        draws = inf.sampled.collect()
+        vals, tops = inf.sampled.columns()  # (no ``Draw`` object a row: the columns go to each DrawLog)
         self.stats.device_wait_s += inf.sampled.wait_s
         done = []
         now = time.perf_counter()
@@ -292,11 +292,11 @@ class Engine:
         running = Status.RUNNING
         cache = self.cache
         B = cache.B
-        for req, rc, d in zip(inf.reqs, inf.caches, draws):
+        for i, (req, rc, (t, lp, sp)) in enumerate(zip(inf.reqs, inf.caches, vals)):
             if req.status is not running or req.cache is not rc:
                 st.wasted_rows += 1  # finished (or taken out) while this step was in flight
                 continue
-            tok = d.token
+            tok = int(t)
             out = req.output
             p = len(req.prompt) + len(out)
             if rc.pos > p:  # overlap: the step after this one already fed the token as a placeholder
@@ -304,7 +304,7 @@ class Engine:
                 if len(rc.hashes) < (p + 1) // B:  # it closed a block: publish it now its ids are known
                     cache.publish(rc)
             out.append(tok)
-            req.draws.append(d)
+            req.draws.add(tok, lp, sp, None if tops is None else tops[i])
             req.token_times.append(now)
             st.tokens_generated += 1
             if req.first_token_at is None:

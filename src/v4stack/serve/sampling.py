@@ -157,6 +157,14 @@ class DrawLog:
         self.logprobs.append(d.logprob)
         self.sampled.append(d.sampled_logprob)
 
+    def add(self, token: int, logprob: float, sampled_logprob: float, top=None) -> None:
+        """``append(Draw(token, logprob, top, sampled_logprob))`` without the ``Draw``."""
+        if top is not None:
+            self.tops[len(self.tokens)] = top
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.sampled.append(sampled_logprob)
+
     def extend(self, draws) -> None:
         for d in draws:
             self.append(d)
@@ -312,11 +320,20 @@ class Sampled:
         self._host, self._done = vals, None
 
     def collect(self) -> list[Draw]:
+        vals, top = self.columns()
+        if top is None:
+            return [Draw(int(t), c, None, p) for t, c, p in vals]
+        return [Draw(int(t), c, k, p) for (t, c, p), k in zip(vals, top)]
+
+    def columns(self) -> tuple[list, list | None]:
+        """``collect`` without a ``Draw`` a row: each row's ``[id, logprob, sampled_logprob]`` (the
+        id as a float) and its alternatives (None for all when the rows are plain ones) - what the
+        engine's read-back appends to each request's ``DrawLog`` directly."""
         self.settle()
         vals = self._host if isinstance(self._host, list) else self._host.tolist()
         rows = self._rows
         if rows is None:  # plain rows: no log-probability report
-            return [Draw(int(t), c, None, p) for t, c, p in vals]
+            return vals, None
         asked = [r.params.logprobs for r in rows]
         top: list = [None if n is None else () for n in asked]  # () : asked for zero alternatives
         want = [b for b, n in enumerate(asked) if n]
@@ -324,7 +341,7 @@ class Sampled:
             tops = top_logprobs(self._lp[want], max(asked[b] for b in want))
             for b, t in zip(want, tops):
                 top[b] = t[: asked[b]]
-        return [Draw(int(t), c, k, p) for (t, c, p), k in zip(vals, top)]
+        return vals, top
 
 
 class _Pinned:
