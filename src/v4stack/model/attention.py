@@ -95,12 +95,14 @@ class Attention(nn.Module):
 
     def x_linears(self) -> list[Linear]:
         """The linears that read the layer's input rows ``x``: ``wq_a``, ``wkv``, then the
-        compressor's ``wkv`` / ``wgate`` and the indexer compressor's where the layer has them
-        (``packed``: a serving step runs them as one GEMM)."""
+        compressor's ``wkv`` / ``wgate`` and the indexer compressor's where the layer has them,
+        then the indexer's head weights (``packed``: a serving step runs them as one GEMM)."""
         lins = [self.wq_a, self.wkv]
         for comp in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
             if comp is not None:
                 lins += [comp.wkv, comp.wgate]
+        if self.indexer is not None:
+            lins.append(self.indexer.weights_proj)
         return lins
 
     def pack_projections(self) -> bool:
@@ -190,7 +192,7 @@ class Attention(nn.Module):
                 if self.indexer.all_chosen(rows.shape[1]):  # every entry fits the top-k: nothing to score
                     idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
                 else:
-                    iq, iw = self.indexer.project(qr, x, pos)
+                    iq, iw = self.indexer.project(qr, x, pos, None if xp is None else xp[6])
                     keys = ikeys.view(-1, ikeys.shape[-1])
                     if visible is None:  # a decode step: the closed entries are the rows >= 0
                         idx.append(self.indexer.choose_rows(iq, iw, keys, rows))
