@@ -192,7 +192,8 @@ class Attention(nn.Module):
                 if self.indexer.all_chosen(rows.shape[1]):  # every entry fits the top-k: nothing to score
                     idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
                 else:
-                    iq, iw = self.indexer.project(qr, x, pos, None if xp is None else xp[6])
+                    iq, iw = self.indexer.project(qr, x, pos, None if xp is None else xp[6], inplace=xp is not None,
+                                                  table=table)
                     keys = ikeys.view(-1, ikeys.shape[-1])
                     if visible is None:  # a decode step: the closed entries are the rows >= 0
                         idx.append(self.indexer.choose_rows(iq, iw, keys, rows))

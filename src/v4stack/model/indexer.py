@@ -36,11 +36,14 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, rotary, cfg.rms_norm_eps)
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def project(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, wx: torch.Tensor | None = None):
+    def project(self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, wx: torch.Tensor | None = None,
+                inplace: bool = False, table=None):
         """Indexer queries ``[N, heads, dim]`` (RoPE on the tail) and head weights ``[N, heads]``;
-        ``wx``: ``weights_proj(x)`` where the caller has it (the layer's packed projections of x)."""
+        ``wx``: ``weights_proj(x)`` where the caller has it (the layer's packed projections of x);
+        ``inplace`` (a serving step, no autograd): the fresh queries rotated in place, with the
+        step's shared ``table`` of these positions when given."""
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = self.rotary.apply(q, positions)
+        q = self.rotary.apply_(q, positions, table=table) if inplace else self.rotary.apply(q, positions)
         if self.q_rounding is not None:
             q = self.q_rounding(q)
         w = (self.weights_proj(x) if wx is None else wx) * self.weight_scale
