@@ -8,7 +8,10 @@ bytes the call must read over the measured copy bandwidth. ``topk``: ``triton_se
 its rows compared with the torch composition in every form (one or two bits a pass, a row in
 one block or two). (A radix-select form of the top-k, a 256-bin
 histogram a byte, measured 40 / 21 us against the bitwise search's 18 / 14 at 8509bec:
-``bench/results/indexer_select_h200.json``.)
+``bench/results/indexer_select_h200.json``. A software-pipelined chunk loop - the query loaded once
+a program, each chunk's key rows requested by ``cp.async`` while earlier chunks were scored, no
+branch a chunk - measured 100-117 us against the shipped launch's 102 / 105 at 4096 / 4608
+entries (``bench/results/indexer_select_h200_b171000.json``) and was taken back out.)
 
     python -m bench.indexer_select --out bench/results/indexer_select_h200.json
 """
@@ -36,13 +39,6 @@ TILES = [
     {"BS": 128, "CH": 4, "num_warps": 8, "num_stages": 3},
     {"BS": 128, "CH": 4, "num_warps": 4, "num_stages": 2},
     {"BS": 64, "CH": 2, "num_warps": 4, "num_stages": 2},
-    # the pipelined chunk loop (PIPE stages; the query loaded once a program, no branch a chunk)
-    {"BS": 128, "CH": 2, "PIPE": 2, "num_warps": 4},
-    {"BS": 128, "CH": 4, "PIPE": 3, "num_warps": 4},
-    {"BS": 128, "CH": 9, "PIPE": 3, "num_warps": 4},
-    {"BS": 64, "CH": 4, "PIPE": 3, "num_warps": 4},
-    {"BS": 64, "CH": 8, "PIPE": 4, "num_warps": 4},
-    {"BS": 128, "CH": 4, "PIPE": 2, "num_warps": 8},
 ]
 
 

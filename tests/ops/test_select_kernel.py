@@ -75,18 +75,6 @@ def test_select_kernels_build_for_hopper():
     assert "wgmma.mma_async" in got["indexer_scores"]  # the indexer's dots on the tensor cores
 
 
-def test_pipelined_indexer_builds_with_its_keys_in_flight():
-    """The pipelined chunk loop compiles for sm_90a with the key rows as asynchronous copies (what
-    keeps later chunks' reads in flight while a chunk is scored) and its dots on the tensor cores;
-    control: the one-chunk launch has no asynchronous copy (nothing to overlap)."""
-    from tests.ops.hopper import check, ptx
-
-    got = ptx(("indexer_scores_pipe", "indexer_scores"))
-    check(got)
-    assert "cp.async" in got["indexer_scores_pipe"] and "wgmma.mma_async" in got["indexer_scores_pipe"]
-    assert "cp.async" not in got["indexer_scores"]
-
-
 def test_split_top_k_fits_two_programs_an_sm():
     """Why a 16k step's row is held as 4096 + 512: at 4 warps (what the dispatch launches for a split
     row) its program fits twice in an SM's 65536 registers, where the 8192-wide one of 16 warps fits

@@ -94,28 +94,6 @@ def test_indexer_scores_read_by_index_equal_the_gathered_keys(dtype):
         ops.indexer_scores(q, wt, pool, rows=torch.full((5, 3), 90))
 
 
-@pytest.mark.parametrize("tile", [{"BS": 64, "CH": 3, "PIPE": 2}, {"BS": 128, "CH": 4, "PIPE": 3}])
-def test_indexer_pipelined_chunks_give_the_one_chunk_bits(tile):
-    """The pipelined multi-chunk launch (no branch on a chunk's entries) scores every key with the
-    one-chunk launch's MMA: equal bits, -inf where hidden or past the pool, and the same bits for a
-    query alone. Control: one entry pointed at another pool row changes that score and no other."""
-    q, wt, pool = r(5, 8, 32).bfloat16(), r(5, 8).bfloat16(), r(90, 32).bfloat16()
-    rows = torch.randint(0, 90, (5, 700), generator=g)
-    rows[:, 400:] = -1  # whole chunks of padding
-    rows[2, :7] = -1
-    rows[4, 10] = 90  # past the pool: no entry
-    one = tg.indexer_scores(q, wt, pool, rows, tile={"BS": tile["BS"], "CH": 1})
-    got = tg.indexer_scores(q, wt, pool, rows, tile=tile)
-    assert torch.equal(got, one)
-    hidden = (rows < 0) | (rows >= 90)
-    assert bool((got[hidden] == float("-inf")).all()) and bool(torch.isfinite(got[~hidden]).all())
-    assert torch.equal(tg.indexer_scores(q[4:5], wt[4:5], pool, rows[4:5], tile=tile), got[4:5])
-    moved = rows.clone()
-    moved[3, 150] = (rows[3, 150] + 1) % 90
-    diff = tg.indexer_scores(q, wt, pool, moved, tile=tile) != got
-    assert diff[3, 150] and int(diff.sum()) == 1
-
-
 def test_fp8_block_scaled_gemm():
     wq, sc = quantized.quantize_fp8(r(200, 300))  # e8m0 scales; blocks cut by both edges
     x = r(9, 300).bfloat16()

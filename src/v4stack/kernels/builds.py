@@ -74,11 +74,7 @@ def kernels() -> dict:
                                 dict(num_warps=4, num_stages=3)),
         "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
                                                    [BF, BF, BF, "*i64", BF] + [I] * 10),
-                           dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True, PIPE=0)),
-        # the pipelined chunk loop: four chunks of 128 keys a program, three stages
-        "indexer_scores_pipe": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
-                                                        [BF, BF, BF, "*i64", P] + [I] * 10),
-                                dict(D=128, BH=64, BS=128, CH=4, IEEE=False, INDEXED=True, PIPE=3), dict(num_warps=4)),
+                           dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True)),
         "topk_rows": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o", [P, "*i64", "*i64"] + [I] * 5),
                       dict(EB=4096, BITS=1, EBT=0), dict(num_warps=8)),
         # a 16k step's width (4608) on the indexer's bf16 scores: one 8192-wide block (the form before

@@ -109,25 +109,13 @@ def _indexer_score(q, k, w, IEEE: tl.constexpr):
 @triton.jit
 def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s_rt, s_yt, D: tl.constexpr,
                    BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr,
-                   CH: tl.constexpr = 1, PIPE: tl.constexpr = 0):
-    """A program scores ``CH`` chunks of ``BS`` keys of one query (the query and its weights loaded once).
-    ``PIPE`` (indexed keys, > 1): the chunks as a software pipeline of that many stages - each
-    chunk's key rows requested while earlier chunks are scored, no branch on a chunk's entries (a
-    masked-off row is not read either way) - the same MMA per chunk, so the same bits."""
+                   CH: tl.constexpr = 1):
+    """A program scores ``CH`` chunks of ``BS`` keys of one query (the query and its weights loaded once)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BH)
     d = tl.arange(0, D)
     q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
     w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
-    if PIPE > 0:
-        for c in tl.range(0, CH, num_stages=PIPE):
-            s = (tl.program_id(1) * CH + c) * BS + tl.arange(0, BS)
-            r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
-            ok = (r >= 0) & (r < NK)
-            k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
-            score = tl.where(ok, _indexer_score(q, k, w, IEEE), float("-inf"))
-            tl.store(Y + t * s_yt + s, score.to(Y.dtype.element_ty), mask=s < S)
-        return
     for c in range(CH):
         s = (tl.program_id(1) * CH + c) * BS + tl.arange(0, BS)
         if INDEXED:  # key rows of the pool by index: -1 (or any row outside [0, NK)) is no entry
@@ -173,8 +161,7 @@ def indexer_scores(q, w, k, rows=None, tile=None):
         opts = {k_: t[k_] for k_ in ("num_warps", "num_stages") if k_ in t}
         launch(indexer_kernel, (T, cdiv(S, t["BS"] * t["CH"])), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
                qc.stride(1), wc.stride(0), s_kt, kc.stride(-2), s_rt, out.stride(0), D=D,
-               BH=max(16, next_pow2(H)), BS=t["BS"], IEEE=ieee, INDEXED=rows is not None, CH=t["CH"],
-               PIPE=t.get("PIPE", 0) if rows is not None else 0, **opts)
+               BH=max(16, next_pow2(H)), BS=t["BS"], IEEE=ieee, INDEXED=rows is not None, CH=t["CH"], **opts)
     return out
 
 

@@ -90,10 +90,10 @@ class DecodeGraphs:
         self.fed_steps = 0  # steps whose ids were (partly) the previous step's device draws
         self.settled = 0  # launches that had to wait for an unread step first (none in the engine's pattern)
         self.fed: torch.Tensor | None = None  # [max_rows] int64: the ids the last drawing step drew
-        # the layout copy and the read-back made around each replay, not captured as graph nodes: on the H200 the
-        # captured host-to-device copy left the device idle 42 / 92 us before the graph's first kernel (batch 256 at
-        # 1k / 16k) and the step took 2267 / 2428 us against 2227 / 2392 with the copies around it
-        # (bench/results/step_gaps_h200.json, b171000); True captures them
+        # the layout copy and the read-back made around each replay, not captured as graph nodes: on the H200,
+        # profiled, the captured host-to-device copy left the device idle 42 / 92 us before the graph's first kernel
+        # (batch 256 at 1k / 16k, bench/results/step_gaps_h200.json at b171000), the copy around the replay 35 / 35 us
+        # (step_gaps_h200_8ed3a6a.json); the grid's steps are within noise either way. True captures them
         self.copies_inside = False
         self.copies_error: str | None = None  # why they could not be captured, if so
         self.draw_error: str | None = None  # why a step's draw could not be captured (then drawn outside)
