@@ -90,11 +90,11 @@ class DecodeGraphs:
         self.fed_steps = 0  # steps whose ids were (partly) the previous step's device draws
         self.settled = 0  # launches that had to wait for an unread step first (none in the engine's pattern)
         self.fed: torch.Tensor | None = None  # [max_rows] int64: the ids the last drawing step drew
-        # the layout copy and the read-back made around each replay, not captured as graph nodes: on the H200,
-        # profiled, the captured host-to-device copy left the device idle 42 / 92 us before the graph's first kernel
-        # (batch 256 at 1k / 16k, bench/results/step_gaps_h200.json at b171000), the copy around the replay 35 / 35 us
-        # (step_gaps_h200_8ed3a6a.json); the grid's steps are within noise either way. True captures them
-        self.copies_inside = False
+        # capture the layout copy and the read-back as graph nodes (else around replays). On the H200 the engine's
+        # batch-256 step ran at its graph's back-to-back replay time with them inside (2201 / 2369 us at 1k / 16k,
+        # bench/results/step_gaps_h200.json, b171000) and 45-49 us slower with them around the replay (2246 / 2418,
+        # step_gaps_h200_8ed3a6a.json), though profiled the device idled less before the graph's first kernel then
+        self.copies_inside = True
         self.copies_error: str | None = None  # why they could not be captured, if so
         self.draw_error: str | None = None  # why a step's draw could not be captured (then drawn outside)
 
