@@ -143,8 +143,10 @@ def step_flops(model: V4Model, cfg: ModelConfig, batch: int, ctx: int) -> dict:
             "step_flops": int(weights + batch * (attn + index))}
 
 
-def fill(engine: Engine, batch: int, ctx: int, max_tokens: int, seed: int) -> list:
-    """``batch`` running requests whose caches already hold ``ctx`` tokens (random pools)."""
+def fill(engine: Engine, batch: int, ctx: int, max_tokens: int, seed: int, stagger: int = 0) -> list:
+    """``batch`` running requests whose caches already hold ``ctx`` tokens (random pools); with
+    ``stagger`` > 1 request ``i`` holds ``ctx + i % stagger`` (positions spread, so that entries and
+    blocks close in different steps for different requests, as in a server's steady state)."""
     g = torch.Generator().manual_seed(seed)
     cm = engine.cache
     for t in list(cm.blocks.storage.values()):
@@ -154,13 +156,14 @@ def fill(engine: Engine, batch: int, ctx: int, max_tokens: int, seed: int) -> li
             t.normal_()
     reqs = []
     sp = SamplingParams(max_tokens=max_tokens)
-    for _ in range(batch):
-        prompt = torch.randint(0, engine.model.cfg.vocab_size, (ctx + 1,), generator=g).tolist()
+    for i in range(batch):
+        c = ctx + (i % stagger if stagger > 1 else 0)
+        prompt = torch.randint(0, engine.model.cfg.vocab_size, (c + 1,), generator=g).tolist()
         req = engine.add_request(prompt, sp)
         rc = cm.admit(prompt)
-        if not cm.reserve(rc, ctx):
+        if not cm.reserve(rc, c):
             raise RuntimeError("bench: cache too small")
-        rc.pos, rc.tokens = ctx, prompt[:ctx]
+        rc.pos, rc.tokens = c, prompt[:c]
         engine.attach(req, rc)
         reqs.append(req)
     return reqs
@@ -172,13 +175,13 @@ def _sync(device: str) -> None:
 
 
 def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float,
-                overlap: bool = True, warmup: int = 6, rate: float | None = None) -> dict:
+                overlap: bool = True, warmup: int = 6, rate: float | None = None, stagger: int = 0) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
-    per = -(-(ctx + steps + warmup + 8) // B) + 1
+    per = -(-(ctx + stagger + steps + warmup + 8) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
                                         token_budget=max(batch, 256), max_running=batch, ops_mode=mode,
                                         overlap=overlap))
-    fill(engine, batch, ctx, steps + warmup + 4, seed=batch * 7 + ctx)
+    fill(engine, batch, ctx, steps + warmup + 4, seed=batch * 7 + ctx, stagger=stagger)
     t0 = time.perf_counter()
     for _ in range(warmup):  # publish the synthetic history's blocks, capture the graph, build kernels
         engine.step()
@@ -202,7 +205,8 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     mean = (time.perf_counter() - t_start) / len(times)
     wait = (engine.stats.device_wait_s - wait0) / len(times)
     replay = (g.replay_s - replay0) / max(1, g.replays - nrep0) if g is not None else None
-    host = sorted(t - w for t, w in zip(times, waits))
+    order, host_order = list(times), [t - w for t, w in zip(times, waits)]
+    host = sorted(host_order)
     times.sort()
     p50 = times[len(times) // 2]
     sb = step_bytes(model, cfg, batch, ctx, torch.empty((), dtype=model.dtype).element_size())
@@ -213,7 +217,8 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "steps_timed": len(times),
            "step_s_p50": p50, "step_s_mean": mean, "device_wait_s_mean": wait, "host_s_mean": mean - wait,
            "host_s_p50": host[len(host) // 2],
-           "replay_launch_s_mean": replay, "step_s_sorted": times, "warmup_s": warm_s,
+           "replay_launch_s_mean": replay, "step_s_sorted": times, "step_s_order": order,
+           "host_s_order": host_order, "stagger": stagger, "warmup_s": warm_s,
            "steps_ahead": engine.stats.ahead,
            "tok_s": batch / p50, "roofline_step_s": floor, "roofline_tok_s": batch / floor if floor else None,
            "fraction": floor / p50 if floor else None, "fraction_mean": floor / mean if floor else None, **sb,
@@ -248,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="untimed steps first (graph captures - one per closing pattern, e.g. the first step where "
                          "ratio-4 entries close - and kernel builds)")
     ap.add_argument("--overlap", default="1", help="engine overlap: 1, 0, or 0,1 for both")
+    ap.add_argument("--stagger", type=int, default=0,
+                    help="request i holds context + i %% stagger tokens (0: every request at the same position, "
+                         "so every row closes its entries in the same steps)")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
@@ -269,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                 for b, ov in ((b, ov) for b in map(int, a.batches.split(",")) for ov in map(int, a.overlap.split(","))):
                     try:
                         r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup,
-                                        rate)
+                                        rate, a.stagger)
                     except Exception:  # record and go on: one failing point must not lose the rest
                         import traceback
 
