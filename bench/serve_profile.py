@@ -133,13 +133,13 @@ def _sync(dev: str) -> None:
 
 
 def profile_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, overlap: bool = True,
-                  warmup: int = 6) -> dict:
+                  warmup: int = 6, stagger: int = 0) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
-    per = -(-(ctx + steps + warmup + 16) // B) + 1
+    per = -(-(ctx + stagger + steps + warmup + 16) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
                                         token_budget=max(batch, 256), max_running=batch, ops_mode=mode,
                                         overlap=overlap))
-    reqs = fill(engine, batch, ctx, steps + warmup + 12, seed=batch * 7 + ctx)
+    reqs = fill(engine, batch, ctx, steps + warmup + 12, seed=batch * 7 + ctx, stagger=stagger)
     t0 = time.perf_counter()
     for _ in range(warmup):  # publish the synthetic history, capture the graph
         engine.step()
@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--overlap", type=int, default=1)
+    ap.add_argument("--stagger", type=int, default=0,
+                    help="request i holds context + i %% stagger tokens (serve_roofline.fill)")
     ap.add_argument("--out", default="bench/results/serve_profile_h200.json")
     a = ap.parse_args(argv)
     payload = {"points": []}
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             for ctx in map(int, a.contexts.split(",")):
                 for b in map(int, a.batches.split(",")):
                     try:
-                        r = profile_point(model, cfg, mode, b, ctx, a.steps, bool(a.overlap), a.warmup)
+                        r = profile_point(model, cfg, mode, b, ctx, a.steps, bool(a.overlap), a.warmup, a.stagger)
+                        r["stagger"] = a.stagger
                     except Exception:
                         import traceback
 
