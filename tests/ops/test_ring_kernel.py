@@ -226,3 +226,117 @@ def test_rope_inplace_on_cuda_keeps_the_rotation_bits_at_flash_widths():
     assert ops.counters()["rope_"] == {"triton_rope_inplace": 6 * 3 * 2 * 2}
     assert ops.counters()["rope"] == {"triton_rope": 6 * 3 * 2}
     assert not {k: v for k, v in fused_gpu.refused.items() if k.startswith("rope")}, fused_gpu.refused
+
+
+@torch.no_grad()
+def test_paged_decode_captures_through_the_capture_kernel(monkeypatch):
+    """Decode steps across a block's end (the tiny preset's 16 tokens): the boundary snapshots the
+    capture kernel writes (every ring: window, compressor tails), the logits and the bytes counted
+    equal the composition's. Control: the kernel ran (the dispatch counted it) and a snapshot was
+    written (the pool's snapshots are not all their initial values)."""
+    from v4stack.config import preset
+    from v4stack.model import V4Model
+    from v4stack.ops import dispatch
+    from v4stack.serve.cache import CacheManager
+    from v4stack.serve.model_runner import ModelRunner
+
+    monkeypatch.setattr(dispatch, "_table", {k: list(v) for k, v in dispatch._table.items()})
+    model = V4Model(preset("tiny"), seed=3).eval().cast(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (22, 19)]
+
+    def drive():
+        cm = CacheManager(model.cfg, model.dtype, n_blocks=16, n_slots=2, n_snapshots=4)
+        runner = ModelRunner(model, cm)
+        fresh = {k: [t.clone() for t in ts] for k, ts in cm.snap.tensors.items()}
+        rcs = [cm.admit(s[:12]) for s in seqs]
+        for rc in rcs:
+            assert cm.reserve(rc, 12)
+        outs, written = [runner.run([(rc, s[:12]) for rc, s in zip(rcs, seqs)])], []
+        for p in range(12, 18):  # decode steps; position 16 ends block 0
+            for rc in rcs:
+                assert cm.reserve(rc, 1)
+            outs.append(runner.run([(rc, [s[p]]) for rc, s in zip(rcs, seqs)]))
+            written.append(runner.last_bytes)
+        return outs, written, cm.snap.tensors, fresh
+
+    dispatch.register("ring_capture", "triton_ring_capture", tk.ring_capture, device="cpu", first=True)
+    dispatch._resolved.clear()
+    try:
+        ops.reset_counters()
+        got, bytes1, snaps1, fresh = drive()
+        assert ops.counters()["ring_capture"].get("triton_ring_capture", 0) >= 2
+    finally:
+        dispatch._table = {k: [i for i in v if i.name != "triton_ring_capture"] for k, v in dispatch._table.items()}
+        dispatch._resolved.clear()
+    ops.reset_counters()
+    want, bytes2, snaps2, _ = drive()
+    assert "triton_ring_capture" not in ops.counters()["ring_capture"]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert bytes1 == bytes2
+    assert all(torch.equal(a, b) for k in snaps1 for a, b in zip(snaps1[k], snaps2[k]))
+    assert any(not torch.equal(a, b) for k in snaps1 for a, b in zip(snaps1[k], fresh[k]))
+
+
+@pytest.mark.parametrize("dtype,fill,R,D", [(torch.bfloat16, 0.0, 16, 300), (torch.float32, float("-inf"), 8, 40)])
+def test_ring_capture_kernel_writes_the_composition_snapshots(dtype, fill, R, D):
+    """Boundary captures of a decode step (``Rings.capture``): each capture's ring, as it stood at
+    its position, into its snapshot slot - in one kernel, with the composition's result: rows before
+    position 0 are ``fill``, a padding capture repeats the first into the scratch slot, slots not
+    captured are untouched. Inverse control: the positions one later give other snapshots."""
+    g = torch.Generator().manual_seed(7)
+    S, T, P = 6, 5, 4  # state slots, step rows, snapshot slots (the last one scratch)
+    pool = torch.randn(S * R, D, generator=g).to(dtype)
+    slots = torch.tensor([4, 0, 2, 5, 1])
+    seq = torch.tensor([2, 0, 3, 2])  # the last repeats the first: padding
+    pos = torch.tensor([R * 7, 3, R * 2 + 5, R * 7])  # capture 1 is before R rows exist
+    slot = torch.tensor([1, 0, 2, 3])
+    snap = torch.randn(P, R, D, generator=g).to(dtype)
+    got, want = snap.clone(), snap.clone()
+    tk.ring_capture(pool, got, slots, seq, pos, slot, R, fill)
+    fused.ring_capture_reference(pool, want, slots, seq, pos, slot, R, fill)
+    assert torch.equal(got, want)
+    assert bool((got[0, 3:] == fill).all()) and torch.equal(got[0, :3], pool[slots[0] * R : slots[0] * R + 3])
+    assert torch.equal(got[3], got[1])  # the padding capture holds the first one's rows
+    for m in ("fast", "invariant"):  # the dispatch on the CPU: the composition
+        with ops.mode(m):
+            again = snap.clone()
+            fused.ring_capture(pool, again, slots, seq, pos, slot, R, fill)
+        assert torch.equal(again, want)
+    later = snap.clone()
+    tk.ring_capture(pool, later, slots, seq, pos + 1, slot, R, fill)
+    assert not torch.equal(later, got)
+
+
+def test_ring_capture_builds_for_hopper():
+    check(ptx(("ring_capture",)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ring_capture_on_cuda_equals_the_composition():
+    """Flash widths on the GPU (window ring 128 x 512 bf16; a compressor's fp32 tail rings with -inf
+    fill): the dispatch runs the kernel, and the snapshots equal the composition's; control: the
+    positions one later give other snapshots."""
+    from v4stack.kernels import fused_gpu
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for dtype, fill, R, D in ((torch.bfloat16, 0.0, 128, 512), (torch.float32, float("-inf"), 8, 1024)):
+        S, P = 300, 40
+        pool = torch.randn(S * R, D, device="cuda", generator=g).to(dtype)
+        slots = torch.randperm(S, device="cuda", generator=g)[:256]
+        seq = torch.tensor([3, 77, 250, 3], device="cuda")
+        pos = torch.tensor([R * 40, 5, R * 9 + 7, R * 40], device="cuda")
+        slot = torch.tensor([2, 9, 31, P - 1], device="cuda")
+        snap = torch.randn(P, R, D, device="cuda", generator=g).to(dtype)
+        want = snap.clone()
+        fused.ring_capture_reference(pool, want, slots, seq, pos, slot, R, fill)
+        ops.reset_counters()
+        got = snap.clone()
+        fused.ring_capture(pool, got, slots, seq, pos, slot, R, fill)
+        assert ops.counters()["ring_capture"] == {"triton_ring_capture": 1}
+        assert torch.equal(got, want)
+        later = snap.clone()
+        fused.ring_capture(pool, later, slots, seq, pos + 1, slot, R, fill)
+        assert not torch.equal(later, got)
+    assert "ring_capture" not in fused_gpu.refused, fused_gpu.refused

@@ -220,6 +220,14 @@ def ring_rows_ok(positions, slots, R, W) -> bool:
             and 0 <= W <= 4096)
 
 
+def ring_capture_ok(pool, snap, slots, seq, pos, slot, R, fill) -> bool:
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    return (_ints(slots, seq, pos, slot) and pool.is_cuda and pool.device == slots.device and pool.dim() == 2
+            and pool.is_contiguous() and pool.dtype in fl and snap.dtype in fl and snap.dim() == 3
+            and snap.is_contiguous() and snap.device == pool.device and R >= 1 and snap.shape[1:] == (R, pool.shape[1])
+            and slots.dim() == 1 and seq.dim() == 1 and pos.shape == seq.shape and slot.shape == seq.shape)
+
+
 def entry_rows_ok(table, positions, ratio, per, E) -> bool:
     return (_ints(table, positions) and table.dim() == 2 and positions.dim() == 1
             and table.shape[0] == positions.shape[0] and table.shape[1] >= 1 and ratio >= 1 and per >= 1 and E >= 0)
@@ -320,6 +328,8 @@ def register_all(register) -> None:
              ref("rope_into_reference")), device="cuda", accepts=_with("triton", rope_into_ok))
     register("ring_rows", "triton_ring_rows", _guarded("ring_rows", _lazy("triton_layout", "ring_rows"),
              ref("ring_rows_reference")), device="cuda", accepts=_with("triton", ring_rows_ok))
+    register("ring_capture", "triton_ring_capture", _guarded("ring_capture", _lazy("triton_ring", "ring_capture"),
+             ref("ring_capture_reference")), device="cuda", accepts=_with("triton", ring_capture_ok))
     register("entry_rows", "triton_entry_rows", _guarded("entry_rows", _lazy("triton_layout", "entry_rows"),
              ref("entry_rows_reference")), device="cuda", accepts=_with("triton", entry_rows_ok))
     register("feed_ids", "triton_feed_ids", _guarded("feed_ids", _lazy("triton_layout", "feed_ids"),

@@ -1,10 +1,17 @@
-"""The compressor's decode-step ring write (Triton): its two projections into its tail rings.
+"""The decode step's ring kernels (Triton): the compressor's projections into its tail rings, and
+a boundary capture's copy of a ring into its snapshot slot.
 
 ``tail_write``: row ``n`` of a decode step writes ``kv[n]`` widened to the ring's dtype and
 ``score[n] + ape[pos[n] % ratio]`` into ring row ``dest[n]`` of the kv and score rings. The torch
 composition launches up to seven kernels (two casts, the remainder, the ape gather, the add and
 two ``index_copy_``); this is one. Widening is exact and the add is one IEEE fp32 addition, so
 the rings hold the composition's bits, in both modes.
+
+``ring_capture``: capture ``c`` (request row ``seq[c]`` at position ``pos[c]``) writes ring row
+``j`` of that row's state slot, as it stood at ``q = pos[c] - R + j``, into row ``q mod R`` of its
+snapshot slot ``slot[c]`` - ``fill`` where ``q < 0``. The torch composition (``Rings.capture``)
+launches ~10 kernels a ring (the positions, the ring rows, the clamp, the gather, the fill and the
+indexed write); this is one. A copy: the snapshot holds the ring's bits.
 """
 
 import triton
@@ -38,6 +45,33 @@ def tail_write(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest,
                kv.stride(0), score.stride(0), BW=bw, num_warps=4)
 
 
+@triton.jit
+def capture_kernel(POOL, SNAP, SLOTS, SEQ, POS, SLOT, R, D, fill, s_snap, BR: tl.constexpr, BD: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64) * BR + tl.arange(0, BR)
+    rows_in = j < R
+    q = tl.load(POS + c) - R + j
+    r = ((q % R) + R) % R  # position q's ring row (floor remainder: q may be negative)
+    src = tl.load(SLOTS + tl.load(SEQ + c)) * R + r
+    have = rows_in & (q >= 0)
+    dst = tl.load(SLOT + c) * s_snap + r * D
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < D
+        v = tl.load(POOL + src[:, None] * D + d[None, :], mask=have[:, None] & dm[None, :], other=fill)
+        tl.store(SNAP + dst[:, None] + d[None, :], v.to(SNAP.dtype.element_ty), mask=rows_in[:, None] & dm[None, :])
+
+
+def ring_capture(pool, snap, slots, seq, pos, slot, R: int, fill: float) -> None:
+    """``pool [S * R, D]`` (a ring's rows), ``snap [P, R, D]`` (contiguous), the step's state slots
+    ``slots [T]`` and the captures' ``seq, pos, slot [C]`` (int64): see the module."""
+    C, D = seq.shape[0], pool.shape[1]
+    if C and R and D:
+        br = min(16, next_pow2(R))
+        launch(capture_kernel, (C, -(-R // br)), pool, snap, slots, seq, pos, slot, R, D, float(fill), snap.stride(0),
+               BR=br, BD=min(256, next_pow2(D)), num_warps=4)
+
+
 def builds() -> dict:
     """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check (a
     CSA compressor at V4-Flash width: two 512-wide halves; the rotation into a ring's rows and
@@ -49,7 +83,10 @@ def builds() -> dict:
 
     rope = dict(X="*bf16", Y="*bf16", POS="*i64", FREQ="*fp64", CS="*fp64", DEST="*i64", M="i32", D="i32")
     table = {**rope, "CS": "*fp32"}
+    cap = dict(POOL="*bf16", SNAP="*bf16", SLOTS="*i64", SEQ="*i64", POS="*i64", SLOT="*i64", R="i32", D="i32",
+               fill="fp32", s_snap="i32")
     return {"tail_write": (tail_kernel, sig, dict(BW=1024)),
+            "ring_capture": (capture_kernel, cap, dict(BR=16, BD=256)),
             **{f"rope_dest{int(d)}": (tm.rope_kernel, rope, dict(SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d))
                for d in (False, True)},
             **{f"rope_inplace{'' if b else '_nobarrier'}": (tm.rope_kernel, rope, dict(

@@ -160,6 +160,11 @@ class Rings:
         cap = self.b.captures
         if cap is None or len(cap) == 0:
             return
+        if self.b.decode:  # every ring is in its slot: one kernel a ring on CUDA (``ops.fused.ring_capture``)
+            for snap, pool, fill in zip(snaps, self.pools, fills):
+                fused.ring_capture(pool, snap, self.b.slots, cap.seq, cap.pos, cap.slot, self.R, fill)
+                self.cache.bytes_written += cap.seq.shape[0] * self.R * pool.shape[1] * snap.element_size()
+            return
         q = cap.pos.unsqueeze(1) - self.R + torch.arange(self.R, device=cap.pos.device)
         idx = self.rows(q, cap.seq)
         for snap, pool, fill in zip(snaps, self.pools, fills):

@@ -212,6 +212,14 @@ def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_sc
         ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
 
 
+def ring_capture_reference(pool, snap, slots, seq, pos, slot, R: int, fill: float) -> None:
+    q = pos.unsqueeze(1) - R + torch.arange(R, device=pos.device)
+    idx = torch.where(q >= 0, slots[seq].unsqueeze(1) * R + q % R, -1)
+    rows = pool[idx.clamp(min=0)]
+    rows = torch.where((idx >= 0).unsqueeze(-1), rows, torch.full((), fill, dtype=rows.dtype, device=rows.device))
+    snap[slot.unsqueeze(1), q % R] = rows.to(snap.dtype)
+
+
 def ring_rows_reference(positions, slots, R: int, W: int):
     dest = slots * R + positions % R
     if not W:
@@ -273,6 +281,7 @@ register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cu
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
 register("rope", "torch_composite", rope_reference)
 register("ring_rows", "torch_composite", ring_rows_reference)
+register("ring_capture", "torch_composite", ring_capture_reference)
 register("entry_rows", "torch_composite", entry_rows_reference)
 register("topk_rows", "torch_composite", topk_rows_reference)
 register("feed_ids", "torch_composite", feed_ids_reference)
@@ -289,6 +298,16 @@ def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
     (entries whose ``rows [n, E]`` is -1 count as -inf; ties to the lower entry), in ascending
     entry order; -1 where a chosen entry has no row (fewer than ``k`` entries)."""
     return call("topk_rows", ops.get_mode(), str(scores.dtype)[6:], scores.device.type, scores, rows, k)
+
+
+def ring_capture(pool: torch.Tensor, snap: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                 slot: torch.Tensor, R: int, fill: float) -> None:
+    """A decode step's boundary captures of one ring kind: capture ``c`` (step row ``seq[c]`` at
+    position ``pos[c]``) writes its state slot's ring (``slots[seq[c]]``, ``R`` rows of ``pool [S *
+    R, D]``, row ``q % R`` holding position ``q``) as it stood at ``pos[c]`` - positions ``pos[c] -
+    R .. pos[c] - 1``, ``fill`` before 0 - into ``snap[slot[c]]`` (``[P, R, D]``), in place."""
+    call("ring_capture", ops.get_mode(), str(pool.dtype)[6:], pool.device.type, pool, snap, slots, seq, pos, slot,
+         R, fill)
 
 
 def ring_rows(positions: torch.Tensor, slots: torch.Tensor, R: int, W: int = 0):
