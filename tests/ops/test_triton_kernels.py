@@ -67,6 +67,20 @@ def test_gemms():
     assert torch.equal(tg.indexer_scores(q, wt, k.expand(3, -1, -1)), tg.indexer_scores(q, wt, k))
 
 
+def test_weighted_pool_of_an_hca_entry_fits_its_registers():
+    """An HCA entry pools 128 rows: at the launch's 32 columns the program builds for sm_90a without
+    spilling (Triton's ptxas report); control: the 256 columns it took before spill. Its values are
+    float64's to rounding."""
+    from tests.ops.hopper import registers
+
+    got = registers(("weighted_pool_p128", "weighted_pool_p128_wide"))
+    assert got["weighted_pool_p128"]["spill_bytes"] == 0
+    assert got["weighted_pool_p128_wide"]["spill_bytes"] > 0
+    assert tr.POOL_ELEMS // 128 == 32
+    kv, s = r(3, 128, 100), r(3, 128, 100)
+    close(tr.weighted_pool(kv, s, 1), (torch.softmax(s.double(), 1) * kv.double()).sum(1), 1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_indexer_scores_read_by_index_equal_the_gathered_keys(dtype):
     from v4stack import ops

@@ -97,6 +97,11 @@ def kernels() -> dict:
                                dict(LOG=True, BLOCK=4096, SB=32)),
         "weighted_pool": (tr.pool_kernel, _sig("KV S Y P C s_kr s_kp s_sr s_sp s_yr", [P, P, P] + [I] * 7),
                           dict(BP=8, BC=256)),
+        # an HCA entry's 128 rows: the launch's columns (POOL_ELEMS / 128), and the 256 it took before
+        "weighted_pool_p128": (tr.pool_kernel, _sig("KV S Y P C s_kr s_kp s_sr s_sp s_yr", [P, P, P] + [I] * 7),
+                               dict(BP=128, BC=32)),
+        "weighted_pool_p128_wide": (tr.pool_kernel, _sig("KV S Y P C s_kr s_kp s_sr s_sp s_yr", [P, P, P] + [I] * 7),
+                                    dict(BP=128, BC=256)),
         "moe_combine": (tr.combine_kernel, _sig("Yin Idx Out k D s_yn s_yk s_in s_on", [P, "*i64", P] + [I] * 6),
                         dict(BK=8, BD=1024)),
         "rms_norm": (tr.rms_norm_kernel, _sig("X W Y N Nf s_x s_y eps", [BF, BF, BF, I, F, I, I, F]),

@@ -108,6 +108,14 @@ def pool_kernel(KV, S, Y, P, C, s_kr, s_kp, s_sr, s_sp, s_yr, BP: tl.constexpr, 
     tl.store(Y + r * s_yr + c, y.to(Y.dtype.element_ty), mask=c < C)
 
 
+# a program's [P, columns] tile of each operand holds at most this many elements: the columns are
+# POOL_ELEMS / P (at most 256). An HCA entry's 128 rows at 256 columns held 32768 fp32 values of
+# each operand in a program's registers and spilled (a CPU test reads ptxas's report): one closing
+# took 41.9 us for two entries on the H100 (bench/results/serve_profile_stagger128_h100_f7651c7.json).
+# The columns depend on P and C alone, never on the rows, so a row's bits do not depend on its batch.
+POOL_ELEMS = 4096
+
+
 def weighted_pool(kv, score, dim):
     """``sum_j softmax_j(score) * kv_j`` over dim 1 of ``[R, P, C]`` tensors (leading dims flattened)."""
     P, C = kv.shape[-2], kv.shape[-1]
@@ -115,7 +123,7 @@ def weighted_pool(kv, score, dim):
     out_dtype = torch.promote_types(kv.dtype, score.dtype)
     y = torch.empty(kv3.shape[0], C, dtype=out_dtype, device=kv.device)
     if kv3.shape[0] and C:
-        bc = min(256, next_pow2(C))
+        bc = min(256, next_pow2(C), max(16, POOL_ELEMS // next_pow2(P)))
         launch(pool_kernel, (kv3.shape[0], cdiv(C, bc)), kv3, s3, y, P, C, kv3.stride(0), kv3.stride(1), s3.stride(0),
                                                          s3.stride(1), y.stride(0), BP=next_pow2(P),
                                                          BC=bc)
