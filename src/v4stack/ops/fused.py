@@ -29,6 +29,8 @@
   per token, ``moe_combine``'d, plus the shared expert, in the model's dtype (one kernel on CUDA).
 - ``tail_write(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd)``: a compressor's
   decode-step projections into its tail rings (``triton_ring.py``: one kernel instead of ~7).
+- ``ring_capture(pool, snap, slots, seq, pos, slot, R, fill)``: a decode step's boundary captures
+  of one ring into their snapshot slots (``triton_ring.py``: one kernel instead of ~10).
 - ``rope_table(positions, freqs)``: the cosines and sines a step's rotations share (one kernel a
   step instead of the fp64 functions in every rotation's programs).
 - ``rope_(x, positions, freqs, inverse, table)``: ``rope`` in place (a decode step's queries and
