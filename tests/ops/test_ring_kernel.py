@@ -228,12 +228,42 @@ def test_rope_inplace_on_cuda_keeps_the_rotation_bits_at_flash_widths():
     assert not {k: v for k, v in fused_gpu.refused.items() if k.startswith("rope")}, fused_gpu.refused
 
 
+@pytest.mark.parametrize("m,coff", [(4, 2), (16, 1), (4, 1)])
+def test_closing_rows_kernel_reads_the_composition_rows(m, coff):
+    """The rows closing entries pool, read from the tail rings by one kernel: equal to the
+    composition (positions before 0 as 0 / -inf, the overlapped halves), for entries at the start
+    (entry 0: the previous block is padding) and later. Control: another request's ring gives other rows."""
+    g = torch.Generator().manual_seed(m + coff)
+    S, c = 5, 24
+    R = coff * m
+    kv_pool, score_pool = torch.randn(S * R, coff * c, generator=g), torch.randn(S * R, coff * c, generator=g)
+    slots = torch.tensor([3, 1, 4, 0])
+    seq, entry = torch.tensor([0, 2, 3, 0]), torch.tensor([0, 5, 11, 0])
+    lookback = m if coff == 2 else 0
+    got = tk.closing_rows(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c)
+    want = fused.closing_rows_reference(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c)
+    assert all(a.shape == (4, coff * m, c) and torch.equal(a, b) for a, b in zip(got, want))
+    if coff == 2:  # entry 0 has no previous block
+        assert bool((got[0][0, :m] == 0).all()) and bool((got[1][0, :m] == float("-inf")).all())
+    for mode in ("fast", "invariant"):
+        with ops.mode(mode):
+            again = fused.closing_rows(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c)
+        assert all(torch.equal(a, b) for a, b in zip(again, want))
+    other = tk.closing_rows(kv_pool, score_pool, slots, torch.tensor([1, 2, 3, 1]), entry, R, m, lookback, coff, c)
+    assert not torch.equal(other[0][0], got[0][0]) and torch.equal(other[0][2], got[0][2])
+
+
+def test_closing_rows_builds_for_hopper():
+    check(ptx(("closing_rows",)))
+
+
 @torch.no_grad()
 def test_paged_decode_captures_through_the_capture_kernel(monkeypatch):
     """Decode steps across a block's end (the tiny preset's 16 tokens): the boundary snapshots the
-    capture kernel writes (every ring: window, compressor tails), the logits and the bytes counted
-    equal the composition's. Control: the kernel ran (the dispatch counted it) and a snapshot was
-    written (the pool's snapshots are not all their initial values)."""
+    capture kernel writes (every ring: window, compressor tails) and the entries closed from the rows
+    the closing kernel reads, the logits and the bytes counted equal the compositions'. Control: the
+    kernels ran (the dispatch counted them) and a snapshot was written (the pool's snapshots are not
+    all their initial values)."""
     from v4stack.config import preset
     from v4stack.model import V4Model
     from v4stack.ops import dispatch
@@ -261,17 +291,21 @@ def test_paged_decode_captures_through_the_capture_kernel(monkeypatch):
         return outs, written, cm.snap.tensors, fresh
 
     dispatch.register("ring_capture", "triton_ring_capture", tk.ring_capture, device="cpu", first=True)
+    dispatch.register("closing_rows", "triton_closing_rows", tk.closing_rows, device="cpu", first=True)
     dispatch._resolved.clear()
+    ours = ("triton_ring_capture", "triton_closing_rows")
     try:
         ops.reset_counters()
         got, bytes1, snaps1, fresh = drive()
         assert ops.counters()["ring_capture"].get("triton_ring_capture", 0) >= 2
+        assert ops.counters()["closing_rows"].get("triton_closing_rows", 0) >= 2
     finally:
-        dispatch._table = {k: [i for i in v if i.name != "triton_ring_capture"] for k, v in dispatch._table.items()}
+        dispatch._table = {k: [i for i in v if i.name not in ours] for k, v in dispatch._table.items()}
         dispatch._resolved.clear()
     ops.reset_counters()
     want, bytes2, snaps2, _ = drive()
     assert "triton_ring_capture" not in ops.counters()["ring_capture"]
+    assert "triton_closing_rows" not in ops.counters()["closing_rows"]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert bytes1 == bytes2
     assert all(torch.equal(a, b) for k in snaps1 for a, b in zip(snaps1[k], snaps2[k]))
@@ -340,3 +374,30 @@ def test_ring_capture_on_cuda_equals_the_composition():
         fused.ring_capture(pool, later, slots, seq, pos + 1, slot, R, fill)
         assert not torch.equal(later, got)
     assert "ring_capture" not in fused_gpu.refused, fused_gpu.refused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_closing_rows_on_cuda_equals_the_composition():
+    """Flash widths on the GPU (a CSA compressor: ratio 4 overlapped, 512 channels a half; an HCA one:
+    ratio 128, 512 channels; the indexer's: 128 a half): the dispatch runs the kernel and the rows
+    equal the composition's; control: another request's ring gives other rows."""
+    from v4stack.kernels import fused_gpu
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for m, coff, c in ((4, 2, 512), (128, 1, 512), (4, 2, 128)):
+        R, S = coff * m, 300
+        kv_pool = torch.randn(S * R, coff * c, device="cuda", generator=g)
+        score_pool = torch.randn(S * R, coff * c, device="cuda", generator=g)
+        slots = torch.randperm(S, device="cuda", generator=g)[:256]
+        seq = torch.tensor([0, 17, 255, 0], device="cuda")
+        entry = torch.tensor([0, 33, 4000 // m, 0], device="cuda")
+        lookback = m if coff == 2 else 0
+        want = fused.closing_rows_reference(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c)
+        ops.reset_counters()
+        got = fused.closing_rows(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c)
+        assert ops.counters()["closing_rows"] == {"triton_closing_rows": 1}
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        other = fused.closing_rows(kv_pool, score_pool, slots, seq + 1, entry, R, m, lookback, coff, c)
+        assert not torch.equal(other[0], got[0])
+    assert "closing_rows" not in fused_gpu.refused, fused_gpu.refused

@@ -228,6 +228,15 @@ def ring_capture_ok(pool, snap, slots, seq, pos, slot, R, fill) -> bool:
             and slots.dim() == 1 and seq.dim() == 1 and pos.shape == seq.shape and slot.shape == seq.shape)
 
 
+def closing_rows_ok(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c) -> bool:
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    return (_ints(slots, seq, entry) and kv_pool.is_cuda and kv_pool.device == slots.device and kv_pool.dim() == 2
+            and kv_pool.is_contiguous() and kv_pool.dtype in fl and score_pool.shape == kv_pool.shape
+            and score_pool.dtype in fl and score_pool.is_contiguous() and score_pool.device == kv_pool.device
+            and coff in (1, 2) and c >= 1 and kv_pool.shape[1] == coff * c and R >= 1 and m >= 1 and lookback >= 0
+            and seq.dim() == 1 and entry.shape == seq.shape)
+
+
 def entry_rows_ok(table, positions, ratio, per, E) -> bool:
     return (_ints(table, positions) and table.dim() == 2 and positions.dim() == 1
             and table.shape[0] == positions.shape[0] and table.shape[1] >= 1 and ratio >= 1 and per >= 1 and E >= 0)
@@ -330,6 +339,8 @@ def register_all(register) -> None:
              ref("ring_rows_reference")), device="cuda", accepts=_with("triton", ring_rows_ok))
     register("ring_capture", "triton_ring_capture", _guarded("ring_capture", _lazy("triton_ring", "ring_capture"),
              ref("ring_capture_reference")), device="cuda", accepts=_with("triton", ring_capture_ok))
+    register("closing_rows", "triton_closing_rows", _guarded("closing_rows", _lazy("triton_ring", "closing_rows"),
+             ref("closing_rows_reference")), device="cuda", accepts=_with("triton", closing_rows_ok))
     register("entry_rows", "triton_entry_rows", _guarded("entry_rows", _lazy("triton_layout", "entry_rows"),
              ref("entry_rows_reference")), device="cuda", accepts=_with("triton", entry_rows_ok))
     register("feed_ids", "triton_feed_ids", _guarded("feed_ids", _lazy("triton_layout", "feed_ids"),

@@ -1,5 +1,5 @@
-"""The decode step's ring kernels (Triton): the compressor's projections into its tail rings, and
-a boundary capture's copy of a ring into its snapshot slot.
+"""The decode step's ring kernels (Triton): the compressor's projections into its tail rings, the
+rows a closing entry pools, and a boundary capture's copy of a ring into its snapshot slot.
 
 ``tail_write``: row ``n`` of a decode step writes ``kv[n]`` widened to the ring's dtype and
 ``score[n] + ape[pos[n] % ratio]`` into ring row ``dest[n]`` of the kv and score rings. The torch
@@ -12,6 +12,12 @@ the rings hold the composition's bits, in both modes.
 snapshot slot ``slot[c]`` - ``fill`` where ``q < 0``. The torch composition (``Rings.capture``)
 launches ~10 kernels a ring (the positions, the ring rows, the clamp, the gather, the fill and the
 indexed write); this is one. A copy: the snapshot holds the ring's bits.
+
+``closing_rows``: the kv and score rows an entry that closes in a decode step pools, read from its
+request's tail rings - for entry ``e`` of ratio ``m`` the positions ``e m - lookback + j``, ``j <
+coff m``, in position order, the overlapped compressor's first ``m`` rows from channels ``[0, c)``
+and the next ``m`` from ``[c, 2c)``, 0 / -inf before position 0. The composition (``Rings.rows``,
+two gathers with their fills, two concatenations) is ~12 kernels; this is one, and a copy.
 """
 
 import triton
@@ -72,6 +78,41 @@ def ring_capture(pool, snap, slots, seq, pos, slot, R: int, fill: float) -> None
                BR=br, BD=min(256, next_pow2(D)), num_warps=4)
 
 
+@triton.jit
+def closing_kernel(PK, PS, SLOTS, SEQ, ENT, OK, OS, R, m, lookback, W, c, COFF: tl.constexpr, BD: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    q = tl.load(ENT + n) * m - lookback + j
+    have = q >= 0
+    row = tl.load(SLOTS + tl.load(SEQ + n)) * R + tl.where(have, q, 0) % R
+    half = j * 0
+    if COFF == 2:  # the overlapped compressor: the previous block's rows from the first half of the channels
+        half = tl.where(j >= m, c, 0)
+    out = (n * (COFF * m) + j) * c
+    for d0 in range(0, c, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < c
+        kv = tl.load(PK + row * W + half + d, mask=dm & have, other=0.0)
+        sc = tl.load(PS + row * W + half + d, mask=dm & have, other=float("-inf"))
+        tl.store(OK + out + d, kv, mask=dm)
+        tl.store(OS + out + d, sc, mask=dm)
+
+
+def closing_rows(kv_pool, score_pool, slots, seq, entry, R: int, m: int, lookback: int, coff: int, c: int):
+    """``kv_pool, score_pool [S * R, coff * c]`` (a compressor's tail rings), the step's state slots
+    ``slots [T]``, the closing entries' step rows ``seq [n]`` and entry numbers ``entry [n]`` (int64)
+    -> ``(kv, score) [n, coff * m, c]`` in the rings' dtype: see the module."""
+    import torch
+
+    n, L = seq.shape[0], coff * m
+    kv = torch.empty(n, L, c, dtype=kv_pool.dtype, device=kv_pool.device)
+    score = torch.empty(n, L, c, dtype=score_pool.dtype, device=score_pool.device)
+    if n and L and c:
+        launch(closing_kernel, (n, L), kv_pool, score_pool, slots, seq, entry, kv, score, R, m, lookback,
+               kv_pool.shape[1], c, COFF=coff, BD=min(1024, next_pow2(c)), num_warps=4)
+    return kv, score
+
+
 def builds() -> dict:
     """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check (a
     CSA compressor at V4-Flash width: two 512-wide halves; the rotation into a ring's rows and
@@ -87,6 +128,9 @@ def builds() -> dict:
                fill="fp32", s_snap="i32")
     return {"tail_write": (tail_kernel, sig, dict(BW=1024)),
             "ring_capture": (capture_kernel, cap, dict(BR=16, BD=256)),
+            "closing_rows": (closing_kernel, dict(PK="*fp32", PS="*fp32", SLOTS="*i64", SEQ="*i64", ENT="*i64",
+                                                  OK="*fp32", OS="*fp32", R="i32", m="i32", lookback="i32", W="i32",
+                                                  c="i32"), dict(COFF=2, BD=512)),
             **{f"rope_dest{int(d)}": (tm.rope_kernel, rope, dict(SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d))
                for d in (False, True)},
             **{f"rope_inplace{'' if b else '_nobarrier'}": (tm.rope_kernel, rope, dict(

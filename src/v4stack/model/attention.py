@@ -244,10 +244,15 @@ class Attention(nn.Module):
         if cl is not None and cl.seq.numel():
             m = comp.ratio
             lookback = m if comp.overlap else 0
-            ix = b.shared(("closing", rings.R, m, comp.coff, lookback), lambda: rings.rows(
-                cl.entry.unsqueeze(1) * m - lookback + torch.arange(comp.coff * m, device=pos.device), cl.seq))
-            new = comp.pool_rows(take(rings.pools[0], ix, 0.0), take(rings.pools[1], ix, float("-inf")),
-                                 cl.entry, pool.dtype)
+            if b.decode and rowwise._HOOK.get() is None:  # the pooled rows from the rings (one kernel on CUDA)
+                kv_rows, score_rows = fused.closing_rows(rings.pools[0], rings.pools[1], b.slots, cl.seq, cl.entry,
+                                                         rings.R, m, lookback, comp.coff, comp.width)
+                new = comp.entries_of(kv_rows, score_rows, cl.entry, pool.dtype)
+            else:
+                ix = b.shared(("closing", rings.R, m, comp.coff, lookback), lambda: rings.rows(
+                    cl.entry.unsqueeze(1) * m - lookback + torch.arange(comp.coff * m, device=pos.device), cl.seq))
+                new = comp.pool_rows(take(rings.pools[0], ix, 0.0), take(rings.pools[1], ix, float("-inf")),
+                                     cl.entry, pool.dtype)
             pool.view(-1, pool.shape[-1]).index_copy_(0, cl.dest, new)
             cache.count(new)
         rings.capture(cache.snap[(kind, layer)], (0.0, float("-inf")))

@@ -54,7 +54,12 @@ class Compressor(nn.Module):
         if self.overlap:
             kv = torch.cat((kv[:, :m, :c], kv[:, m:, c:]), dim=1)
             score = torch.cat((score[:, :m, :c], score[:, m:, c:]), dim=1)
-        entries = self.rotary.apply(self.norm(ops.weighted_pool(kv, score, dim=1).to(dtype)), blocks * m)
+        return self.entries_of(kv, score, blocks, dtype)
+
+    def entries_of(self, kv: torch.Tensor, score: torch.Tensor, blocks: torch.Tensor, dtype) -> torch.Tensor:
+        """Entries of ``blocks [n]`` from their pooled rows ``[n, coff * m, width]`` as ``pool_rows``
+        arranges them (``ops.fused.closing_rows`` reads them so from the tail rings)."""
+        entries = self.rotary.apply(self.norm(ops.weighted_pool(kv, score, dim=1).to(dtype)), blocks * self.ratio)
         return entries if self.rounding is None else self.rounding(entries)
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor, row0: int, blocks: range, dtype) -> torch.Tensor:

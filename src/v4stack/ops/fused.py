@@ -31,6 +31,9 @@
   decode-step projections into its tail rings (``triton_ring.py``: one kernel instead of ~7).
 - ``ring_capture(pool, snap, slots, seq, pos, slot, R, fill)``: a decode step's boundary captures
   of one ring into their snapshot slots (``triton_ring.py``: one kernel instead of ~10).
+- ``closing_rows(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c)``: the rows a
+  decode step's closing entries pool, from their tail rings (``triton_ring.py``: one kernel
+  instead of ~12).
 - ``rope_table(positions, freqs)``: the cosines and sines a step's rotations share (one kernel a
   step instead of the fp64 functions in every rotation's programs).
 - ``rope_(x, positions, freqs, inverse, table)``: ``rope`` in place (a decode step's queries and
@@ -222,6 +225,17 @@ def ring_capture_reference(pool, snap, slots, seq, pos, slot, R: int, fill: floa
     snap[slot.unsqueeze(1), q % R] = rows.to(snap.dtype)
 
 
+def closing_rows_reference(kv_pool, score_pool, slots, seq, entry, R: int, m: int, lookback: int, coff: int, c: int):
+    q = entry.unsqueeze(1) * m - lookback + torch.arange(coff * m, device=entry.device)
+    idx = torch.where(q >= 0, slots[seq].unsqueeze(1) * R + q % R, -1)
+    out = []
+    for pool, fill in ((kv_pool, 0.0), (score_pool, float("-inf"))):
+        rows = pool[idx.clamp(min=0)]
+        rows = torch.where((idx >= 0).unsqueeze(-1), rows, torch.full((), fill, dtype=rows.dtype, device=rows.device))
+        out.append(torch.cat((rows[:, :m, :c], rows[:, m:, c:]), dim=1) if coff == 2 else rows)
+    return tuple(out)
+
+
 def ring_rows_reference(positions, slots, R: int, W: int):
     dest = slots * R + positions % R
     if not W:
@@ -284,6 +298,7 @@ register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cu
 register("rope", "torch_composite", rope_reference)
 register("ring_rows", "torch_composite", ring_rows_reference)
 register("ring_capture", "torch_composite", ring_capture_reference)
+register("closing_rows", "torch_composite", closing_rows_reference)
 register("entry_rows", "torch_composite", entry_rows_reference)
 register("topk_rows", "torch_composite", topk_rows_reference)
 register("feed_ids", "torch_composite", feed_ids_reference)
@@ -310,6 +325,17 @@ def ring_capture(pool: torch.Tensor, snap: torch.Tensor, slots: torch.Tensor, se
     R .. pos[c] - 1``, ``fill`` before 0 - into ``snap[slot[c]]`` (``[P, R, D]``), in place."""
     call("ring_capture", ops.get_mode(), str(pool.dtype)[6:], pool.device.type, pool, snap, slots, seq, pos, slot,
          R, fill)
+
+
+def closing_rows(kv_pool: torch.Tensor, score_pool: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor,
+                 entry: torch.Tensor, R: int, m: int, lookback: int, coff: int, c: int):
+    """The rows a decode step's closing entries pool, read from their requests' tail rings
+    (``pool [S * R, coff * c]``, position ``q`` at row ``slots[seq] * R + q % R``): for entry
+    ``entry[i]`` of step row ``seq[i]`` the positions ``entry m - lookback + j``, ``j < coff m`` ->
+    ``(kv, score) [n, coff m, c]``; with ``coff`` 2 the first ``m`` rows' channels ``[0, c)``, the
+    rest's ``[c, 2c)``; 0 / -inf before position 0."""
+    return call("closing_rows", ops.get_mode(), str(kv_pool.dtype)[6:], kv_pool.device.type, kv_pool, score_pool,
+                slots, seq, entry, R, m, lookback, coff, c)
 
 
 def ring_rows(positions: torch.Tensor, slots: torch.Tensor, R: int, W: int = 0):
