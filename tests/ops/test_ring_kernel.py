@@ -398,6 +398,6 @@ def test_closing_rows_on_cuda_equals_the_composition():
         got = fused.closing_rows(kv_pool, score_pool, slots, seq, entry, R, m, lookback, coff, c)
         assert ops.counters()["closing_rows"] == {"triton_closing_rows": 1}
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        other = fused.closing_rows(kv_pool, score_pool, slots, seq + 1, entry, R, m, lookback, coff, c)
+        other = fused.closing_rows(kv_pool, score_pool, slots, (seq + 1) % slots.shape[0], entry, R, m, lookback, coff, c)
         assert not torch.equal(other[0], got[0])
     assert "closing_rows" not in fused_gpu.refused, fused_gpu.refused

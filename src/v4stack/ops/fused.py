@@ -217,21 +217,24 @@ def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_sc
         ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
 
 
-def ring_capture_reference(pool, snap, slots, seq, pos, slot, R: int, fill: float) -> None:
-    q = pos.unsqueeze(1) - R + torch.arange(R, device=pos.device)
+def _ring_gather(pool, slots, seq, q, R: int, fill: float):
+    """Rows of ``pool [S * R, D]`` holding positions ``q [n, L]`` in the rings of state slots
+    ``slots[seq]`` (``R`` rows a slot, row ``q % R``), ``fill`` before position 0."""
     idx = torch.where(q >= 0, slots[seq].unsqueeze(1) * R + q % R, -1)
     rows = pool[idx.clamp(min=0)]
-    rows = torch.where((idx >= 0).unsqueeze(-1), rows, torch.full((), fill, dtype=rows.dtype, device=rows.device))
-    snap[slot.unsqueeze(1), q % R] = rows.to(snap.dtype)
+    return torch.where((idx >= 0).unsqueeze(-1), rows, torch.full((), fill, dtype=rows.dtype, device=rows.device))
+
+
+def ring_capture_reference(pool, snap, slots, seq, pos, slot, R: int, fill: float) -> None:
+    q = pos.unsqueeze(1) - R + torch.arange(R, device=pos.device)
+    snap[slot.unsqueeze(1), q % R] = _ring_gather(pool, slots, seq, q, R, fill).to(snap.dtype)
 
 
 def closing_rows_reference(kv_pool, score_pool, slots, seq, entry, R: int, m: int, lookback: int, coff: int, c: int):
     q = entry.unsqueeze(1) * m - lookback + torch.arange(coff * m, device=entry.device)
-    idx = torch.where(q >= 0, slots[seq].unsqueeze(1) * R + q % R, -1)
     out = []
     for pool, fill in ((kv_pool, 0.0), (score_pool, float("-inf"))):
-        rows = pool[idx.clamp(min=0)]
-        rows = torch.where((idx >= 0).unsqueeze(-1), rows, torch.full((), fill, dtype=rows.dtype, device=rows.device))
+        rows = _ring_gather(pool, slots, seq, q, R, fill)
         out.append(torch.cat((rows[:, :m, :c], rows[:, m:, c:]), dim=1) if coff == 2 else rows)
     return tuple(out)
 

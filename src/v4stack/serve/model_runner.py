@@ -22,10 +22,10 @@ def _long(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
-
 def _slots(n: int, rows: int) -> int:
     """Static slots for ``n`` listed rows: 0 for none, else the next power of two, at most ``rows``."""
     return 0 if n == 0 else min(rows, 1 << (n - 1).bit_length())
+
 
 class ModelRunner:
     def __init__(self, model: V4Model, cache: CacheManager):

@@ -151,11 +151,7 @@ class DrawLog:
         self.extend(draws)
 
     def append(self, d: Draw) -> None:
-        if d.top is not None:
-            self.tops[len(self.tokens)] = d.top
-        self.tokens.append(d.token)
-        self.logprobs.append(d.logprob)
-        self.sampled.append(d.sampled_logprob)
+        self.add(d.token, d.logprob, d.sampled_logprob, d.top)
 
     def add(self, token: int, logprob: float, sampled_logprob: float, top=None) -> None:
         """``append(Draw(token, logprob, top, sampled_logprob))`` without the ``Draw``."""
