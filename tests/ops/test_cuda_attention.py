@@ -4,8 +4,9 @@ CPU: the launcher asks for the shared memory the source lays out; where ``nvcc``
 builds for sm_90a with no spills, the cache keys the build by source and compiler (a changed
 source builds again; a cached one is reused, never half written). GPU (Hopper): against the fp32 torch reference over the same candidates - hidden
 candidates (-1, an index past the pool) in the middle of the lists, a row with no visible
-candidate, two head groups, int32 and int64 indices, the queries' RMS norm in the launch - under
-a CUDA graph too; the inverse control shows the tolerance sees a wrong scale."""
+candidate, two head groups, int32 and int64 indices, lists that are and are not multiples of a
+chunk, the queries' RMS norm in the launch, every variant (chunk size) - under a CUDA graph too;
+the inverse controls show the tolerance sees a wrong scale and a norm not applied."""
 
 import shutil
 
@@ -24,9 +25,10 @@ def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeyp
     monkeypatch.setenv("V4STACK_CUDA_CACHE", str(tmp_path))
     path, report = cubin.build(source)
     assert path.parent == tmp_path and path.stat().st_size > 0
-    for entry in ("decode_attention_i64", "decode_attention_i32"):
+    entries = [f"decode_attention_c{ch}_{it}" for ch in ca.VARIANTS for it in ("i64", "i32")]
+    for entry in entries:
         assert f"Compiling entry function '{entry}' for 'sm_90a'" in report
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 2, report
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == len(entries), report
     regs = [int(line.split("Used ")[1].split()[0]) for line in report.splitlines() if "Used " in line]
     assert regs and max(regs) <= 255
     assert list(tmp_path.iterdir()) == [path]  # only the finished file: no temporary left behind
@@ -52,25 +54,29 @@ def test_a_source_nvcc_rejects_raises_and_leaves_nothing_in_the_cache(tmp_path, 
     assert not cache.exists() or list(cache.iterdir()) == []
 
 
-def _macros(text: str) -> dict:
-    """The ``#define NAME value`` lines of a source, each value evaluated with the ones before."""
+def _layout(text: str):
+    """The source's shared-memory layout as Python: its plain ``#define NAME value`` constants and its
+    ``SMEM_*(CH, NST)`` macros, each one a function of the variant."""
     import re
 
-    vals = {}
+    env = {"__builtins__": {}}
     for name, expr in re.findall(r"^#define (\w+) ([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
-        for k, v in sorted(vals.items(), key=lambda kv: -len(kv[0])):
-            expr = re.sub(rf"\b{k}\b", str(v), expr)
-        vals[name] = eval(expr, {"__builtins__": {}})  # integer arithmetic of the values before
-    return vals
+        env[name] = eval(expr, env)  # integer arithmetic of the constants before
+    for name, expr in re.findall(r"^#define (SMEM_\w+)\(CH, NST\) ([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
+        env[name] = eval(f"lambda CH, NST: {expr}", env)
+    return env
 
 
 def test_the_launcher_asks_for_the_shared_memory_the_source_lays_out():
     src = (cubin.HERE / ca.SOURCE).read_text()
-    m = _macros(src)
-    assert ca.SMEM == m["SMEM_BYTES"]
-    assert m["SMEM_BYTES"] <= 227 * 1024  # Hopper's most for one block
+    m = _layout(src)
+    for ch, nst in ca.VARIANTS.items():
+        assert ca.smem(ch) == m["SMEM_BYTES"](ch, nst)
+        assert ca.smem(ch) <= 227 * 1024  # Hopper's most for one block
+        assert f"ENTRY(decode_attention_c{ch}_i64, {ch}, {nst}, int64_t)" in src
     # the control: a layout one stage larger would not match
-    assert _macros(src.replace("2 * TILE)    // the", "3 * TILE)    // the"))["SMEM_BYTES"] != ca.SMEM
+    bigger = _layout(src.replace("(NST) * (CH) * 1024)", "((NST) + 1) * (CH) * 1024)"))
+    assert bigger["SMEM_BYTES"](32, 4) != ca.smem(32)
 
 
 def test_accepts_only_the_written_shapes():
@@ -117,21 +123,30 @@ def _case(T, H, K0, K1, N0, N1, dtype, seed=0):
 @pytest.mark.skipif(not (torch.cuda.is_available() and cubin.usable()), reason="needs a Hopper GPU and nvcc")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("H", [64, 128])
-def test_matches_the_fp32_reference(dtype, H):
-    q, pools, idx, sink, scale = _case(T=37, H=H, K0=128, K1=384, N0=37 * 128, N1=2000, dtype=dtype)
-    want = _reference(q, pools, idx, sink, scale)
-    got = ca.sparse_attention(q, pools, idx, sink, scale).float()
-    assert torch.all(got[1] == 0)  # no candidate: the sink alone, an exact zero output
-    err = (got - want).abs().max().item()
-    assert err < 2e-2, err
-    # inverse control: a wrong scale is far outside the tolerance
-    bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5).float()
-    assert (bad - want).abs().max().item() > 10 * max(err, 2e-3)
-    # the queries' RMS norm in the launch equals norming first
-    eps = 1e-6
-    qn = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
-    normed = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps).float()
-    assert (normed - _reference(qn, pools, idx, sink, scale)).abs().max().item() < 2e-2
+@pytest.mark.parametrize("chunk", sorted(ca.VARIANTS))
+def test_matches_the_fp32_reference(dtype, H, chunk):
+    # a window and a top-k that are multiples of every chunk, then ones that are not (a chunk across
+    # the two pools, a last chunk part past the lists)
+    for K0, K1 in ((128, 384), (100, 203)):
+        q, pools, idx, sink, scale = _case(T=37, H=H, K0=K0, K1=K1, N0=37 * 128, N1=2000, dtype=dtype)
+        want = _reference(q, pools, idx, sink, scale)
+        got = ca.sparse_attention(q, pools, idx, sink, scale, chunk=chunk).float()
+        assert torch.all(got[1] == 0)  # no candidate: the sink alone, an exact zero output
+        err = (got - want).abs().max().item()
+        assert err < 2e-2, (K0, K1, err)
+        # inverse control: a wrong scale is far outside the tolerance
+        bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5, chunk=chunk).float()
+        assert (bad - want).abs().max().item() > 10 * max(err, 2e-3)
+        # the queries' RMS norm in the launch equals norming first: queries 3x too large give the
+        # normed reference, and (the control) do not without the norm
+        eps = 1e-6
+        qn = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+        want_n = _reference(qn, pools, idx, sink, scale)
+        big = (q.float() * 3).bfloat16()
+        normed = ca.sparse_attention(big, pools, idx, sink, scale, q_eps=eps, chunk=chunk).float()
+        assert (normed - want_n).abs().max().item() < 2e-2
+        raw = ca.sparse_attention(big, pools, idx, sink, scale, chunk=chunk).float()
+        assert (raw - want_n).abs().max().item() > 0.1
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
 """Fast mode's decode attention in CUDA C++ (``cuda_attention.cu``): ``ops.sparse_attention`` and
 ``fused.normed_sparse_attention`` for bf16 queries of 512-wide heads in groups of 64, the pools'
 rows read by index. The kernel's own comment says how it works; this module checks the call and
-launches it (one block per (row, 64-head group), 256 threads)."""
+launches it (one block per (row, 64-head group), 256 threads). ``CHUNK`` picks the variant fast
+mode launches (candidates a chunk; ``VARIANTS`` maps each to its stages), from
+``bench/attention_cuda.py``'s timings of all of them."""
 
 from __future__ import annotations
 
@@ -15,7 +17,17 @@ from v4stack.kernels import cubin
 
 HEADS, WIDTH = 64, 512
 SOURCE = "cuda_attention.cu"
-SMEM = HEADS * 1024 + 2 * 64 * 1024 + 2 * 32 * 128 * 4 + 3 * 64 * 8 + 16 + 1024  # the .cu's SMEM_BYTES
+VARIANTS = {64: 2, 32: 4, 16: 8}  # candidates a chunk: stages (the .cu's entries)
+CHUNK = 32
+
+
+def smem(chunk: int) -> int:
+    """The .cu's SMEM_BYTES(CH, NST): queries, stages, score partials, address slots, head scales,
+    warps' extents, alignment."""
+    nst = VARIANTS[chunk]
+    return HEADS * 1024 + nst * chunk * 1024 + 2 * (chunk // 2) * 128 * 4 + (nst + 1) * chunk * 8 + HEADS * 4 + 8 * 4 + 1024
+
+
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
          "f32", "f32", "i32")
 LOG2E = 1.4426950408889634
@@ -61,7 +73,7 @@ def accepts(q, pools, idx, sink, scale) -> bool:
     return sink.numel() == H and sink.is_cuda
 
 
-def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None):
+def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None, chunk: int | None = None):
     T, H, D = q.shape
     p0, i0 = pools[0].contiguous(), idx[0]
     p1, i1 = (pools[1].contiguous(), idx[1]) if len(pools) > 1 else (p0, i0[:, :0])
@@ -71,7 +83,9 @@ def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = No
     out = torch.empty_like(q)
     if T == 0:
         return out
-    fn = cubin.load(SOURCE, "decode_attention_i64" if it == torch.int64 else "decode_attention_i32", TYPES, SMEM,
+    chunk = CHUNK if chunk is None else chunk
+    name = f"decode_attention_c{chunk}_{'i64' if it == torch.int64 else 'i32'}"
+    fn = cubin.load(SOURCE, name, TYPES, smem(chunk),
                     q.device.index if q.device.index is not None else torch.cuda.current_device())
     sink = sink.float().contiguous()
     for r0 in range(0, T, MAX_ROWS):
