@@ -5,7 +5,7 @@ builds for sm_90a with no spills, the cache keys the build by source and compile
 source builds again; a cached one is reused, never half written). GPU (Hopper): against the fp32 torch reference over the same candidates - hidden
 candidates (-1, an index past the pool) in the middle of the lists, a row with no visible
 candidate, two head groups, int32 and int64 indices, lists that are and are not multiples of a
-chunk, the queries' RMS norm in the launch, every variant (chunk size) - under a CUDA graph too;
+chunk, rows of every live length, more items than SMs, the queries' RMS norm in the launch - under a CUDA graph too;
 the inverse controls show the tolerance sees a wrong scale and a norm not applied."""
 
 import shutil
@@ -76,7 +76,7 @@ def test_the_launcher_asks_for_the_shared_memory_the_source_lays_out():
         assert f"ENTRY(decode_attention_c{ch}_i64, {ch}, {nst}, int64_t)" in src
     # the control: a layout one stage larger would not match
     bigger = _layout(src.replace("(NST) * (CH) * 1024)", "((NST) + 1) * (CH) * 1024)"))
-    assert bigger["SMEM_BYTES"](32, 4) != ca.smem(32)
+    assert bigger["SMEM_BYTES"](64, 2) != ca.smem(64)
 
 
 def test_accepts_only_the_written_shapes():
@@ -113,7 +113,10 @@ def _case(T, H, K0, K1, N0, N1, dtype, seed=0):
     i0[:, 5::17] = -1  # hidden in the middle of the window
     i1[:, 3::11] = -1
     i1[:, 7::13] = N1 + 5  # past the pool: no candidate, never read
-    i1[:, K1 - 70:] = -1  # a padded top-k tail: the live chunks stop before it
+    # padded top-k tails of every length from row to row: the live chunks stop before them, so the
+    # items a block walks have different chunk counts
+    tail = (torch.arange(T, device="cuda") * 37) % (K1 + 1)
+    i1[torch.arange(K1, device="cuda")[None, :] >= (K1 - tail)[:, None]] = -1
     i0[1] = -1  # row 1: nothing visible at all
     i1[1] = -1
     return q, pools, [i0.to(dtype), i1.to(dtype)], torch.randn(H, device="cuda", generator=g), 512 ** -0.5
@@ -125,10 +128,11 @@ def _case(T, H, K0, K1, N0, N1, dtype, seed=0):
 @pytest.mark.parametrize("H", [64, 128])
 @pytest.mark.parametrize("chunk", sorted(ca.VARIANTS))
 def test_matches_the_fp32_reference(dtype, H, chunk):
-    # a window and a top-k that are multiples of every chunk, then ones that are not (a chunk across
-    # the two pools, a last chunk part past the lists)
-    for K0, K1 in ((128, 384), (100, 203)):
-        q, pools, idx, sink, scale = _case(T=37, H=H, K0=K0, K1=K1, N0=37 * 128, N1=2000, dtype=dtype)
+    # a window and a top-k that are multiples of a chunk, then ones that are not (a chunk across the
+    # two pools, a last chunk part past the lists), then a window of 40 alone (one chunk, padded to
+    # two); 300 rows: more items than SMs, so each block walks several, the next one's loads in this one's
+    for K0, K1 in ((128, 384), (100, 203), (40, 0)):
+        q, pools, idx, sink, scale = _case(T=300, H=H, K0=K0, K1=K1, N0=300 * 128, N1=2000, dtype=dtype)
         want = _reference(q, pools, idx, sink, scale)
         got = ca.sparse_attention(q, pools, idx, sink, scale, chunk=chunk).float()
         assert torch.all(got[1] == 0)  # no candidate: the sink alone, an exact zero output
