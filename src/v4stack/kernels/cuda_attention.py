@@ -1,8 +1,8 @@
 """Fast mode's decode attention in CUDA C++ (``cuda_attention.cu``): ``ops.sparse_attention`` and
 ``fused.normed_sparse_attention`` for bf16 queries of 512-wide heads in groups of 64, the pools'
 rows read by index. The kernel's own comment says how it works; this module checks the call and
-launches it: a persistent grid of at most one 256-thread block an SM walking the (row, 64-head
-group) items."""
+launches it (one block per (row, 64-head group), 256 threads). ``VARIANTS``: the chunk sizes
+built (candidates a chunk: stages), ``CHUNK`` the one fast mode launches."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from v4stack.kernels import cubin
 
 HEADS, WIDTH = 64, 512
 SOURCE = "cuda_attention.cu"
-VARIANTS = {64: 2}  # candidates a chunk: stages (the .cu's entries)
+VARIANTS = {64: 2}  # candidates a chunk: stages (the .cu's entries; see its comment for the others measured)
 CHUNK = 64
 
 
@@ -28,8 +28,9 @@ def smem(chunk: int) -> int:
 
 
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
-         "f32", "f32", "i32", "i32", "i32")
+         "f32", "f32", "i32")
 LOG2E = 1.4426950408889634
+MAX_ROWS = 65535  # grid.y
 MIN_ROWS = 64  # from here fast mode takes it over the Triton launches (bench/results/attention_cuda_h200.json)
 
 
@@ -46,15 +47,6 @@ def ready() -> bool:
         warnings.warn(f"cuda_attention: not built, fast mode keeps the Triton launches: {e}", RuntimeWarning)
         return False
     return True
-
-
-@functools.lru_cache(maxsize=None)
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -95,11 +87,12 @@ def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = No
     fn = cubin.load(SOURCE, name, TYPES, smem(chunk),
                     q.device.index if q.device.index is not None else torch.cuda.current_device())
     sink = sink.float().contiguous()
-    items = T * (H // HEADS)
-    fn.launch((min(items, _sms(q.device)), 1, 1), 256, q, q.stride(0), q.stride(1), p0, i0, i0.stride(0) if K0 else 0,
-              K0, p0.shape[0], p1, i1, i1.stride(0) if K1 else 0, K1, p1.shape[0], sink, out, out.stride(0),
-              out.stride(1), float(scale) * LOG2E, 0.0 if q_eps is None else float(q_eps), int(q_eps is not None),
-              items, H // HEADS)
+    for r0 in range(0, T, MAX_ROWS):
+        n = min(MAX_ROWS, T - r0)
+        fn.launch((H // HEADS, n, 1), 256, q[r0:], q.stride(0), q.stride(1), p0, i0[r0:] if K0 else i0,
+                  i0.stride(0) if K0 else 0, K0, p0.shape[0], p1, i1[r0:] if K1 else i1, i1.stride(0) if K1 else 0, K1,
+                  p1.shape[0], sink, out[r0:], out.stride(0), out.stride(1), float(scale) * LOG2E,
+                  0.0 if q_eps is None else float(q_eps), int(q_eps is not None))
     return out
 
 
