@@ -7,11 +7,11 @@
 // shared memory in wgmma's 128-byte-swizzled layout: a tile of R rows is eight regions of 64
 // columns (128 bytes a row, R x 128 bytes a region, 1024-byte aligned), and 16-byte segment s of
 // row r sits at (s ^ (r & 7)) in its row. Candidate rows arrive by cp.async: the queries first
-// (they need no index), then the first NST chunks (each thread looking up the rows it loads), and
-// chunk c + NST into chunk c's stage once c is done; a hidden candidate (-1, or an index outside
-// [0, N)) is a zero-filled row never read from memory that scores -inf. A chunk's row addresses
-// are looked up while chunk c computes. The live chunks end at the chunk of the last candidate
-// pool 1 shows (a padded top-k tail costs nothing).
+// (they need no index), then the first NST chunks, and chunk c + NST into chunk c's stage once c
+// is done; a hidden candidate (-1, or an index outside [0, N)) is a zero-filled row never read
+// from memory that scores -inf. A chunk's row addresses are looked up while chunk c computes.
+// The live chunks end at the chunk of the last candidate pool 1 shows (a padded top-k tail costs
+// nothing).
 //
 // Work: each warpgroup computes the chunk's scores for all 64 heads over its 256 columns (wgmma
 // m64nCHk16, queries and candidate rows both K-major from shared memory, fp32 accumulators, two
@@ -32,7 +32,9 @@
 // (the same stage memory, more bytes in flight) ran 15-60% slower - a chunk's fixed work, not
 // the loads in flight, bounds them; a persistent grid walking the rows as one stream of chunks
 // (the next row's queries and first chunks loading in this row's last ones, the output stored
-// from the registers in 4-byte pieces) ran 7-25% slower.
+// from the registers in 4-byte pieces) ran 7-25% slower; each thread looking up the rows of the
+// first chunks it loads, so the loads start before the first barrier, ran 4-12% slower
+// (attention_cuda_ownrows_h100_7b9329b.json).
 // The kernel is written for any chunk size (CH, NST); only 64 x 2 is built.
 
 #include <cuda_bf16.h>
@@ -153,21 +155,8 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             cp16(sq + at<64>(h, seg), qrow + h * s_qh + seg * 8, true);
         }
     }
-    // the first NST chunks, chunk c in group c (the queries with chunk 0): each thread looks up the
-    // rows it loads itself (a warp's threads share a row: one broadcast load), so the loads start
-    // before any barrier; a chunk past the live ones holds hidden candidates alone and reads nothing
-#pragma unroll
-    for (int c = 0; c < NST; c++) {
-#pragma unroll
-        for (int i = 0; i < CH / 4; i++) {
-            int r = r4 + 4 * i;
-            uint64_t a = cand(c * CH + r, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
-            cp16(sk + c * KT + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
-        }
-        cp_commit();
-    }
-    // their row addresses for the masks, and the live chunks: up to the chunk of the last candidate
-    // pool 1 can show
+    // the first NST chunks' row addresses, and the live chunks: up to the chunk of the last
+    // candidate pool 1 can show
     if (tid < CH) {
 #pragma unroll
         for (int c = 0; c < NST; c++) si[c * CH + tid] = cand(c * CH + tid, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
@@ -183,6 +172,19 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
 #pragma unroll
     for (int i = 0; i < 8; i++) last = max(last, swl[i]);
     const int nch = min((last + CH - 1) / CH, (K0 + K1 + CH - 1) / CH);
+
+#pragma unroll
+    for (int c = 0; c < NST; c++) {  // chunk c in group c (the queries with chunk 0)
+        if (c < nch) {
+#pragma unroll
+            for (int i = 0; i < CH / 4; i++) {
+                int r = r4 + 4 * i;
+                uint64_t a = si[c * CH + r];
+                cp16(sk + c * KT + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
+            }
+        }
+        cp_commit();
+    }
 
     const int ra = wq * 16 + g, rb = ra + 8;  // this thread's two rows (heads) of the block's 64
     float M0 = Sink[h0 + ra] * 1.4426950408889634f, M1 = Sink[h0 + rb] * 1.4426950408889634f;
