@@ -289,16 +289,20 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             acc[i + 2] *= al1;
             acc[i + 3] *= al1;
         }
-        // p @ v over this warpgroup's 256 output columns: regions 4 half .. 4 half + 3
+        // p @ v over this warpgroup's 256 output columns: regions 4 half .. 4 half + 3. p goes to bf16
+        // pairs for every K step before the first MMA (K step kk's A fragment is pa[4 kk .. 4 kk + 3]):
+        // a register written between two MMAs makes the compiler fence them apart
+        uint32_t pa[CH / 4];
+#pragma unroll
+        for (int i = 0; i < CH / 4; i++) pa[i] = pack(s[2 * i], s[2 * i + 1]);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < CH / 16; kk++) {
-            const uint32_t a0 = pack(s[8 * kk], s[8 * kk + 1]), a1 = pack(s[8 * kk + 2], s[8 * kk + 3]);
-            const uint32_t a2 = pack(s[8 * kk + 4], s[8 * kk + 5]), a3 = pack(s[8 * kk + 6], s[8 * kk + 7]);
 #pragma unroll
             for (int nb = 0; nb < 2; nb++) {
                 const uint32_t off = (4 * half + 2 * nb) * (CH * 128) + kk * 16 * 128;
-                wg_pv(acc + 64 * nb, a0, a1, a2, a3, desc(kb + off, CH * 128, 1024));
+                wg_pv(acc + 64 * nb, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                      desc(kb + off, CH * 128, 1024));
             }
         }
         wg_commit();
