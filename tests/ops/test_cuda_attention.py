@@ -5,7 +5,8 @@ builds for sm_90a with no spills, the cache keys the build by source and compile
 source builds again; a cached one is reused, never half written). GPU (Hopper): against the fp32 torch reference over the same candidates - hidden
 candidates (-1, an index past the pool) in the middle of the lists, a row with no visible
 candidate, two head groups, int32 and int64 indices, lists that are and are not multiples of a
-chunk, rows of every live length, more items than SMs, the queries' RMS norm in the launch - under a CUDA graph too;
+chunk, rows of every live length, more items than SMs, blocks walking several items or one (the
+same bits), the queries' RMS norm in the launch - under a CUDA graph too;
 the inverse controls show the tolerance sees a wrong scale and a norm not applied."""
 
 import shutil
@@ -129,20 +130,21 @@ def _case(T, H, K0, K1, N0, N1, dtype, seed=0):
 @pytest.mark.skipif(not (torch.cuda.is_available() and cubin.usable()), reason="needs a Hopper GPU and nvcc")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("H", [64, 128])
-@pytest.mark.parametrize("chunk", sorted(ca.VARIANTS))
-def test_matches_the_fp32_reference(dtype, H, chunk):
+@pytest.mark.parametrize("walk", [False, True])
+def test_matches_the_fp32_reference(dtype, H, walk):
     # a window and a top-k that are multiples of a chunk, then ones that are not (a chunk across the
     # two pools, a last chunk part past the lists), then a window of 40 alone (one chunk, padded to
-    # two); 300 rows: more items than SMs, so each block walks several, the next one's loads in this one's
+    # two); 300 rows: more items than SMs, so a walking block takes several, the next one's loads in
+    # this one's
     for K0, K1 in ((128, 384), (100, 203), (40, 0)):
         q, pools, idx, sink, scale = _case(T=300, H=H, K0=K0, K1=K1, N0=300 * 128, N1=2000, dtype=dtype)
         want = _reference(q, pools, idx, sink, scale)
-        got = ca.sparse_attention(q, pools, idx, sink, scale, chunk=chunk).float()
+        got = ca.sparse_attention(q, pools, idx, sink, scale, walk=walk).float()
         assert torch.all(got[1] == 0)  # no candidate: the sink alone, an exact zero output
         err = (got - want).abs().max().item()
         assert err < 2e-2, (K0, K1, err)
         # inverse control: a wrong scale is far outside the tolerance
-        bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5, chunk=chunk).float()
+        bad = ca.sparse_attention(q, pools, idx, sink, scale * 1.5, walk=walk).float()
         assert (bad - want).abs().max().item() > 10 * max(err, 2e-3)
         # the queries' RMS norm in the launch equals norming first: queries 3x too large give the
         # normed reference, and (the control) do not without the norm
@@ -150,10 +152,28 @@ def test_matches_the_fp32_reference(dtype, H, chunk):
         qn = (q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
         want_n = _reference(qn, pools, idx, sink, scale)
         big = (q.float() * 3).bfloat16()
-        normed = ca.sparse_attention(big, pools, idx, sink, scale, q_eps=eps, chunk=chunk).float()
+        normed = ca.sparse_attention(big, pools, idx, sink, scale, q_eps=eps, walk=walk).float()
         assert (normed - want_n).abs().max().item() < 2e-2
-        raw = ca.sparse_attention(big, pools, idx, sink, scale, chunk=chunk).float()
+        raw = ca.sparse_attention(big, pools, idx, sink, scale, walk=walk).float()
         assert (raw - want_n).abs().max().item() > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and cubin.usable()), reason="needs a Hopper GPU and nvcc")
+def test_an_items_bits_do_not_depend_on_the_grid():
+    # one block an item against blocks walking several (the launcher's choice by chunk count):
+    # the same bits, short rows and long ones, two head groups, the query norm too
+    for K0, K1 in ((128, 0), (128, 512)):
+        q, pools, idx, sink, scale = _case(T=300, H=128, K0=K0, K1=K1, N0=300 * 128, N1=2000, dtype=torch.int64)
+        for eps in (None, 1e-6):
+            one = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps, walk=False)
+            walked = ca.sparse_attention(q, pools, idx, sink, scale, q_eps=eps, walk=True)
+            assert torch.equal(one, walked), (K0, K1, eps)
+        # the control: one query element changed changes its row's bits
+        q2 = q.clone()
+        q2[7, 3, 11] += 1
+        other = ca.sparse_attention(q2, pools, idx, sink, scale, walk=True)
+        assert not torch.equal(other[7], ca.sparse_attention(q, pools, idx, sink, scale, walk=False)[7])
 
 
 @pytest.mark.gpu

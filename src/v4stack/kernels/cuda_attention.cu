@@ -1,41 +1,46 @@
 // Fast mode's decode attention over candidate indices for 64-head blocks of 512-wide heads
-// (V4-Flash's and V4-Pro's widths), in CUDA C++ for Hopper's warpgroup MMA (wgmma, sm_90a): one
-// block of two warpgroups per (query row, 64-head group), the candidates in chunks of CH read
-// from the pools by index, NST chunks in flight.
+// (V4-Flash's and V4-Pro's widths), in CUDA C++ for Hopper's warpgroup MMA (wgmma, sm_90a).
+// A block (two warpgroups) walks the items (query row, 64-head group) b, b + grid, ..., and its
+// candidates run as one stream of chunks of 64 across its items, so the next item's queries and
+// first chunks load while this item finishes. The launcher picks the grid: one block an item
+// (nothing to walk) or at most one an SM; an item's bits do not depend on which.
 //
-// Memory: the block's queries (64 x 512 bf16) and NST chunk stages (CH candidate rows each) sit in
-// shared memory in wgmma's 128-byte-swizzled layout: a tile of R rows is eight regions of 64
-// columns (128 bytes a row, R x 128 bytes a region, 1024-byte aligned), and 16-byte segment s of
-// row r sits at (s ^ (r & 7)) in its row. Candidate rows arrive by cp.async: the queries first
-// (they need no index), then the first NST chunks, and chunk c + NST into chunk c's stage once c
-// is done; a hidden candidate (-1, or an index outside [0, N)) is a zero-filled row never read
-// from memory that scores -inf. A chunk's row addresses are looked up while chunk c computes.
-// The live chunks end at the chunk of the last candidate pool 1 shows (a padded top-k tail costs
-// nothing).
+// Memory: the item's queries (64 x 512 bf16) and two chunk stages (64 candidate rows each) sit in
+// shared memory in wgmma's 128-byte-swizzled layout: a tile is eight regions of 64 columns (128
+// bytes a row, 64 x 128 bytes a region, 1024-byte aligned), and 16-byte segment s of row r sits at
+// (s ^ (r & 7)) in its row. Candidate rows arrive by cp.async, stream chunk j + 2 into chunk j's
+// stage once j is done; a hidden candidate (-1, or an index outside [0, N)) is a zero-filled row
+// never read from memory that scores -inf. A chunk's row addresses are looked up while the chunk
+// two before it computes. The next item's queries load once the last chunk's scores are computed
+// (nothing reads the queries after that). An item's chunks end at the chunk of the last candidate
+// pool 1 shows (a padded top-k tail costs nothing), and are at least two (a hidden chunk adds
+// nothing: it scores -inf), so the chunks two ahead are always this item's or the next one's
+// first two; the next item's extent is found while its p @ v computes.
 //
 // Work: each warpgroup computes the chunk's scores for all 64 heads over its 256 columns (wgmma
-// m64nCHk16, queries and candidate rows both K-major from shared memory, fp32 accumulators, two
-// independent chains of K steps), and the warpgroups swap these partials through shared memory, so
-// both hold the same scores and the same softmax; then p @ v for its half of the 512 output columns
-// (wgmma m64n128k16 twice a K step, p rounded to bf16 in registers as the A operand, the same
-// candidate rows read as an N-major B: key == value). Online softmax in base 2 (the scale carries
-// log2 e) from the sink alone (M = sink, L = 1). The output A / L goes back through shared memory
-// to 16-byte stores.
+// m64n64k16, queries and candidate rows both K-major from shared memory, fp32 accumulators, two
+// independent chains of K steps), and the warpgroups swap these partials through shared memory,
+// so both hold the same scores and the same softmax; then p @ v for its half of the 512 output
+// columns (wgmma m64n128k16 twice a K step, p rounded to bf16 in registers as the A operand,
+// packed for every K step before the first MMA, the same candidate rows read as an N-major B:
+// key == value). Online softmax in base 2 (the scale carries log2 e) from the sink alone (M =
+// sink, L = 1). The output A / L goes through the last chunk's stage to 16-byte stores, before
+// that stage's next load.
 //
 // QN: the queries are RMS-normalised per head (weightless, fp32): each head's 1 / rms is computed
-// from shared memory while the first chunk's scores are in flight and scales that head's scores,
+// from shared memory while the item's first scores are in flight and scales that head's scores,
 // so normalised queries are never written anywhere (the scores equal those of the normalised
 // queries before their rounding to bf16).
 //
-// Measured and not kept (an H100, bench/results/attention_cuda_variants_h100_17eb7bf.json and
-// attention_cuda_persistent_h100_bd144fa.json): chunks of 32 with four stages and of 16 with eight
-// (the same stage memory, more bytes in flight) ran 15-60% slower - a chunk's fixed work, not
-// the loads in flight, bounds them; a persistent grid walking the rows as one stream of chunks
-// (the next row's queries and first chunks loading in this row's last ones, the output stored
-// from the registers in 4-byte pieces) ran 7-25% slower; each thread looking up the rows of the
-// first chunks it loads, so the loads start before the first barrier, ran 4-12% slower
-// (attention_cuda_ownrows_h100_7b9329b.json).
-// The kernel is written for any chunk size (CH, NST); only 64 x 2 is built.
+// Measured on an H100 (bench/results/attention_cuda_variants_h100_17eb7bf.json,
+// attention_cuda_persistent_h100_bd144fa.json, attention_cuda_ownrows_h100_7b9329b.json,
+// attention_walk_ab_h100.log): chunks of 32 with four stages or of 16 with eight (more bytes in
+// flight) ran 15-60% slower - a chunk's fixed work bounds them; the output stored straight from
+// the registers, in 4-byte pieces or traded across a quad into 16-byte ones, ran slower than
+// through shared memory; threads looking up their own rows of the first chunks ran slower. Walking
+// items gains where an item has few chunks (the window: 40.0 -> 37.2 us at 256 rows) and loses
+// where it has many (CSA at 16k: 89-91 -> 93 us), so the launcher walks items of at most
+// ``WALK_CHUNKS`` chunks. The layout takes (CH, NST); the stream's look-ahead is written for 64 x 2.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -127,7 +132,9 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
                                        const __nv_bfloat16 *P0, const IT *__restrict__ I0, int64_t s_i0, int K0,
                                        int N0, const __nv_bfloat16 *P1, const IT *__restrict__ I1, int64_t s_i1,
                                        int K1, int N1, const float *__restrict__ Sink, __nv_bfloat16 *__restrict__ O,
-                                       int64_t s_ot, int64_t s_oh, float scale2, float qeps, int qn) {
+                                       int64_t s_ot, int64_t s_oh, float scale2, float qeps, int qn, int items,
+                                       int groups) {
+    static_assert(CH == 64 && NST == 2, "the stream's look-ahead is written for two stages of 64");
     constexpr int NS = CH / 2;        // score floats a thread holds
     constexpr int KT = CH * 1024;     // one stage
     constexpr int NSLOT = NST + 1;    // address slots: the chunks in flight and the one being looked up
@@ -139,54 +146,74 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
     uint64_t *si = reinterpret_cast<uint64_t *>(smem + SMEM_I(CH, NST));
     float *srs = reinterpret_cast<float *>(smem + SMEM_R(CH, NST));
     int *swl = reinterpret_cast<int *>(smem + SMEM_W(CH, NST));
+    float *xs = reinterpret_cast<float *>(smem + SMEM_X(CH, NST));
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int wq = w & 3, half = w >> 2;  // the warp's 16 rows of the warpgroup's 64; the warpgroup's columns
     const int g = lane >> 2, tig = lane & 3;
-    const int64_t t = blockIdx.y;
-    const int h0 = blockIdx.x * HB;
-    const int seg = tid & 63, r4 = tid >> 6;
+    const int seg = tid & 63, r4 = tid >> 6, lt = tid & 127;
+    const int ra = wq * 16 + g, rb = ra + 8;  // this thread's two rows (heads) of the block's 64
+    const int nchk = (K0 + K1 + CH - 1) / CH;  // an item's chunks at most
 
-    {  // the queries: they need no index
-        const __nv_bfloat16 *qrow = Q + t * s_qt + (int64_t)h0 * s_qh;
+    int item = blockIdx.x;
+    if (item >= items) return;
+    int64_t t = item / groups;
+    int h0 = (item % groups) * HB;
+
+    // the queries of an item (they need no index)
+    auto load_q = [&](int64_t tq, int hq) {
+        const __nv_bfloat16 *qrow = Q + tq * s_qt + (int64_t)hq * s_qh;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             int h = r4 + 4 * i;
             cp16(sq + at<64>(h, seg), qrow + h * s_qh + seg * 8, true);
         }
-    }
-    // the first NST chunks' row addresses, and the live chunks: up to the chunk of the last
-    // candidate pool 1 can show
+    };
+    // this thread's share of an item's live extent: one past the last candidate pool 1 shows
+    auto extent = [&](int64_t te) {
+        int last = K0;
+        for (int j = tid; j < K1; j += NTHREADS) {
+            int64_t r = (int64_t)I1[te * s_i1 + j];
+            if (r >= 0 && r < N1) last = max(last, K0 + j + 1);
+        }
+        return __reduce_max_sync(0xffffffffu, last);
+    };
+    // an item's chunks from the warps' extents: the live ones, at least two
+    auto chunks = [&]() {
+        int last = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) last = max(last, swl[i]);
+        return max(2, min((last + CH - 1) / CH, nchk));
+    };
+
+    load_q(t, h0);
     if (tid < CH) {
 #pragma unroll
         for (int c = 0; c < NST; c++) si[c * CH + tid] = cand(c * CH + tid, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
     }
-    int last = K0;
-    for (int j = tid; j < K1; j += NTHREADS) {
-        int64_t r = (int64_t)I1[t * s_i1 + j];
-        if (r >= 0 && r < N1) last = max(last, K0 + j + 1);
+    {
+        int last = extent(t);
+        if (lane == 0) swl[w] = last;
     }
-    last = __reduce_max_sync(0xffffffffu, last);
-    if (lane == 0) swl[w] = last;
     __syncthreads();
+    int nch = chunks();
 #pragma unroll
-    for (int i = 0; i < 8; i++) last = max(last, swl[i]);
-    const int nch = min((last + CH - 1) / CH, (K0 + K1 + CH - 1) / CH);
-
+    for (int c = 0; c < NST; c++) {  // stream chunk c in group c (the queries with chunk 0)
 #pragma unroll
-    for (int c = 0; c < NST; c++) {  // chunk c in group c (the queries with chunk 0)
-        if (c < nch) {
-#pragma unroll
-            for (int i = 0; i < CH / 4; i++) {
-                int r = r4 + 4 * i;
-                uint64_t a = si[c * CH + r];
-                cp16(sk + c * KT + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
-            }
+        for (int i = 0; i < CH / 4; i++) {
+            int r = r4 + 4 * i;
+            uint64_t a = si[c * CH + r];
+            cp16(sk + c * KT + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
         }
         cp_commit();
     }
 
-    const int ra = wq * 16 + g, rb = ra + 8;  // this thread's two rows (heads) of the block's 64
+    // the next item of this block
+    int nitem = item + gridDim.x;
+    bool more = nitem < items;
+    int64_t tn = more ? nitem / groups : 0;
+    int hn = more ? (nitem % groups) * HB : 0;
+
     float M0 = Sink[h0 + ra] * 1.4426950408889634f, M1 = Sink[h0 + rb] * 1.4426950408889634f;
     float L0 = tig == 0 ? 1.f : 0.f, L1 = L0;  // the sink's term, counted by one thread of four
     float qs0 = scale2, qs1 = scale2;          // the score scales of rows ra, rb
@@ -194,16 +221,21 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.f;
 
-    for (int c = 0; c < nch; c++) {
-        const int st = c % NST;
+    for (int j = 0, c = 0;; j++) {  // stream chunk j: chunk c of the item
+        const int st = j % NST;
+        // stream chunk j + 2: this item's chunk c + 2, else the next item's chunk c + 2 - nch (0 or 1)
+        const bool own = c + NST < nch, ahead = own || more;
+        const int64_t ta = own ? t : tn;
+        const int ca = own ? c + NST : c + NST - nch;
         uint64_t nxt = 0;
-        if (tid < CH && c + NST < nch) nxt = cand((c + NST) * CH + tid, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
+        if (tid < CH && ahead) nxt = cand(ca * CH + tid, ta, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
+        const bool scan = more && c == nch - NST;  // look up the next item's extent in this one
         cp_wait<NST - 1>();
         proxy_fence();
         __syncthreads();
         const uint32_t kb = sk + st * KT;
 
-        // scores [64 heads x CH candidates]: s[4n + e] is row ra (e < 2) or rb, column 8n + 2 tig + (e & 1)
+        // scores [64 heads x 64 candidates]: s[4n + e] is row ra (e < 2) or rb, column 8n + 2 tig + (e & 1)
         // each warpgroup takes the K steps of its 256 columns as two chains (even / odd steps), then
         // the two warpgroups swap their sums: a + b is b + a, so both hold the same scores
         float s[NS], s1[NS];
@@ -234,8 +266,6 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             if (part == 0) srs[h] = __frcp_rn(__fsqrt_rn(__fdiv_rn(q2, (float)DW) + qeps));
         }
         wg_wait();
-        float *xs = reinterpret_cast<float *>(smem + SMEM_X(CH, NST));
-        const int lt = tid & 127;
 #pragma unroll
         for (int i = 0; i < NS; i++) {
             s[i] += s1[i];
@@ -248,8 +278,12 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             qs0 = scale2 * srs[ra];
             qs1 = scale2 * srs[rb];
         }
+        if (more && c == nch - 1) {  // nothing reads these queries again: the next item's load now
+            load_q(tn, hn);
+            cp_commit();
+        }
 
-        const uint64_t *slot = si + (c % NSLOT) * CH;
+        const uint64_t *slot = si + (j % NSLOT) * CH;
         float x0 = -INFINITY, x1 = -INFINITY;
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
@@ -289,9 +323,7 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             acc[i + 2] *= al1;
             acc[i + 3] *= al1;
         }
-        // p @ v over this warpgroup's 256 output columns: regions 4 half .. 4 half + 3. p goes to bf16
-        // pairs for every K step before the first MMA (K step kk's A fragment is pa[4 kk .. 4 kk + 3]):
-        // a register written between two MMAs makes the compiler fence them apart
+        // p @ v over this warpgroup's 256 output columns: regions 4 half .. 4 half + 3
         uint32_t pa[CH / 4];
 #pragma unroll
         for (int i = 0; i < CH / 4; i++) pa[i] = pack(s[2 * i], s[2 * i + 1]);
@@ -306,51 +338,79 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             }
         }
         wg_commit();
+        int lastn = 0;
+        if (scan) lastn = extent(tn);  // while p @ v computes
         wg_wait();
-        if (tid < CH) si[((c + NST) % NSLOT) * CH + tid] = nxt;
-        __syncthreads();  // the stage and the next slot are free / written
-        if (c + NST < nch) {
+        if (tid < CH) si[((j + NST) % NSLOT) * CH + tid] = nxt;
+        if (scan && lane == 0) swl[w] = lastn;
+        __syncthreads();  // the stage and the next slot are free / written; the next extent is in
+        const bool done = c + 1 == nch;
+        if (done) {  // the item's output through this stage (free until its next load, below)
+            L0 += __shfl_xor_sync(0xffffffff, L0, 1);
+            L0 += __shfl_xor_sync(0xffffffff, L0, 2);
+            L1 += __shfl_xor_sync(0xffffffff, L1, 1);
+            L1 += __shfl_xor_sync(0xffffffff, L1, 2);
+            const float i0 = 1.f / L0, i1 = 1.f / L1;
+            unsigned char *ot = smem + SMEM_K(CH, NST) + st * KT;
+#pragma unroll
+            for (int n = 0; n < 32; n++) {  // acc[4n ..]: columns 256 half + 8n + 2 tig (+1)
+                const int col = half * 256 + n * 8 + 2 * tig;
+                *reinterpret_cast<uint32_t *>(ot + at<64>(ra, col >> 3) + (col & 7) * 2) =
+                    pack(acc[4 * n] * i0, acc[4 * n + 1] * i0);
+                *reinterpret_cast<uint32_t *>(ot + at<64>(rb, col >> 3) + (col & 7) * 2) =
+                    pack(acc[4 * n + 2] * i1, acc[4 * n + 3] * i1);
+            }
+            __syncthreads();
+            __nv_bfloat16 *orow = O + t * s_ot + (int64_t)h0 * s_oh;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                int h = r4 + 4 * i;
+                *reinterpret_cast<uint4 *>(orow + h * s_oh + seg * 8) = *reinterpret_cast<const uint4 *>(ot + at<64>(h, seg));
+            }
+            __syncthreads();
+        }
+        if (ahead) {
 #pragma unroll
             for (int i = 0; i < CH / 4; i++) {
                 int r = r4 + 4 * i;
-                uint64_t a = si[((c + NST) % NSLOT) * CH + r];
+                uint64_t a = si[((j + NST) % NSLOT) * CH + r];
                 cp16(kb + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
             }
         }
         cp_commit();
+        if (!done) {
+            c++;
+            continue;
+        }
+        if (!more) break;
+        item = nitem;
+        t = tn;
+        h0 = hn;
+        nch = chunks();
+        nitem = item + gridDim.x;
+        more = nitem < items;
+        tn = more ? nitem / groups : 0;
+        hn = more ? (nitem % groups) * HB : 0;
+        c = 0;
+        M0 = Sink[h0 + ra] * 1.4426950408889634f;
+        M1 = Sink[h0 + rb] * 1.4426950408889634f;
+        L0 = tig == 0 ? 1.f : 0.f;
+        L1 = L0;
+        qs0 = qs1 = scale2;
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.f;
     }
     cp_wait<0>();
-    __syncthreads();  // every warpgroup is done with the queries (also where no chunk ran)
-
-    L0 += __shfl_xor_sync(0xffffffff, L0, 1);
-    L0 += __shfl_xor_sync(0xffffffff, L0, 2);
-    L1 += __shfl_xor_sync(0xffffffff, L1, 1);
-    L1 += __shfl_xor_sync(0xffffffff, L1, 2);
-    const float i0 = 1.f / L0, i1 = 1.f / L1;
-#pragma unroll
-    for (int n = 0; n < 32; n++) {  // acc[4n ..]: columns 256 half + 8n + 2 tig (+1)
-        const int col = half * 256 + n * 8 + 2 * tig;
-        *reinterpret_cast<uint32_t *>(smem + at<64>(ra, col >> 3) + (col & 7) * 2) =
-            pack(acc[4 * n] * i0, acc[4 * n + 1] * i0);
-        *reinterpret_cast<uint32_t *>(smem + at<64>(rb, col >> 3) + (col & 7) * 2) =
-            pack(acc[4 * n + 2] * i1, acc[4 * n + 3] * i1);
-    }
-    __syncthreads();
-    __nv_bfloat16 *orow = O + t * s_ot + (int64_t)h0 * s_oh;
-#pragma unroll
-    for (int i = 0; i < 16; i++) {
-        int h = r4 + 4 * i;
-        *reinterpret_cast<uint4 *>(orow + h * s_oh + seg * 8) = *reinterpret_cast<const uint4 *>(smem + at<64>(h, seg));
-    }
 }
 
 #define ENTRY(name, CH, NST, IT)                                                                               \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1)                                                  \
         name(const __nv_bfloat16 *Q, int64_t s_qt, int64_t s_qh, const __nv_bfloat16 *P0, const IT *I0,       \
              int64_t s_i0, int K0, int N0, const __nv_bfloat16 *P1, const IT *I1, int64_t s_i1, int K1, int N1, \
-             const float *Sink, __nv_bfloat16 *O, int64_t s_ot, int64_t s_oh, float scale2, float qeps, int qn) { \
+             const float *Sink, __nv_bfloat16 *O, int64_t s_ot, int64_t s_oh, float scale2, float qeps, int qn,  \
+             int items, int groups) {                                                                          \
         attend<CH, NST, IT>(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, scale2, \
-                            qeps, qn);                                                                         \
+                            qeps, qn, items, groups);                                                          \
     }
 ENTRY(decode_attention_c64_i64, 64, 2, int64_t)
 ENTRY(decode_attention_c64_i32, 64, 2, int32_t)

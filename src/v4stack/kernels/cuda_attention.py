@@ -1,8 +1,10 @@
 """Fast mode's decode attention in CUDA C++ (``cuda_attention.cu``): ``ops.sparse_attention`` and
 ``fused.normed_sparse_attention`` for bf16 queries of 512-wide heads in groups of 64, the pools'
 rows read by index. The kernel's own comment says how it works; this module checks the call and
-launches it (one block per (row, 64-head group), 256 threads). ``VARIANTS``: the chunk sizes
-built (candidates a chunk: stages), ``CHUNK`` the one fast mode launches."""
+launches it: 256-thread blocks over the (row, 64-head group) items, one block an item, or, where
+a row has at most ``WALK_CHUNKS`` chunks of candidates, at most one an SM walking several (the
+same bits either way). ``VARIANTS``: the chunk sizes built (candidates a chunk: stages),
+``CHUNK`` the one fast mode launches."""
 
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ HEADS, WIDTH = 64, 512
 SOURCE = "cuda_attention.cu"
 VARIANTS = {64: 2}  # candidates a chunk: stages (the .cu's entries; see its comment for the others measured)
 CHUNK = 64
+# rows of at most this many chunks walk several items a block: on an H100 the window's 2 chunks
+# took 37.2 us at 256 rows walking and 40.0 one a block, HCA at 16k's 4 took 50.0 against 51.0,
+# CSA's 10 took 93 against 89-91 (bench/results/attention_walk_ab_h100.log)
+WALK_CHUNKS = 4
 
 
 def smem(chunk: int) -> int:
@@ -28,9 +34,8 @@ def smem(chunk: int) -> int:
 
 
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
-         "f32", "f32", "i32")
+         "f32", "f32", "i32", "i32", "i32")
 LOG2E = 1.4426950408889634
-MAX_ROWS = 65535  # grid.y
 MIN_ROWS = 64  # from here fast mode takes it over the Triton launches (bench/results/attention_cuda_h200.json)
 
 
@@ -47,6 +52,15 @@ def ready() -> bool:
         warnings.warn(f"cuda_attention: not built, fast mode keeps the Triton launches: {e}", RuntimeWarning)
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -72,7 +86,9 @@ def accepts(q, pools, idx, sink, scale) -> bool:
     return sink.numel() == H and sink.is_cuda
 
 
-def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None, chunk: int | None = None):
+def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None, chunk: int | None = None,
+                     walk: bool | None = None):
+    """``walk``: whether blocks walk several items (None: rows of at most ``WALK_CHUNKS`` chunks)."""
     T, H, D = q.shape
     p0, i0 = pools[0].contiguous(), idx[0]
     p1, i1 = (pools[1].contiguous(), idx[1]) if len(pools) > 1 else (p0, i0[:, :0])
@@ -87,12 +103,14 @@ def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = No
     fn = cubin.load(SOURCE, name, TYPES, smem(chunk),
                     q.device.index if q.device.index is not None else torch.cuda.current_device())
     sink = sink.float().contiguous()
-    for r0 in range(0, T, MAX_ROWS):
-        n = min(MAX_ROWS, T - r0)
-        fn.launch((H // HEADS, n, 1), 256, q[r0:], q.stride(0), q.stride(1), p0, i0[r0:] if K0 else i0,
-                  i0.stride(0) if K0 else 0, K0, p0.shape[0], p1, i1[r0:] if K1 else i1, i1.stride(0) if K1 else 0, K1,
-                  p1.shape[0], sink, out[r0:], out.stride(0), out.stride(1), float(scale) * LOG2E,
-                  0.0 if q_eps is None else float(q_eps), int(q_eps is not None))
+    items = T * (H // HEADS)  # int32 in the kernel: T < 2^31 / (H / 64)
+    if walk is None:
+        walk = -(-(K0 + K1) // chunk) <= WALK_CHUNKS
+    grid = min(items, _sms(q.device)) if walk else items
+    fn.launch((grid, 1, 1), 256, q, q.stride(0), q.stride(1), p0, i0, i0.stride(0) if K0 else 0, K0, p0.shape[0],
+              p1, i1, i1.stride(0) if K1 else 0, K1, p1.shape[0], sink, out, out.stride(0), out.stride(1),
+              float(scale) * LOG2E, 0.0 if q_eps is None else float(q_eps), int(q_eps is not None), items,
+              H // HEADS)
     return out
 
 
