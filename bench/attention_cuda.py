@@ -5,8 +5,9 @@ bf16), the layers of ``bench/attention_online.py`` (window only, CSA at 1k and 1
 Triton online launch and the bucket table's launch, each one's largest error against the fp32
 torch reference over the same candidates, the same for the launch that RMS-normalises the
 queries it loads (against the online launch doing the same), and the bytes the case must move
-(queries, candidate rows, outputs) over the CUDA kernel's time; ``cuda_variants``: each chunk size's
-time, normed time and error (``cuda`` is the shipped one, ``cuda_attention.CHUNK``).
+(queries, candidate rows, outputs) over the CUDA kernel's time; ``cuda_grid``: the normed launch
+one block a row and with blocks walking several rows, and whether their bits are the same
+(``cuda.walks``: which one the launcher takes).
 
     python -m bench.attention_cuda --out bench/results/attention_cuda_h200.json
 """
@@ -56,14 +57,13 @@ def main(argv: list[str] | None = None) -> None:
                 normed_vs_online_max_err=float((normed - ref_n).abs().max()))
             cu["GBps"] = row["bytes_moved"] / cu["us"] / 1e3
             cu["chunk"] = ca.CHUNK
-            row["cuda_variants"] = {}
-            for ch in sorted(ca.VARIANTS):  # every variant: candidates a chunk -> time, normed time, error
-                v = ca.sparse_attention(q, pools, idx, sink, scale, chunk=ch).float()
-                row["cuda_variants"][ch] = dict(
-                    stages=ca.VARIANTS[ch], max_err=float((v - want).abs().max()),
-                    us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, chunk=ch)) * 1e6,
-                    normed_us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6,
-                                                                     chunk=ch)) * 1e6)
+            cu["walks"] = -(-(WINDOW + k1) // ca.CHUNK) <= ca.WALK_CHUNKS
+            # both grids, normed (the launcher walks rows of at most WALK_CHUNKS chunks): the same bits
+            row["cuda_grid"] = {("walking" if w else "block_a_row"): graph_time(
+                lambda: ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6, walk=w)) * 1e6 for w in (False, True)}
+            row["cuda_grid"]["same_bits"] = bool(torch.equal(
+                ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6, walk=False),
+                ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6, walk=True)))
             row["normed_online_us"] = graph_time(lambda: online.sparse_attention(q, pools, idx, sink, scale, force=True,
                                                                                  q_eps=1e-6)) * 1e6
             out.append(row)
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"i64 same {cu['i64_same_bits']} normed {cu['normed_us']:7.1f} (diff "
                   f"{cu['normed_vs_online_max_err']:.2e}); online {row['online_us']:7.1f} (err "
                   f"{row['online_max_err']:.2e}, normed {row['normed_online_us']:7.1f}) table {row['table_us']:7.1f}; "
-                  + " ".join(f"c{ch} {v['us']:.1f}/{v['normed_us']:.1f} ({v['max_err']:.1e})"
-                             for ch, v in row["cuda_variants"].items()), flush=True)
+                  f"normed a block a row {row['cuda_grid']['block_a_row']:.1f} walking {row['cuda_grid']['walking']:.1f} "
+                  f"(same bits {row['cuda_grid']['same_bits']})", flush=True)
             del q, pools, idx, want, got, got64
             torch.cuda.empty_cache()
             write_result(a.out, {"widths": dict(H=H, D=D, window=WINDOW), "cases": out, "cubin": path.name,
