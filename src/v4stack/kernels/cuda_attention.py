@@ -74,6 +74,8 @@ def accepts(q, pools, idx, sink, scale) -> bool:
     T, H, D = q.shape
     if D != WIDTH or H % HEADS or q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or not _aligned(q):
         return False
+    if T * (H // HEADS) >= 2 ** 31:  # the kernel's item index is an int
+        return False
     if pools is None:
         return True
     if not 1 <= len(pools) <= 2 or len(idx) != len(pools):
