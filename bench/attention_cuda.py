@@ -56,7 +56,6 @@ def main(argv: list[str] | None = None) -> None:
                 normed_us=graph_time(lambda: ca.sparse_attention(q, pools, idx, sink, scale, q_eps=1e-6)) * 1e6,
                 normed_vs_online_max_err=float((normed - ref_n).abs().max()))
             cu["GBps"] = row["bytes_moved"] / cu["us"] / 1e3
-            cu["chunk"] = ca.CHUNK
             cu["walks"] = -(-(WINDOW + k1) // ca.CHUNK) <= ca.WALK_CHUNKS
             # both grids, normed (the launcher walks rows of at most WALK_CHUNKS chunks): the same bits
             row["cuda_grid"] = {("walking" if w else "block_a_row"): graph_time(

@@ -26,7 +26,7 @@ def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeyp
     monkeypatch.setenv("V4STACK_CUDA_CACHE", str(tmp_path))
     path, report = cubin.build(source)
     assert path.parent == tmp_path and path.stat().st_size > 0
-    entries = [f"decode_attention_c{ch}_{it}" for ch in ca.VARIANTS for it in ("i64", "i32")]
+    entries = ("decode_attention_i64", "decode_attention_i32")
     for entry in entries:
         assert f"Compiling entry function '{entry}' for 'sm_90a'" in report
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == len(entries), report
@@ -58,29 +58,23 @@ def test_a_source_nvcc_rejects_raises_and_leaves_nothing_in_the_cache(tmp_path, 
     assert not cache.exists() or list(cache.iterdir()) == []
 
 
-def _layout(text: str):
-    """The source's shared-memory layout as Python: its plain ``#define NAME value`` constants and its
-    ``SMEM_*(CH, NST)`` macros, each one a function of the variant."""
+def _macros(text: str) -> dict:
+    """The ``#define NAME value`` lines of a source, each value evaluated with the ones before."""
     import re
 
     env = {"__builtins__": {}}
     for name, expr in re.findall(r"^#define (\w+) ([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
-        env[name] = eval(expr, env)  # integer arithmetic of the constants before
-    for name, expr in re.findall(r"^#define (SMEM_\w+)\(CH, NST\) ([^\n]*?)\s*(?://[^\n]*)?$", text, re.M):
-        env[name] = eval(f"lambda CH, NST: {expr}", env)
+        env[name] = eval(expr, env)  # integer arithmetic of the values before
     return env
 
 
 def test_the_launcher_asks_for_the_shared_memory_the_source_lays_out():
     src = (cubin.HERE / ca.SOURCE).read_text()
-    m = _layout(src)
-    for ch, nst in ca.VARIANTS.items():
-        assert ca.smem(ch) == m["SMEM_BYTES"](ch, nst)
-        assert ca.smem(ch) <= 227 * 1024  # Hopper's most for one block
-        assert f"ENTRY(decode_attention_c{ch}_i64, {ch}, {nst}, int64_t)" in src
+    m = _macros(src)
+    assert (ca.SMEM, ca.CHUNK, ca.STAGES) == (m["SMEM_BYTES"], m["CH"], m["NST"])
+    assert ca.SMEM <= 227 * 1024  # Hopper's most for one block
     # the control: a layout one stage larger would not match
-    bigger = _layout(src.replace("(NST) * (CH) * 1024)", "((NST) + 1) * (CH) * 1024)"))
-    assert bigger["SMEM_BYTES"](64, 2) != ca.smem(64)
+    assert _macros(src.replace("NST * CH * 1024)", "(NST + 1) * CH * 1024)"))["SMEM_BYTES"] != ca.SMEM
 
 
 def test_accepts_only_the_written_shapes():

@@ -38,9 +38,9 @@
 // flight) ran 15-60% slower - a chunk's fixed work bounds them; the output stored straight from
 // the registers, in 4-byte pieces or traded across a quad into 16-byte ones, ran slower than
 // through shared memory; threads looking up their own rows of the first chunks ran slower. Walking
-// items gains where an item has few chunks (the window: 40.0 -> 37.2 us at 256 rows) and loses
-// where it has many (CSA at 16k: 89-91 -> 93 us), so the launcher walks items of at most
-// ``WALK_CHUNKS`` chunks. The layout takes (CH, NST); the stream's look-ahead is written for 64 x 2.
+// items gains where an item has few chunks (the window at 256 rows: 39.7 -> 37.0 us) and loses
+// where it has many (CSA at 16k: 90.0 -> 95.1 us; bench/attention_cuda.py's cuda_grid,
+// attention_cuda_h100_7cbf2b1.json), so the launcher walks items of at most ``WALK_CHUNKS`` chunks.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -49,16 +49,17 @@
 #define DW 512                // head width
 #define QTILE (64 * 1024)     // the block's queries: 64 rows of 512-wide bf16
 #define NTHREADS 256
-// shared memory of variant (CH, NST), in bytes from the 1024-aligned base: the queries, NST stages of
-// CH rows, the warpgroups' score partials (2 x CH / 2 floats x 128 threads), the row addresses
-// (NST + 1 slots of CH; 0: hidden), the heads' query scales, the warps' live extents; + the
-// alignment of the base
-#define SMEM_K(CH, NST) QTILE
-#define SMEM_X(CH, NST) (SMEM_K(CH, NST) + (NST) * (CH) * 1024)
-#define SMEM_I(CH, NST) (SMEM_X(CH, NST) + 2 * ((CH) / 2) * 128 * 4)
-#define SMEM_R(CH, NST) (SMEM_I(CH, NST) + ((NST) + 1) * (CH) * 8)
-#define SMEM_W(CH, NST) (SMEM_R(CH, NST) + HB * 4)
-#define SMEM_BYTES(CH, NST) (SMEM_W(CH, NST) + 8 * 4 + 1024)
+#define CH 64                 // candidates a chunk
+#define NST 2                 // chunk stages (the stream's look-ahead is written for two)
+// shared memory, in bytes from the 1024-aligned base: the queries, NST stages of CH rows, the
+// warpgroups' score partials (2 x CH / 2 floats x 128 threads), the row addresses (NST + 1 slots of
+// CH; 0: hidden), the heads' query scales, the warps' live extents; + the alignment of the base
+#define SMEM_K QTILE
+#define SMEM_X (SMEM_K + NST * CH * 1024)
+#define SMEM_I (SMEM_X + 2 * (CH / 2) * 128 * 4)
+#define SMEM_R (SMEM_I + (NST + 1) * CH * 8)
+#define SMEM_W (SMEM_R + HB * 4)
+#define SMEM_BYTES (SMEM_W + 8 * 4 + 1024)
 
 // byte offset of 16-byte segment s (0..63) of row r in a tile of R rows
 template <int R>
@@ -83,9 +84,8 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t s
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | ((uint64_t)1 << 62);
 }
 
-// scores d (+)= a b over one K step: m64nNk16, N = CH candidates (N / 2 floats a thread)
-template <int N> __device__ __forceinline__ void wg_qk(float *d, uint64_t da, uint64_t db, int acc);
-template <> __device__ __forceinline__ void wg_qk<64>(float *d, uint64_t da, uint64_t db, int acc) {
+// scores d (+)= a b over one K step: m64n64k16, a chunk's 64 candidates (32 floats a thread)
+__device__ __forceinline__ void wg_qk(float *d, uint64_t da, uint64_t db, int acc) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
@@ -127,14 +127,13 @@ __device__ __forceinline__ uint64_t cand(int j, int64_t t, const __nv_bfloat16 *
     return 0;
 }
 
-template <int CH, int NST, typename IT>
+template <typename IT>
 __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int64_t s_qt, int64_t s_qh,
                                        const __nv_bfloat16 *P0, const IT *__restrict__ I0, int64_t s_i0, int K0,
                                        int N0, const __nv_bfloat16 *P1, const IT *__restrict__ I1, int64_t s_i1,
                                        int K1, int N1, const float *__restrict__ Sink, __nv_bfloat16 *__restrict__ O,
                                        int64_t s_ot, int64_t s_oh, float scale2, float qeps, int qn, int items,
                                        int groups) {
-    static_assert(CH == 64 && NST == 2, "the stream's look-ahead is written for two stages of 64");
     constexpr int NS = CH / 2;        // score floats a thread holds
     constexpr int KT = CH * 1024;     // one stage
     constexpr int NSLOT = NST + 1;    // address slots: the chunks in flight and the one being looked up
@@ -142,11 +141,11 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
     const uint32_t pad = (1024 - (raw & 1023)) & 1023;
     unsigned char *smem = smem_raw + pad;
-    const uint32_t sbase = raw + pad, sq = sbase, sk = sbase + SMEM_K(CH, NST);
-    uint64_t *si = reinterpret_cast<uint64_t *>(smem + SMEM_I(CH, NST));
-    float *srs = reinterpret_cast<float *>(smem + SMEM_R(CH, NST));
-    int *swl = reinterpret_cast<int *>(smem + SMEM_W(CH, NST));
-    float *xs = reinterpret_cast<float *>(smem + SMEM_X(CH, NST));
+    const uint32_t sbase = raw + pad, sq = sbase, sk = sbase + SMEM_K;
+    uint64_t *si = reinterpret_cast<uint64_t *>(smem + SMEM_I);
+    float *srs = reinterpret_cast<float *>(smem + SMEM_R);
+    int *swl = reinterpret_cast<int *>(smem + SMEM_W);
+    float *xs = reinterpret_cast<float *>(smem + SMEM_X);
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int wq = w & 3, half = w >> 2;  // the warp's 16 rows of the warpgroup's 64; the warpgroup's columns
@@ -243,8 +242,8 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
 #pragma unroll
         for (int ks = 0; ks < 16; ks += 2) {
             const uint32_t r = 4 * half + (ks >> 2), o = (ks & 3) * 32;
-            wg_qk<CH>(s, desc(sq + r * (64 * 128) + o, 16, 1024), desc(kb + r * (CH * 128) + o, 16, 1024), ks);
-            wg_qk<CH>(s1, desc(sq + r * (64 * 128) + o + 32, 16, 1024), desc(kb + r * (CH * 128) + o + 32, 16, 1024), ks);
+            wg_qk(s, desc(sq + r * (64 * 128) + o, 16, 1024), desc(kb + r * (CH * 128) + o, 16, 1024), ks);
+            wg_qk(s1, desc(sq + r * (64 * 128) + o + 32, 16, 1024), desc(kb + r * (CH * 128) + o + 32, 16, 1024), ks);
         }
         wg_commit();
         if (qn && c == 0) {  // each head's 1 / rms while the scores compute (both only read the queries)
@@ -351,7 +350,7 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             L1 += __shfl_xor_sync(0xffffffff, L1, 1);
             L1 += __shfl_xor_sync(0xffffffff, L1, 2);
             const float i0 = 1.f / L0, i1 = 1.f / L1;
-            unsigned char *ot = smem + SMEM_K(CH, NST) + st * KT;
+            unsigned char *ot = smem + SMEM_K + st * KT;
 #pragma unroll
             for (int n = 0; n < 32; n++) {  // acc[4n ..]: columns 256 half + 8n + 2 tig (+1)
                 const int col = half * 256 + n * 8 + 2 * tig;
@@ -403,14 +402,14 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
     cp_wait<0>();
 }
 
-#define ENTRY(name, CH, NST, IT)                                                                               \
+#define ENTRY(name, IT)                                                                                        \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1)                                                  \
         name(const __nv_bfloat16 *Q, int64_t s_qt, int64_t s_qh, const __nv_bfloat16 *P0, const IT *I0,       \
              int64_t s_i0, int K0, int N0, const __nv_bfloat16 *P1, const IT *I1, int64_t s_i1, int K1, int N1, \
              const float *Sink, __nv_bfloat16 *O, int64_t s_ot, int64_t s_oh, float scale2, float qeps, int qn,  \
              int items, int groups) {                                                                          \
-        attend<CH, NST, IT>(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, scale2, \
-                            qeps, qn, items, groups);                                                          \
+        attend<IT>(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, scale2, qeps, qn, \
+                   items, groups);                                                                             \
     }
-ENTRY(decode_attention_c64_i64, 64, 2, int64_t)
-ENTRY(decode_attention_c64_i32, 64, 2, int32_t)
+ENTRY(decode_attention_i64, int64_t)
+ENTRY(decode_attention_i32, int32_t)

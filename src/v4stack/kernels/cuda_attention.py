@@ -3,8 +3,7 @@
 rows read by index. The kernel's own comment says how it works; this module checks the call and
 launches it: 256-thread blocks over the (row, 64-head group) items, one block an item, or, where
 a row has at most ``WALK_CHUNKS`` chunks of candidates, at most one an SM walking several (the
-same bits either way). ``VARIANTS``: the chunk sizes built (candidates a chunk: stages),
-``CHUNK`` the one fast mode launches."""
+same bits either way)."""
 
 from __future__ import annotations
 
@@ -18,21 +17,15 @@ from v4stack.kernels import cubin
 
 HEADS, WIDTH = 64, 512
 SOURCE = "cuda_attention.cu"
-VARIANTS = {64: 2}  # candidates a chunk: stages (the .cu's entries; see its comment for the others measured)
-CHUNK = 64
-# rows of at most this many chunks walk several items a block: on an H100 the window's 2 chunks
-# took 37.2 us at 256 rows walking and 40.0 one a block, HCA at 16k's 4 took 50.0 against 51.0,
-# CSA's 10 took 93 against 89-91 (bench/results/attention_walk_ab_h100.log)
+CHUNK, STAGES = 64, 2  # the .cu's CH, NST
+# rows of at most this many chunks walk several items a block: on an H100 at 256 rows the window's
+# 2 chunks took 37.0 us walking against 39.7 one block a row, HCA at 16k's 4 took 49.5 against
+# 50.6, CSA's 10 took 95.1 against 90.0 (bench/results/attention_cuda_h100_7cbf2b1.json, cuda_grid)
 WALK_CHUNKS = 4
-
-
-def smem(chunk: int) -> int:
-    """The .cu's SMEM_BYTES(CH, NST): queries, stages, score partials, address slots, head scales,
-    warps' extents, alignment."""
-    nst = VARIANTS[chunk]
-    return HEADS * 1024 + nst * chunk * 1024 + 2 * (chunk // 2) * 128 * 4 + (nst + 1) * chunk * 8 + HEADS * 4 + 8 * 4 + 1024
-
-
+# the .cu's SMEM_BYTES: queries, stages, score partials, address slots, head scales, warps' extents,
+# alignment
+SMEM = (HEADS * 1024 + STAGES * CHUNK * 1024 + 2 * (CHUNK // 2) * 128 * 4 + (STAGES + 1) * CHUNK * 8 + HEADS * 4
+        + 8 * 4 + 1024)
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
          "f32", "f32", "i32", "i32", "i32")
 LOG2E = 1.4426950408889634
@@ -88,8 +81,7 @@ def accepts(q, pools, idx, sink, scale) -> bool:
     return sink.numel() == H and sink.is_cuda
 
 
-def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None, chunk: int | None = None,
-                     walk: bool | None = None):
+def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = None, walk: bool | None = None):
     """``walk``: whether blocks walk several items (None: rows of at most ``WALK_CHUNKS`` chunks)."""
     T, H, D = q.shape
     p0, i0 = pools[0].contiguous(), idx[0]
@@ -100,14 +92,12 @@ def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = No
     out = torch.empty_like(q)
     if T == 0:
         return out
-    chunk = CHUNK if chunk is None else chunk
-    name = f"decode_attention_c{chunk}_{'i64' if it == torch.int64 else 'i32'}"
-    fn = cubin.load(SOURCE, name, TYPES, smem(chunk),
+    fn = cubin.load(SOURCE, "decode_attention_i64" if it == torch.int64 else "decode_attention_i32", TYPES, SMEM,
                     q.device.index if q.device.index is not None else torch.cuda.current_device())
     sink = sink.float().contiguous()
     items = T * (H // HEADS)  # int32 in the kernel: T < 2^31 / (H / 64)
     if walk is None:
-        walk = -(-(K0 + K1) // chunk) <= WALK_CHUNKS
+        walk = -(-(K0 + K1) // CHUNK) <= WALK_CHUNKS
     grid = min(items, _sms(q.device)) if walk else items
     fn.launch((grid, 1, 1), 256, q, q.stride(0), q.stride(1), p0, i0, i0.stride(0) if K0 else 0, K0, p0.shape[0],
               p1, i1, i1.stride(0) if K1 else 0, K1, p1.shape[0], sink, out, out.stride(0), out.stride(1),

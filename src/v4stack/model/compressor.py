@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from v4stack import ops
+from v4stack.ops import fused
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model.norm import RMSNorm
 from v4stack.model.rope import Rotary
@@ -52,8 +53,7 @@ class Compressor(nn.Module):
         (for an overlapped compressor the previous block's ``m`` rows first, padding as 0 / -inf)."""
         m, c = self.ratio, self.width
         if self.overlap:
-            kv = torch.cat((kv[:, :m, :c], kv[:, m:, c:]), dim=1)
-            score = torch.cat((score[:, :m, :c], score[:, m:, c:]), dim=1)
+            kv, score = fused.overlap_halves(kv, m, c), fused.overlap_halves(score, m, c)
         return self.entries_of(kv, score, blocks, dtype)
 
     def entries_of(self, kv: torch.Tensor, score: torch.Tensor, blocks: torch.Tensor, dtype) -> torch.Tensor:

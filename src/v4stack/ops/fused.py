@@ -230,12 +230,18 @@ def ring_capture_reference(pool, snap, slots, seq, pos, slot, R: int, fill: floa
     snap[slot.unsqueeze(1), q % R] = _ring_gather(pool, slots, seq, q, R, fill).to(snap.dtype)
 
 
+def overlap_halves(rows: torch.Tensor, m: int, c: int) -> torch.Tensor:
+    """An overlapped compressor's pooled rows ``[n, 2m, 2c]`` -> ``[n, 2m, c]``: the previous block's
+    ``m`` rows from channels ``[0, c)``, the entry's own ``m`` from ``[c, 2c)``."""
+    return torch.cat((rows[:, :m, :c], rows[:, m:, c:]), dim=1)
+
+
 def closing_rows_reference(kv_pool, score_pool, slots, seq, entry, R: int, m: int, lookback: int, coff: int, c: int):
     q = entry.unsqueeze(1) * m - lookback + torch.arange(coff * m, device=entry.device)
     out = []
     for pool, fill in ((kv_pool, 0.0), (score_pool, float("-inf"))):
         rows = _ring_gather(pool, slots, seq, q, R, fill)
-        out.append(torch.cat((rows[:, :m, :c], rows[:, m:, c:]), dim=1) if coff == 2 else rows)
+        out.append(overlap_halves(rows, m, c) if coff == 2 else rows)
     return tuple(out)
 
 
