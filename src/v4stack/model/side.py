@@ -36,6 +36,8 @@ class Fork:
     """``with Fork(device) as f:`` enqueues its body on the side stream after everything the main
     stream has enqueued so far; ``f.join()`` makes the main stream wait for that body."""
 
+    made = 0  # forks enqueued (eager steps and graph captures; a replay runs its captured ones)
+
     def __init__(self, device: torch.device):
         self.main = torch.cuda.current_stream(device)
         self.side = stream(device)
