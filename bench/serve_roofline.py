@@ -49,7 +49,6 @@ from bench.runner import write_result
 from bench.serve import copy_bandwidth, matmul_rate
 from v4stack.config import ModelConfig, preset
 from v4stack.model import V4Model
-from v4stack.model.attention import Attention
 from v4stack.model.init import is_fp32_param
 from v4stack.serve.engine import Engine, EngineConfig
 from v4stack.serve.sampling import SamplingParams
@@ -257,8 +256,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stagger", type=int, default=0,
                     help="request i holds context + i %% stagger tokens (0: every request at the same position, "
                          "so every row closes its entries in the same steps)")
-    ap.add_argument("--index-stream", default="1",
-                    help="a CSA decode step's indexer on the side stream (model.side): 1, 0, or 0,1 for both")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
@@ -277,9 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in a.modes.split(","):  # every config's fast points first: they are the cheap ones
         for name, (cfg, model) in models.items():
             for ctx in map(int, a.contexts.split(",")):
-                for b, ov, ix in ((b, ov, ix) for b in map(int, a.batches.split(","))
-                                  for ov in map(int, a.overlap.split(",")) for ix in map(int, a.index_stream.split(","))):
-                    Attention.index_stream = bool(ix)
+                for b, ov in ((b, ov) for b in map(int, a.batches.split(",")) for ov in map(int, a.overlap.split(","))):
                     try:
                         r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup,
                                         rate, a.stagger)
@@ -288,18 +283,17 @@ def main(argv: list[str] | None = None) -> None:
 
                         r = {"mode": mode, "batch": b, "context": ctx, "overlap": bool(ov),
                              "error": traceback.format_exc()[-1500:]}
-                    Attention.index_stream = True
-                    r["config"], r["index_stream"] = name, bool(ix)
+                    r["config"] = name
                     payload["runs"].append(r)
                     if "error" in r:
-                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov} ix {ix}: ERROR {r['error']}", flush=True)
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov}: ERROR {r['error']}", flush=True)
                     else:
                         roof = (f"  roofline {r['roofline_tok_s']:9.1f} tok/s ({100 * r['fraction']:.1f}%)"
                                 if r["fraction"] else "")
                         if r["fraction_of_max"]:
                             roof += (f" compute floor {r['compute_floor_s'] * 1e3:.2f} ms"
                                      f" ({100 * r['fraction_of_max']:.1f}% of the binding floor)")
-                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov} ix {ix}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
                               f"{r['tok_s']:9.1f} tok/s{roof} host p50 {r['host_s_p50'] * 1e3:.2f} ms/step", flush=True)
                     from v4stack.kernels.fused_gpu import refused
 
