@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import launch, next_pow2
-from v4stack.kernels.triton_rows import _read_norm_row
+from v4stack.kernels.triton_rows import _read_norm_row, _store_normed
 from v4stack.kernels.triton_slices import FINISH_BN, _finish_rows
 
 
@@ -84,18 +84,35 @@ def finish_split_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, M, N, MN, Kf, n
 def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, M, N, MN, Kf, norm_eps, s_ym, eps,
                             D, Df, s_xn, s_xj, s_on, rms_eps, S: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr,
                             NH: tl.constexpr, ITERS: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
-                            BD: tl.constexpr):
+                            BD: tl.constexpr, PREFETCH: tl.constexpr):
     """Fast mode's ``hc_pre`` finish and the sublayer's normalised input in one program a row:
     ``finish_split_kernel``'s sum of the partials and split (the mix in ``Y``; pre, post, comb),
     then ``hc_read_norm_kernel``'s one-block read of the streams ``X`` with that pre and its RMS
     norm into ``OUT`` - one launch where there were two (the row's coefficients are short work
-    for a program: what the two launches cost was mostly their latency)."""
+    for a program: what the two launches cost was mostly their latency). ``PREFETCH``: the row's
+    streams are loaded first, so their bytes arrive while the partials are summed and split (the
+    same loads and arithmetic, so the same bits)."""
     pm = tl.program_id(0)
+    r = pm.to(tl.int64)
+    if PREFETCH:
+        d = tl.arange(0, BD)
+        j = tl.arange(0, NB)
+        xs = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=(j < NH)[:, None] & (d < D)[None, :],
+                     other=0.0)
     _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
     tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
     _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1)
     tl.debug_barrier()  # and so is its pre
-    _read_norm_row(X, PRE, W, OUT, pm.to(tl.int64), NH, D, Df, s_xn, s_xj, NH, s_on, rms_eps, HAS_W, NB, BD)
+    if PREFETCH:
+        p = tl.load(PRE + r * NH + j, mask=j < NH, other=0.0).to(tl.float32)
+        y = tl.sum(p[:, None] * xs.to(tl.float32), 0).to(X.dtype.element_ty).to(tl.float32)
+        _store_normed(OUT, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + rms_eps)), D, s_on,
+                      HAS_W)
+    else:
+        _read_norm_row(X, PRE, W, OUT, r, NH, D, Df, s_xn, s_xj, NH, s_on, rms_eps, HAS_W, NB, BD)
+
+
+READ_PREFETCH = True  # finish_read_norm_kernel loads the row's streams before its coefficients' work
 
 
 def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, eps: float, norm_eps: float,
@@ -109,7 +126,8 @@ def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, 
     launch(finish_read_norm_kernel, (M,), p, pss, mix, scale, base, *out, x, weight if weight is not None else y, y,
            M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
            y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters,
-           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), num_warps=8, num_stages=1)
+           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), PREFETCH=READ_PREFETCH, num_warps=8,
+           num_stages=1)
     return y
 
 
