@@ -6,6 +6,8 @@
   post / comb against float64.
 - ``read_norm``: the coefficients and the sublayer's normalised input - ``hc_pre`` then
   ``hc_read_norm`` (three launches) against ``hc_pre_read_norm`` (two).
+- ``head``: the output head's normalised input - ``hc_head_pre``, ``hc_read`` and ``rms_norm``
+  through fast mode's ops (five launches) against ``hc_head_read_norm`` (two).
 - ``router``: the router's logits ``[M, 8]`` from ``[M, 4096]`` bf16 rows - fast mode's path before
   (the rows widened to fp32 by a copy, then ``ops.linear`` on the fp32 weight) against
   ``triton_wide.linear_widened`` on the bf16 weight; the error against float64; and the whole router
@@ -141,6 +143,39 @@ def read_norm_cases() -> list:
     return out
 
 
+def head_cases() -> list:
+    """The output head's normalised input in fast mode through the ops: ``hc_head_pre`` (the
+    partials, ``finish_sum``, ``head_weights``), ``hc_read`` and ``rms_norm`` - the step's five
+    launches before - against ``hc_head_read_norm`` (the partials and one launch), and their bits."""
+    from v4stack import ops
+    from v4stack.ops import fused
+
+    out = []
+    for M in ROWS:
+        g = torch.Generator(device="cuda").manual_seed(M + 11)
+        x = torch.randn(M, 4, 4096, device="cuda", generator=g).bfloat16()
+        fn = torch.randn(4, 16384, device="cuda", generator=g) / 64
+        scale, base = torch.rand(1, device="cuda", generator=g) + 0.5, torch.randn(4, device="cuda", generator=g)
+        nw = (torch.rand(4096, device="cuda", generator=g) + 0.5).bfloat16()
+
+        def five():
+            return ops.rms_norm(ops.hc_read(x, fused.hc_head_pre(x, fn, scale, base, 1e-6, 1e-6)), nw, 1e-6)
+
+        def one():
+            return fused.hc_head_read_norm(x, fn, scale, base, 1e-6, 1e-6, nw, 1e-6)
+
+        with ops.mode("fast"):
+            ops.reset_counters()
+            a, b = five(), one()
+            rec = {"rows": M, "separate_graph_s": graph_time(five), "fused_graph_s": graph_time(one),
+                   "bits_equal": bool(torch.equal(a, b)), "max_abs_diff": float((a.float() - b.float()).abs().max()),
+                   "served_by": {k: dict(v) for k, v in ops.counters().items()
+                                 if k in ("hc_head_read_norm", "hc_head_pre", "hc_read", "rms_norm")}}
+        print("head_read_norm", rec, flush=True)
+        out.append(rec)
+    return out
+
+
 def router_cases() -> list:
     from v4stack import ops
     from v4stack.kernels import triton_wide as tw
@@ -216,7 +251,7 @@ def greedy_cases(bw: float) -> list:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="hc,read_norm,router,greedy")
+    ap.add_argument("--parts", default="hc,read_norm,head,router,greedy")
     a = ap.parse_args(argv)
     from bench.indexer_select import copy_bandwidth
 
@@ -227,6 +262,8 @@ def main(argv=None) -> None:
         res["hc_pre"] = hc_cases()
     if "read_norm" in parts:
         res["read_norm"] = read_norm_cases()
+    if "head" in parts:
+        res["head_read_norm"] = head_cases()
     if "router" in parts:
         res["router"] = router_cases()
     if "greedy" in parts:

@@ -68,6 +68,29 @@ def test_hc_head_pre_wide_matches_float64_and_is_row_local():
     assert not torch.allclose(tw.hc_head_pre(x, fn, scale, base, 1e-6, 1e3, tile=SMALL), got, atol=1e-3)
 
 
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_hc_head_read_norm_wide_is_the_head_weights_then_the_read_norm(with_weight):
+    """One launch for the head projection's finish, its stream weights and the read with the final
+    norm: against float64, a row alone == the row in the batch, and the same bits as the wide
+    ``hc_head_pre`` followed by ``hc_read_norm``'s kernel. Inverse control: other stream weights
+    (the rows' order reversed) give another input."""
+    from v4stack.kernels import triton_rows as trw
+
+    x = torch.randn(13, 4, 80, generator=g).bfloat16()
+    fn = torch.randn(4, 320, generator=g) * 0.05
+    scale, base = torch.rand(1, generator=g) + 0.5, torch.randn(4, generator=g)
+    wt = (torch.rand(80, generator=g) + 0.5).bfloat16() if with_weight else None
+    y = tw.hc_head_read_norm(x, fn, scale, base, 1e-6, 1e-6, wt, 1e-5, tile=SMALL)
+    want = fused.hc_head_read_norm_reference(x.double(), fn.double(), scale.double(), base.double(), 1e-6, 1e-6,
+                                             None if wt is None else wt.double(), 1e-5)
+    torch.testing.assert_close(y.double(), want, atol=3e-2, rtol=2e-2)  # bf16 output
+    pre = tw.hc_head_pre(x, fn, scale, base, 1e-6, 1e-6, tile=SMALL)
+    assert torch.equal(y, trw.hc_read_norm(x, pre, wt, 1e-5))
+    alone = tw.hc_head_read_norm(x[9:10].clone(), fn, scale, base, 1e-6, 1e-6, wt, 1e-5, tile=SMALL)
+    assert torch.equal(alone[0], y[9])
+    assert not torch.equal(trw.hc_read_norm(x, pre.flip(0), wt, 1e-5), y)
+
+
 def test_weight_parts_sum_to_the_fp32_weight():
     """The projection with an fp32 weight is as close to float64 as fp32 allows; the same rows
     against the weight's top bf16 part alone (what one bf16 MMA would use) are ~1000x further."""
@@ -129,6 +152,9 @@ def test_wide_kernels_take_fast_mode_on_cuda_only():
     assert [i.name for i in _candidates(("hc_pre_read_norm", "fast", "bfloat16", "cuda"))][0] == \
         "triton_hc_pre_read_norm_wide"
     assert [i.name for i in _candidates(("hc_pre_read_norm", "invariant", "bfloat16", "cuda"))] == ["composite"]
+    assert [i.name for i in _candidates(("hc_head_read_norm", "fast", "bfloat16", "cuda"))][0] == \
+        "triton_hc_head_read_norm_wide"
+    assert [i.name for i in _candidates(("hc_head_read_norm", "invariant", "bfloat16", "cuda"))] == ["composite"]
     assert [i.name for i in _candidates(("router", "fast", "bfloat16", "cuda"))][0] == "triton_router_wide"
     assert [i.name for i in _candidates(("router", "invariant", "bfloat16", "cuda"))] == ["composite"]
     assert "triton_hc_pre_wide" not in [i.name for i in _candidates(("hc_pre", "invariant", "bfloat16", "cuda"))]
@@ -155,6 +181,14 @@ def test_fused_read_norm_is_for_decode_sized_calls(monkeypatch):
 
     assert ok(rows) and ok(1)
     assert not ok(rows + 1) and not ok(4096)
+    monkeypatch.setattr(fused_gpu, "hc_head_pre_wide_ok", lambda *a: True)
+
+    def head_ok(m):
+        x = torch.empty(m, 4, 4096, device="meta")
+        return fused_gpu.hc_head_read_norm_wide_ok(x, None, None, None, 1e-6, 1e-6, weight, 1e-5)
+
+    assert head_ok(rows) and head_ok(1)
+    assert not head_ok(rows + 1) and not head_ok(4096)
 
 
 @pytest.mark.gpu
@@ -179,6 +213,9 @@ def test_wide_kernels_on_the_device_at_v4_widths():
         sh, bh = torch.rand(1, device="cuda") + 0.5, torch.randn(4, device="cuda")
         head = fused.hc_head_pre(x, fh, sh, bh, 1e-6, 1e-6)
         nw = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
+        hy = fused.hc_head_read_norm(x, fh, sh, bh, 1e-6, 1e-6, nw, 1e-6)
+        hy_alone = fused.hc_head_read_norm(x[7:8].clone(), fh, sh, bh, 1e-6, 1e-6, nw, 1e-6)
+        hy2 = fused.hc_read_norm(x, head, nw, 1e-6)
         y, post, comb = fused.hc_pre_read_norm(x, fn, scale, base, 4, 20, 1e-6, 1e-6, nw, 1e-6)
         y2 = fused.hc_read_norm(x, got[0], nw, 1e-6)
         rb = torch.randn(8, device="cuda") * 0.1
@@ -187,6 +224,11 @@ def test_wide_kernels_on_the_device_at_v4_widths():
     assert "triton_router_wide" in str(ops.counters())
     assert torch.equal(routed[0], gated[0]) and torch.equal(routed[1], gated[1])  # the logits' bits, summed in the gate
     assert "triton_hc_head_pre_wide" in str(ops.counters())
+    assert "triton_hc_head_read_norm_wide" in str(ops.counters())
+    # the head's one launch against its two ops (the same arithmetic; a row alone as in its batch)
+    torch.testing.assert_close(hy.float(), hy2.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(hy_alone[0], hy[7])
+    print("head read-norm bits equal to the two ops:", torch.equal(hy, hy2))
     assert "triton_hc_pre_read_norm_wide" in str(ops.counters())
     # the one launch against the two: the coefficients within rounding (its reductions run in eight
     # warps), the input as the norm of the read

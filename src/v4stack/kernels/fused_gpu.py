@@ -47,6 +47,16 @@ def hc_pre_read_norm_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps, weight
             and (weight is None or weight.is_contiguous()))
 
 
+def hc_head_read_norm_wide_ok(x, fn, scale, base, eps, norm_eps, weight, rms_eps) -> bool:
+    """Fast mode's ``triton_wide.hc_head_read_norm``: ``hc_head_pre_wide_ok``, a row read in one
+    block, at most ``READ_NORM_FUSED_ROWS`` rows (more: the separate launches)."""
+    from v4stack.kernels.triton_rows import READ_NORM_ONE
+
+    return (x.shape[0] <= READ_NORM_FUSED_ROWS and hc_head_pre_wide_ok(x, fn, scale, base, eps, norm_eps)
+            and x.shape[2] <= READ_NORM_ONE and _norm_weight_ok(x, weight)
+            and (weight is None or weight.is_contiguous()))
+
+
 def hc_head_pre_wide_ok(x, fn, scale, base, eps, norm_eps) -> bool:
     """Fast mode's ``triton_wide.hc_head_pre``: bf16 streams, the rest as ``hc_head_pre_ok``."""
     return x.dtype == torch.bfloat16 and hc_head_pre_ok(x, fn, scale, base, eps, norm_eps)
@@ -291,6 +301,9 @@ def register_all(register) -> None:
     register("hc_pre_read_norm", "triton_hc_pre_read_norm_wide", _guarded("hc_pre_read_norm_wide",
              _lazy("triton_wide", "hc_pre_read_norm"), ref("hc_pre_read_norm_reference")), mode="fast", device="cuda",
              accepts=_with("triton", hc_pre_read_norm_wide_ok))
+    register("hc_head_read_norm", "triton_hc_head_read_norm_wide", _guarded("hc_head_read_norm_wide",
+             _lazy("triton_wide", "hc_head_read_norm"), ref("hc_head_read_norm_reference")), mode="fast",
+             device="cuda", accepts=_with("triton", hc_head_read_norm_wide_ok))
     register("hc_head_pre", "triton_hc_head_pre_wide", _guarded("hc_head_pre_wide",
              _lazy("triton_wide", "hc_head_pre"), ref("hc_head_pre_reference")), mode="fast", device="cuda",
              accepts=_with("triton", hc_head_pre_wide_ok))

@@ -209,6 +209,44 @@ def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float):
     return head_weights(hc_mix(x.reshape(M, -1), fn, norm_eps), scale, base, eps)
 
 
+@triton.jit
+def finish_head_read_norm_kernel(P, PSS, Y, SCALE, BASE, X, W, OUT, M, N, MN, Kf, norm_eps, s_ym, eps, D, Df, s_xn,
+                                 s_xj, s_on, rms_eps, S: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr,
+                                 NH: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr, BD: tl.constexpr):
+    """The head's stream weights and the final norm in one program a row: ``finish_kernel``'s sum
+    of the projection's partials (the mix in ``Y``), ``hc_head_kernel``'s ``sigmoid(mix * scale +
+    base) + eps``, then ``hc_read_norm_kernel``'s one-block read of the streams ``X`` with those
+    weights and its RMS norm into ``OUT`` - the read never written, nor the weights (four launches
+    where there were ``finish_sum``, ``head_weights``, ``hc_read`` and ``rms_norm``). The row's
+    streams are loaded first, so their bytes arrive during the finish."""
+    pm = tl.program_id(0)
+    r = pm.to(tl.int64)
+    d = tl.arange(0, BD)
+    j = tl.arange(0, NB)
+    xs = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=(j < NH)[:, None] & (d < D)[None, :], other=0.0)
+    _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
+    tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
+    m = tl.load(Y + r * s_ym + j, mask=j < NH, other=0.0)
+    pre = tl.where(j < NH, _sigmoid(m * tl.load(SCALE) + tl.load(BASE + j, mask=j < NH, other=0.0)) + eps, 0.0)
+    y = tl.sum(pre[:, None] * xs.to(tl.float32), 0).to(X.dtype.element_ty).to(tl.float32)
+    _store_normed(OUT, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + rms_eps)), D, s_on,
+                  HAS_W)
+
+
+def finish_head_read_norm(p, pss, S: int, K: int, mix, scale, base, eps: float, norm_eps: float, x, weight,
+                          rms_eps: float, y):
+    """``finish_head_read_norm_kernel`` over the head projection's slice partials ``p [S, M, N]`` /
+    ``pss [S, M]`` and the streams ``x [M, n, D]`` (contiguous, D <= ``triton_rows.READ_NORM_ONE``):
+    the mix into ``mix [M, n]``, the normalised read into ``y [M, D]``."""
+    M, N = mix.shape
+    D = x.shape[2]
+    launch(finish_head_read_norm_kernel, (M,), p, pss, mix, scale, base, x, weight if weight is not None else y, y,
+           M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
+           y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=N, HAS_W=weight is not None,
+           NB=max(2, next_pow2(N)), BD=next_pow2(D), num_warps=8, num_stages=1)
+    return y
+
+
 def head_weights(mix, scale, base, eps: float):
     """``sigmoid(mix * scale + base) + eps`` for the head's projection ``mix [M, n]`` (fp32), one kernel."""
     M, n = mix.shape

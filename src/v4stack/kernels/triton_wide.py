@@ -170,3 +170,19 @@ def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float, tile: dict | No
     p, pss, S = partials(x.reshape(M, -1), fn, True, tile)
     finish_sum(p, pss, mix, S, fn.shape[1], norm_eps)
     return head_weights(mix, scale, base, eps)
+
+
+def hc_head_read_norm(x, fn, scale, base, eps: float, norm_eps: float, weight, rms_eps: float,
+                      tile: dict | None = None):
+    """``ops.fused.hc_head_read_norm`` in fast mode: the streams ``x [M, n, d]`` (bf16) -> the head's
+    normalised input ``[M, d]``: ``hc_head_pre``'s partials, then one launch for the finish, the
+    stream weights, the read and its norm (``triton_mhc.finish_head_read_norm``)."""
+    from v4stack.kernels.triton_mhc import finish_head_read_norm
+
+    M = x.shape[0]
+    y = torch.empty(M, x.shape[2], dtype=x.dtype, device=x.device)
+    if M:
+        p, pss, S = partials(x.reshape(M, -1), fn, True, tile)
+        mix = torch.empty(M, fn.shape[0], dtype=torch.float32, device=x.device)
+        finish_head_read_norm(p, pss, S, fn.shape[1], mix, scale, base, eps, norm_eps, x, weight, rms_eps, y)
+    return y

@@ -15,7 +15,7 @@ from torch import nn
 
 from v4stack import ops
 from v4stack.model import rowwise
-from v4stack.ops.fused import hc_head_pre, hc_pre, hc_pre_read_norm, hc_read_norm, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
+from v4stack.ops.fused import hc_head_pre, hc_head_read_norm, hc_pre, hc_pre_read_norm, hc_read_norm, sinkhorn  # noqa: F401  (sinkhorn: the projection hc_pre applies)
 
 
 def hc_parameters(n: int, dim: int, head: bool = False) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -59,3 +59,9 @@ def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
 def hc_head(x, fn, base, scale, eps: float, norm_eps: float) -> torch.Tensor:
     """Final stream mixing ``pre = sigmoid(mix * scale + base) + eps`` (no Sinkhorn) -> ``[N, d]``."""
     return hc_read(x, hc_head_pre(x, fn, scale, base, eps, norm_eps))
+
+
+def head_read_norm(x, fn, base, scale, eps: float, norm_eps: float, norm) -> torch.Tensor:
+    """``norm(hc_head(x, ...))`` for an ``RMSNorm`` ``norm``: the head's stream weights, the read and
+    the final norm (fast mode on CUDA: one launch after the projection, ``fused.hc_head_read_norm``)."""
+    return hc_head_read_norm(x, fn, scale, base, eps, norm_eps, norm.weight, norm.eps)

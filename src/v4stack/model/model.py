@@ -22,7 +22,7 @@ from v4stack.model.attention import Segment
 from v4stack.model.block import Block
 from v4stack.model.init import init_weights, is_fp32_param
 from v4stack.model.linear import Linear
-from v4stack.model.mhc import hc_head, hc_parameters
+from v4stack.model.mhc import hc_head, hc_parameters, head_read_norm
 from v4stack.model.mtp import MTPBlock
 from v4stack.model.norm import RMSNorm
 from v4stack.model import rowwise
@@ -83,6 +83,12 @@ class V4Model(nn.Module):
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of the streams ``x``: the hyper-connection head, the final norm, the output
+        projection - the first two as one op where no trainer hook splits them (its kernels fuse
+        their launches; the same bits)."""
+        if not rowwise.hooked():
+            return self.head(head_read_norm(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
+                                            self.cfg.rms_norm_eps, self.norm))
         y = rowwise.step(hc_head, x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
                          self.cfg.rms_norm_eps, params=(1, 2, 3))
         return self.head(self.norm(y))

@@ -15,6 +15,9 @@
 - ``hc_pre_read_norm(x, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps)``: the two
   above, the input and post, comb returned (fast mode on CUDA: the coefficients' finish and the
   read in one launch).
+- ``hc_head_read_norm(x, fn, scale, base, eps, norm_eps, weight, rms_eps)``: ``hc_head_pre`` then
+  ``hc_read_norm``, the output head's normalised input (fast mode on CUDA: the finish, the weights
+  and the read in one launch).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
   (times the routing weight) between their GEMMs, one kernel on CUDA.
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
@@ -120,6 +123,10 @@ def hc_head_pre_reference(x, fn, scale, base, eps: float, norm_eps: float):
 
 def hc_read_norm_reference(x, pre, weight, eps: float):
     return ops.rms_norm(ops.hc_read(x, pre), weight, eps)
+
+
+def hc_head_read_norm_reference(x, fn, scale, base, eps: float, norm_eps: float, weight, rms_eps: float):
+    return hc_read_norm(x, hc_head_pre(x, fn, scale, base, eps, norm_eps), weight, rms_eps)  # each op dispatched
 
 
 def hc_pre_read_norm_reference(x, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float, weight,
@@ -301,6 +308,7 @@ register("swiglu_act", "torch_composite", swiglu_act_reference)
 register("hc_read_norm", "torch_composite", hc_read_norm_reference)
 register("hc_pre_read_norm", "composite", hc_pre_read_norm_reference)
 register("hc_head_pre", "torch_composite", hc_head_pre_reference)
+register("hc_head_read_norm", "composite", hc_head_read_norm_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
 register("group_linear", "torch_bmm", _group_linear_bmm, mode="fast", device="cuda",
          accepts=lambda x, w: x.dtype == w.dtype and not isinstance(w, ops.QuantizedWeight))
@@ -414,6 +422,15 @@ def hc_pre_read_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     fast mode on CUDA does the finish, the split and the read in one launch (``triton_wide.py``)."""
     return call("hc_pre_read_norm", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, n, iters,
                 eps, norm_eps, weight, rms_eps)
+
+
+def hc_head_read_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+                      norm_eps: float, weight: torch.Tensor | None, rms_eps: float) -> torch.Tensor:
+    """The output head's normalised input: ``hc_head_pre`` then ``hc_read_norm`` with its weights ->
+    ``[N, d]`` in ``x``'s dtype. Both modes compose the two ops; fast mode on CUDA does the finish,
+    the weights and the read in one launch (``triton_wide.py``)."""
+    return call("hc_head_read_norm", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, eps,
+                norm_eps, weight, rms_eps)
 
 
 def hc_read_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
