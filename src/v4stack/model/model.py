@@ -84,8 +84,9 @@ class V4Model(nn.Module):
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The logits of the streams ``x``: the hyper-connection head, the final norm, the output
-        projection - the first two as one op where no trainer hook splits them (its kernels fuse
-        their launches; the same bits)."""
+        projection - the first two as one op where no trainer hook splits them (the same ops on the
+        CPU and in invariant mode; fast mode on CUDA fuses their launches, its norm summed as the
+        sublayers' read-norm kernel sums it)."""
         if not rowwise.hooked():
             return self.head(head_read_norm(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
                                             self.cfg.rms_norm_eps, self.norm))
