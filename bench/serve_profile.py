@@ -102,7 +102,7 @@ def _model_regions():
     return (
         (block, "hc_coefficients", "mhc.coefficients"), (block, "read_norm", "mhc.read_norm"),
         (block, "coefficients_read_norm", "mhc.coefficients_read_norm"),
-        (block, "hc_write", "mhc.write"), (model, "hc_head", "mhc.head"),
+        (block, "hc_write", "mhc.write"), (model, "head_input", "mhc.head"),
         (attention.Attention, "forward", "attention"), (attention.Attention, "_close", "attention.close"),
         (rope.Rotary, "apply", "rope"), (indexer.Indexer, "select_rows", "indexer.select"),
         (compressor.Compressor, "project", "compressor.project"),

@@ -56,12 +56,13 @@ def hc_write(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch
     return ops.hc_write(x, out, post, comb)
 
 
-def hc_head(x, fn, base, scale, eps: float, norm_eps: float) -> torch.Tensor:
-    """Final stream mixing ``pre = sigmoid(mix * scale + base) + eps`` (no Sinkhorn) -> ``[N, d]``."""
-    return hc_read(x, hc_head_pre(x, fn, scale, base, eps, norm_eps))
-
-
-def head_read_norm(x, fn, base, scale, eps: float, norm_eps: float, norm) -> torch.Tensor:
-    """``norm(hc_head(x, ...))`` for an ``RMSNorm`` ``norm``: the head's stream weights, the read and
-    the final norm (fast mode on CUDA: one launch after the projection, ``fused.hc_head_read_norm``)."""
-    return hc_head_read_norm(x, fn, scale, base, eps, norm_eps, norm.weight, norm.eps)
+def head_input(x, fn, base, scale, eps: float, norm_eps: float, norm) -> torch.Tensor:
+    """The output head's input from the streams ``x [N, n, d]``: the final stream mixing with ``pre =
+    sigmoid(mix * scale + base) + eps`` (no Sinkhorn), then the RMS norm ``norm`` - the stream
+    weights, then the read with its norm - one op where no trainer hook splits them (fast mode on
+    CUDA: one launch after the weights' projection, ``fused.hc_head_read_norm``), two row steps
+    under a hook; the same ops either way."""
+    if not rowwise.hooked():
+        return hc_head_read_norm(x, fn, scale, base, eps, norm_eps, norm.weight, norm.eps)
+    pre = rowwise.step(hc_head_pre, x, fn, scale, base, eps, norm_eps, params=(1, 2, 3))
+    return read_norm(x, pre, norm)

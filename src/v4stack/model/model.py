@@ -22,7 +22,7 @@ from v4stack.model.attention import Segment
 from v4stack.model.block import Block
 from v4stack.model.init import init_weights, is_fp32_param
 from v4stack.model.linear import Linear
-from v4stack.model.mhc import hc_head, hc_parameters, head_read_norm
+from v4stack.model.mhc import hc_parameters, head_input
 from v4stack.model.mtp import MTPBlock
 from v4stack.model.norm import RMSNorm
 from v4stack.model import rowwise
@@ -83,16 +83,10 @@ class V4Model(nn.Module):
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits of the streams ``x``: the hyper-connection head, the final norm, the output
-        projection - the first two as one op where no trainer hook splits them (the same ops on the
-        CPU and in invariant mode; fast mode on CUDA fuses their launches, its norm summed as the
-        sublayers' read-norm kernel sums it)."""
-        if not rowwise.hooked():
-            return self.head(head_read_norm(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
-                                            self.cfg.rms_norm_eps, self.norm))
-        y = rowwise.step(hc_head, x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
-                         self.cfg.rms_norm_eps, params=(1, 2, 3))
-        return self.head(self.norm(y))
+        """The logits of the streams ``x``: the head's stream weights, the read with the final norm
+        (``mhc.head_input``), the output projection."""
+        return self.head(head_input(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.hc_eps,
+                                    self.cfg.rms_norm_eps, self.norm))
 
     @staticmethod
     def _fresh_segments(B: int, T: int, device) -> tuple[list[Segment], torch.Tensor]:

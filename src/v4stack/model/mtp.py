@@ -12,9 +12,8 @@ import torch
 from v4stack.config import ModelConfig
 from v4stack.model.block import Block
 from v4stack.model.linear import Linear
-from v4stack.model.mhc import hc_head, hc_parameters
+from v4stack.model.mhc import hc_parameters, head_input
 from v4stack.model.norm import RMSNorm
-from v4stack.model import rowwise
 
 
 class MTPBlock(Block):
@@ -32,6 +31,5 @@ class MTPBlock(Block):
         """Streams ``h [N, n, d]`` and embedded next tokens ``[N, d]`` -> normed hidden ``[N, d]``."""
         x = self.e_proj(self.enorm(next_embed)).unsqueeze(1) + self.h_proj(self.hnorm(h))
         x = self.forward(x, positions, segments, next_ids)
-        y = rowwise.step(hc_head, x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps,
-                         self.norm_eps, params=(1, 2, 3))
-        return self.norm(y)
+        return head_input(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc_eps, self.norm_eps,
+                          self.norm)
