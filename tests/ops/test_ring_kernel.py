@@ -199,6 +199,54 @@ def test_rope_inplace_kernel_keeps_the_rotation_bits_and_touches_only_the_tail()
     torch.testing.assert_close(ref.float(), tm.rope(x, pos, freqs, False).float(), atol=0, rtol=2 ** -7)
 
 
+def test_rope_pair_kernel_is_the_two_rotations():
+    """A decode step's queries rotated in place and its window rows rotated into their ring rows in
+    one launch: the bits of ``rope_`` and ``rope_into``'s kernels. Inverse controls: the queries'
+    head channels are not rewritten, and ring rows not named by ``dest`` are left as they were."""
+    tm = pytest.importorskip("v4stack.kernels.triton_mhc")
+    g = torch.Generator().manual_seed(6)
+    T = 5
+    q = torch.randn(T, 3, 192, generator=g).bfloat16()  # [T, heads, D]: 128 channels kept, 64 rotated
+    kv = torch.randn(T, 192, generator=g).bfloat16()
+    pos = torch.randint(0, 5000, (T,), generator=g)
+    freqs = 1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    pool = torch.randn(12, 192, generator=g).bfloat16()
+    dest = torch.tensor([7, 0, 11, 3, 4])
+    for table in (None, tm.rope_table(pos, freqs)):
+        want_q, want_pool = tm.rope_(q.clone(), pos, freqs, False, table), pool.clone()
+        tm.rope_into(kv, pos, freqs, want_pool, dest, table)
+        got_q, got_pool = q.clone(), pool.clone()
+        assert tm.rope_pair(got_q, kv, pos, freqs, got_pool, dest, table) is got_q
+        assert torch.equal(got_q, want_q) and torch.equal(got_pool, want_pool)
+        assert torch.equal(got_q[..., :128], q[..., :128]) and not torch.equal(got_q, q)
+        assert torch.equal(got_pool[1], pool[1]) and not torch.equal(got_pool[dest], pool[dest])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_pair_on_cuda_is_the_two_rotations_at_flash_widths():
+    """Through the dispatch at flash widths (queries [T, 64, 512], window rows [T, 512], bf16): the
+    pair's one launch gives the two rotations' bits, T from 1 to 256, with and without the table."""
+    from v4stack.kernels import fused_gpu
+
+    freqs = (1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))).cuda()
+    ops.reset_counters()
+    for T in (1, 3, 64, 256):
+        q = torch.randn(T, 64, 512, device="cuda").bfloat16()
+        kv = torch.randn(T, 512, device="cuda").bfloat16()
+        pos = torch.randint(0, 100000, (T,), device="cuda")
+        pool = torch.randn(2 * T + 3, 512, device="cuda").bfloat16()
+        dest = torch.randperm(2 * T + 3, device="cuda")[:T]
+        for table in (None, fused.rope_table(pos, freqs)):
+            want_q, want_pool = fused.rope_(q.clone(), pos, freqs, False, table), pool.clone()
+            fused.rope_into(kv, pos, freqs, want_pool, dest, table)
+            got_q, got_pool = q.clone(), pool.clone()
+            fused.rope_pair(got_q, kv, pos, freqs, got_pool, dest, table)
+            assert torch.equal(got_q, want_q) and torch.equal(got_pool, want_pool), (T, table is None)
+    assert ops.counters()["rope_pair"] == {"triton_rope_pair": 8}
+    assert not {k: v for k, v in fused_gpu.refused.items() if k.startswith("rope")}, fused_gpu.refused
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rope_inplace_on_cuda_keeps_the_rotation_bits_at_flash_widths():

@@ -193,6 +193,13 @@ def tail_write_ok(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, c
                     and r.device == dev for r in (ring_kv, ring_score)))
 
 
+def rope_pair_ok(q, kv, positions, freqs, pool, dest, table=None) -> bool:
+    """``triton_mhc.rope_pair``: where ``rope_`` would take ``q`` and ``rope_into`` would take ``kv``
+    (one row a token), each by its kernel - so the pair's bits are theirs."""
+    return (kv.dim() == 2 and q.device == kv.device and rope_ok(q, positions, freqs, False, table)
+            and rope_into_ok(kv, positions, freqs, pool, dest, table))
+
+
 def rope_into_ok(x, positions, freqs, pool, dest, table=None) -> bool:
     T = x.shape[0] if x.dim() else -1
     return (rope_ok(x, positions, freqs, False, table) and pool.dtype == x.dtype and pool.dim() == 2
@@ -348,6 +355,8 @@ def register_all(register) -> None:
              ref("rope_table_reference")), device="cuda", accepts=_with("triton", rope_table_ok))
     register("rope_into", "triton_rope_into", _guarded("rope_into", _lazy("triton_mhc", "rope_into"),
              ref("rope_into_reference")), device="cuda", accepts=_with("triton", rope_into_ok))
+    register("rope_pair", "triton_rope_pair", _guarded("rope_pair", _lazy("triton_mhc", "rope_pair"),
+             ref("rope_pair_reference")), device="cuda", accepts=_with("triton", rope_pair_ok))
     register("ring_rows", "triton_ring_rows", _guarded("ring_rows", _lazy("triton_layout", "ring_rows"),
              ref("ring_rows_reference")), device="cuda", accepts=_with("triton", ring_rows_ok))
     register("ring_capture", "triton_ring_capture", _guarded("ring_capture", _lazy("triton_ring", "ring_capture"),

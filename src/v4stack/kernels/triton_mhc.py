@@ -270,8 +270,16 @@ def rope_kernel(X, Y, POS, FREQ, CS, DEST, M, D, SIGN: tl.constexpr, HALF: tl.co
     that checks the barrier is there. ``TABLE``: the cosines and sines are read from ``CS [T, 2,
     HALF]`` (``rope_table_kernel``'s, the same fp32 values) instead of computed here in fp64.
     """
-    t = tl.program_id(0).to(tl.int64)
-    mr = tl.program_id(1) * BM + tl.arange(0, BM)
+    _rope_rows(X, Y, POS, FREQ, CS, DEST, M, D, tl.program_id(0).to(tl.int64), tl.program_id(1), SIGN, HALF, BM, BD,
+               HAS_DEST, COPY, BARRIER, TABLE)
+
+
+@triton.jit
+def _rope_rows(X, Y, POS, FREQ, CS, DEST, M, D, t, pm, SIGN: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr,
+               BD: tl.constexpr, HAS_DEST: tl.constexpr, COPY: tl.constexpr, BARRIER: tl.constexpr,
+               TABLE: tl.constexpr):
+    """``rope_kernel``'s work for token ``t``, row block ``pm`` (also run by ``rope_pair_kernel``)."""
+    mr = pm * BM + tl.arange(0, BM)
     base = (t * M + mr[:, None]) * D
     ybase = base
     if HAS_DEST:
@@ -303,6 +311,21 @@ def rope_kernel(X, Y, POS, FREQ, CS, DEST, M, D, SIGN: tl.constexpr, HALF: tl.co
             d = d0 + tl.arange(0, BD)
             mk = okm & (d < tail)[None, :]
             tl.store(Y + ybase + d[None, :], tl.load(X + base + d[None, :], mask=mk), mask=mk)
+
+
+@triton.jit
+def rope_pair_kernel(Q, POS, FREQ, CS, KV, POOL, DEST, MQ, DQ, DK, QB, HALF: tl.constexpr, BMQ: tl.constexpr,
+                     BD: tl.constexpr, TABLE: tl.constexpr):
+    """A decode step's two rotations of one layer in one launch: program ``(t, p)`` with ``p < QB``
+    rotates row block ``p`` of token ``t``'s queries in place (``rope_``'s work), ``p == QB`` the
+    token's window row into the ring row ``DEST[t]`` of ``POOL`` (``rope_into``'s) - the same
+    helper with the same constants as the two launches, so the same bits."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    if p < QB:
+        _rope_rows(Q, Q, POS, FREQ, CS, DEST, MQ, DQ, t, p, 1.0, HALF, BMQ, BD, False, False, True, TABLE)
+    else:
+        _rope_rows(KV, POOL, POS, FREQ, CS, DEST, 1, DK, t, 0, 1.0, HALF, 1, BD, True, True, False, TABLE)
 
 
 @triton.jit
@@ -368,6 +391,20 @@ def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, poo
         launch(rope_kernel, (T, triton.cdiv(M, bm)), x, pool, positions, freqs, freqs if table is None else table,
                dest, M, D, SIGN=1.0, HALF=freqs.shape[0], BM=bm, BD=128, HAS_DEST=True, COPY=True, BARRIER=False,
                TABLE=table is not None, num_warps=4)
+
+
+def rope_pair(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
+              dest: torch.Tensor, table=None) -> torch.Tensor:
+    """``rope_(q, ...)`` and ``rope_into(kv, ..., pool, dest)`` in one launch (``q [T, H, Dq]``, ``kv
+    [T, Dk]``, both contiguous, one row of ``kv`` a token); returns ``q``."""
+    T, Dq = q.shape[0], q.shape[-1]
+    MQ = q.numel() // max(1, T * Dq)
+    if T:
+        bm = min(16, triton.next_power_of_2(MQ))
+        qb = triton.cdiv(MQ, bm)
+        launch(rope_pair_kernel, (T, qb + 1), q, positions, freqs, freqs if table is None else table, kv, pool, dest,
+               MQ, Dq, kv.shape[-1], qb, HALF=freqs.shape[0], BMQ=bm, BD=128, TABLE=table is not None, num_warps=4)
+    return q
 
 
 @triton.jit

@@ -123,17 +123,21 @@ class Attention(nn.Module):
         # and shares one table of the angles' cosines and sines between its layers of a kind
         tab = segments.batch.shared(("rope_table", self.ratio != 0), lambda: self.rotary.table(positions)) \
             if inplace else None
-        q = self.rotary.apply_(q, positions, table=tab) if inplace else self.rotary.apply(q, positions)
-        kv = self.kv_norm(self.wkv(x) if xp is None else xp[1])
-        # a decode step rotates its window rows straight into the ring (``_paged``)
+        # a decode step rotates its window rows straight into the ring (``_paged``), and a serving
+        # decode step its queries in the same call (``fused.rope_pair``)
         direct = (isinstance(segments, PagedStep) and segments.batch.decode and self.kv_rounding is None
                   and rowwise._HOOK.get() is None)
+        pair = inplace and direct
+        if not pair:
+            q = self.rotary.apply_(q, positions, table=tab) if inplace else self.rotary.apply(q, positions)
+        kv = self.kv_norm(self.wkv(x) if xp is None else xp[1])
         if not direct:
             kv = self.rotary.apply(kv, positions)
         if self.kv_rounding is not None:
             kv = self.kv_rounding(kv)
         if isinstance(segments, PagedStep):
-            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab, q_eps=q_eps, xp=xp)
+            o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab, q_eps=q_eps, xp=xp,
+                            q_roped=not pair)
         elif hasattr(segments, "attention"):  # a context-parallel shard supplies its own candidates
             o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
@@ -157,12 +161,14 @@ class Attention(nn.Module):
         cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
         return self._attend(q, segments, cands)
 
-    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None, q_eps=None, xp=None):
+    def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None, q_eps=None, xp=None,
+               q_roped: bool = True):
         """Attention by index over the pools: the window as ring rows, compressed entries through
         the block table; closing entries and the new ring rows are written into the pools. ``kv``
-        not ``roped`` yet (a decode step): rotated straight into the window ring. ``q_eps``: the
-        queries are not normalised yet (``fused.normed_sparse_attention`` does it). ``xp``: the
-        packed projections of ``x`` (``x_linears``' order), or None."""
+        not ``roped`` yet (a decode step): rotated straight into the window ring - with the queries
+        in place where they are not ``q_roped`` yet (``fused.rope_pair``). ``q_eps``: the queries are
+        not normalised yet (``fused.normed_sparse_attention`` does it). ``xp``: the packed
+        projections of ``x`` (``x_linears``' order), or None."""
         b, cache = ps.batch, ps.cache
         pos, W = b.positions, self.window
         ring = cache.state[("swa_kv", layer)]
@@ -170,8 +176,11 @@ class Attention(nn.Module):
             win = Rings(ring, (kv,), b, cache)
         else:
             R = ring[0].shape[1]
-            fused.rope_into(kv, pos, self.rotary.freqs_on(pos.device), ring[0].view(-1, ring[0].shape[-1]),
-                            Rings.dest(b, R), table)
+            args = (pos, self.rotary.freqs_on(pos.device), ring[0].view(-1, ring[0].shape[-1]), Rings.dest(b, R), table)
+            if q_roped:
+                fused.rope_into(kv, *args)
+            else:
+                fused.rope_pair(q, kv, *args)
             win = Rings(ring, None, b, cache)
         if b.decode:  # one kernel for the window rows of every row
             win_rows = b.shared(("window", W, win.R), lambda: fused.ring_rows(pos, b.slots, win.R, W)[1])

@@ -39,6 +39,8 @@
   instead of ~12).
 - ``rope_table(positions, freqs)``: the cosines and sines a step's rotations share (one kernel a
   step instead of the fp64 functions in every rotation's programs).
+- ``rope_pair(q, kv, positions, freqs, pool, dest, table)``: ``rope_`` of a decode step's queries
+  and ``rope_into`` of its window rows, one launch on CUDA.
 - ``rope_(x, positions, freqs, inverse, table)``: ``rope`` in place (a decode step's queries and
   attention outputs: the kernel reads and writes the rotated tail only).
 - ``rope_into(x, positions, freqs, pool, dest)``: ``rope`` written straight into rows of a pool
@@ -218,6 +220,11 @@ def rope_into_reference(x, positions, freqs, pool, dest, table=None) -> None:
     pool.index_copy_(0, dest, rope(x, positions, freqs, False).reshape(x.shape[0], -1).to(pool.dtype))
 
 
+def rope_pair_reference(q, kv, positions, freqs, pool, dest, table=None) -> torch.Tensor:
+    rope_into(kv, positions, freqs, pool, dest, table)  # each op dispatched
+    return rope_(q, positions, freqs, False, table)
+
+
 def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest, cd) -> None:
     kv, score = kv.to(cd), score.to(cd) + ape.to(cd)[positions % ratio]
     for ring, new in ((ring_kv, kv), (ring_score, score)):
@@ -300,6 +307,7 @@ register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
 register("rope_into", "torch_composite", rope_into_reference)
+register("rope_pair", "composite", rope_pair_reference)
 register("rope_", "torch_composite", rope_inplace_reference)
 register("rope_table", "torch_composite", rope_table_reference)
 register("hc_split", "torch_composite", hc_split_reference)
@@ -530,6 +538,15 @@ def tail_write(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positio
     into ring row ``dest[n]`` of ``ring_kv`` / ``ring_score [S, R, W]`` (cast to their dtype)."""
     return call("tail_write", ops.get_mode(), str(kv.dtype)[6:], kv.device.type, kv, score, ape, positions, ratio,
                 ring_kv, ring_score, dest, cd)
+
+
+def rope_pair(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
+              dest: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's two rotations of one attention layer: ``rope_(q, ...)`` (the queries, in
+    place; returned) and ``rope_into(kv, ..., pool, dest)`` (the window rows into their ring rows) -
+    one launch on CUDA (``triton_mhc.rope_pair``), each op's bits."""
+    return call("rope_pair", ops.get_mode(), str(q.dtype)[6:], q.device.type, q, kv, positions, freqs, pool, dest,
+                table)
 
 
 def rope_into(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
