@@ -69,13 +69,19 @@ def sum_kernel(P, Y, MN, S, s_pg, s_yg, B: tl.constexpr):
     tl.store(Y + g * s_yg + i, acc.to(Y.dtype.element_ty), mask=i < MN)
 
 
+def slices(K: int, S: int, BK: int) -> tuple[int, int]:
+    """(columns a slice, whole K steps; slices) for K cut in ``S`` (fewer where K has fewer steps)."""
+    ks = triton.cdiv(triton.cdiv(K, S), BK) * BK
+    return ks, triton.cdiv(K, ks)
+
+
 def splitk(x, w, S: int, t: dict, p=None, y=None):
-    """``x [G, M, K] @ w[G, N, K]^T`` -> ``[G, M, N]`` (bf16), K in ``S`` slices."""
+    """``x [G, M, K] @ w[G, N, K]^T`` -> ``[G, M, N]`` (bf16), K in ``S`` slices; ``p`` / ``y`` the
+    partials and output buffers where the caller keeps them (a graph capture)."""
     G, M, K = x.shape
     N = w.shape[1]
     y = torch.empty(G, M, N, dtype=x.dtype, device=x.device) if y is None else y
-    ks = triton.cdiv(triton.cdiv(K, S), t["BK"]) * t["BK"]
-    s_real = triton.cdiv(K, ks)
+    ks, s_real = slices(K, S, t["BK"])
     if s_real > 1 and p is None:
         p = torch.empty(G, s_real, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]), G * s_real)
@@ -110,8 +116,7 @@ def main(argv=None) -> None:
                 rec = {"tile": t, "S": S}
                 try:
                     y = torch.empty(G, M, N, dtype=x.dtype, device="cuda")
-                    ks = triton.cdiv(triton.cdiv(K, S), t["BK"]) * t["BK"]
-                    sr = triton.cdiv(K, ks)
+                    sr = slices(K, S, t["BK"])[1]
                     p = torch.empty(G, sr, M, N, dtype=torch.float32, device="cuda") if sr > 1 else None
                     got = splitk(x, w, S, t, p, y)
                     rec["max_abs_err"] = float((got.double() - exact).abs().max())

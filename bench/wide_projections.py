@@ -106,7 +106,6 @@ def read_norm_cases() -> list:
     """Fast mode's coefficients and the sublayer's normalised input: ``triton_wide.hc_pre`` then
     ``triton_rows.hc_read_norm`` (three launches) against ``triton_wide.hc_pre_read_norm`` (two: the
     finish, the split and the read in one), and their differences."""
-    from v4stack.kernels import triton_mhc as tm
     from v4stack.kernels import triton_rows as trw
     from v4stack.kernels import triton_wide as tw
 
@@ -125,16 +124,8 @@ def read_norm_cases() -> list:
             return trw.hc_read_norm(x, pre, nw, 1e-6), post, comb
 
         a, b = two(), tw.hc_pre_read_norm(*args, nw, 1e-6)
-        tm.READ_PREFETCH = False  # the fused launch loading the streams after the coefficients' work
-        try:
-            late = tw.hc_pre_read_norm(*args, nw, 1e-6)
-            late_s = graph_time(lambda: tw.hc_pre_read_norm(*args, nw, 1e-6))
-        finally:
-            tm.READ_PREFETCH = True
         rec = {"rows": M, "separate_graph_s": graph_time(two),
                "fused_graph_s": graph_time(lambda: tw.hc_pre_read_norm(*args, nw, 1e-6)),
-               "fused_streams_loaded_late_graph_s": late_s,
-               "prefetch_bits_equal": all(torch.equal(u, v) for u, v in zip(late, b)),
                "post_comb_max_abs_diff": max(float((u - v).abs().max()) for u, v in zip(a[1:], b[1:])),
                "input_max_abs_diff": float((a[0].float() - b[0].float()).abs().max()),
                "input_bits_equal": bool(torch.equal(a[0], b[0]))}

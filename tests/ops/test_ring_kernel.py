@@ -69,13 +69,16 @@ def test_tail_write_cpu_call_is_the_composition_and_the_kernel_builds():
     from v4stack.kernels.fused_gpu import tail_write_ok
 
     assert not tail_write_ok(kv, score, ape, pos, 4, rings[0], rings[1], dest, torch.float32)
-    built = ptx(("tail_write", "rope_dest0", "rope_dest1", "rope_inplace", "rope_inplace_nobarrier"))
+    built = ptx(("tail_write", "rope_dest0", "rope_dest1", "rope_inplace", "rope_inplace_nobarrier", "rope_pair",
+                 "rope_pair_nobarrier"))
     check(built)  # sm_90a, the declared float semantics
     # the in-place rotation waits for every load of its block before it stores: one barrier more
     # than the same kernel built without it (the pairs' layout changes go through shared memory
     # with barriers of their own, which order only the threads' shared-memory traffic)
     n = built["rope_inplace"].count("bar.sync")
     assert n >= 1 and n == built["rope_inplace_nobarrier"].count("bar.sync") + 1
+    # and so does the pair's in-place branch (the launch that also rotates the window rows into the ring)
+    assert built["rope_pair"].count("bar.sync") == built["rope_pair_nobarrier"].count("bar.sync") + 1
 
 
 @pytest.fixture

@@ -253,7 +253,8 @@ def test_wide_kernels_build_for_hopper_on_bf16_wgmma():
     on bf16 ``wgmma`` (no TF32 anywhere), the fp32 weight's parts rounded to nearest."""
     from tests.ops.hopper import check, ptx
 
-    got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "moe_route_one", "finish_read_norm"))
+    got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "moe_route_one", "finish_read_norm",
+               "finish_head_read_norm"))
     check(got)
     for name in ("wide_partials", "wide_partials_bf16w"):
         assert "wgmma.mma_async" in got[name] and ".bf16" in got[name], name

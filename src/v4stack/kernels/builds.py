@@ -115,6 +115,11 @@ def kernels() -> dict:
                                   "s_on rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
                              dict(S=64, SP=64, BN=32, NH=4, ITERS=20, HAS_W=True, NB=4, BD=4096),
                              dict(num_warps=8, num_stages=1)),
+        "finish_head_read_norm": (tm.finish_head_read_norm_kernel,
+                                  _sig("P PSS Y SCALE BASE X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj s_on "
+                                       "rms_eps", [P] * 5 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
+                                  dict(S=64, SP=64, BN=32, NH=4, HAS_W=True, NB=4, BD=4096),
+                                  dict(num_warps=8, num_stages=1)),
         "greedy_blocks": (tsm.greedy_blocks_kernel, _sig("X PM PS PI V s_x NC", [BF, P, P, "*i32", I, I, I]),
                           dict(CHUNK=tsm.TILE["CHUNK"], BLOCK=tsm.TILE["BLOCK"]), dict(num_warps=tsm.TILE["num_warps"])),
         **route.builds(),  # the MoE routing kernels (moe_*)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.launch import launch, next_pow2
-from v4stack.kernels.triton_rows import _read_norm_row, _store_normed
+from v4stack.kernels.triton_rows import _store_normed
 from v4stack.kernels.triton_slices import FINISH_BN, _finish_rows
 
 
@@ -81,38 +81,45 @@ def finish_split_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, M, N, MN, Kf, n
 
 
 @triton.jit
+def _streams_row(X, r, NH: tl.constexpr, D, s_xn, s_xj, NB: tl.constexpr, BD: tl.constexpr):
+    """Row ``r``'s streams ``[NB, BD]`` in ``X``'s dtype (``_read_block``'s loads), requested before a
+    program's coefficients' work so their bytes arrive during it."""
+    d = tl.arange(0, BD)
+    j = tl.arange(0, NB)
+    return tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=(j < NH)[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _read_norm_loaded(xs, pre, X, W, OUT, r, D, Df, s_on, rms_eps, HAS_W: tl.constexpr, BD: tl.constexpr):
+    """``_read_norm_row``'s work on the row's loaded streams ``xs`` and its weights ``pre [NB]``: the
+    read rounded to the streams' dtype, its RMS norm, stored."""
+    y = tl.sum(pre[:, None] * xs.to(tl.float32), 0).to(X.dtype.element_ty).to(tl.float32)
+    _store_normed(OUT, W, r, tl.arange(0, BD), y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + rms_eps)),
+                  D, s_on, HAS_W)
+
+
+@triton.jit
 def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, M, N, MN, Kf, norm_eps, s_ym, eps,
                             D, Df, s_xn, s_xj, s_on, rms_eps, S: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr,
                             NH: tl.constexpr, ITERS: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
-                            BD: tl.constexpr, PREFETCH: tl.constexpr):
+                            BD: tl.constexpr):
     """Fast mode's ``hc_pre`` finish and the sublayer's normalised input in one program a row:
     ``finish_split_kernel``'s sum of the partials and split (the mix in ``Y``; pre, post, comb),
     then ``hc_read_norm_kernel``'s one-block read of the streams ``X`` with that pre and its RMS
     norm into ``OUT`` - one launch where there were two (the row's coefficients are short work
-    for a program: what the two launches cost was mostly their latency). ``PREFETCH``: the row's
-    streams are loaded first, so their bytes arrive while the partials are summed and split (the
-    same loads and arithmetic, so the same bits)."""
+    for a program: what the two launches cost was mostly their latency). The row's streams are
+    loaded first, so their bytes arrive while the partials are summed and split (at 89db14d, against
+    loading them after: 14.66 -> 14.27 us at 256 rows, the same bits; wide_projections_h100_89db14d.json)."""
     pm = tl.program_id(0)
     r = pm.to(tl.int64)
-    if PREFETCH:
-        d = tl.arange(0, BD)
-        j = tl.arange(0, NB)
-        xs = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=(j < NH)[:, None] & (d < D)[None, :],
-                     other=0.0)
+    xs = _streams_row(X, r, NH, D, s_xn, s_xj, NB, BD)
     _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
     tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
     _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1)
     tl.debug_barrier()  # and so is its pre
-    if PREFETCH:
-        p = tl.load(PRE + r * NH + j, mask=j < NH, other=0.0).to(tl.float32)
-        y = tl.sum(p[:, None] * xs.to(tl.float32), 0).to(X.dtype.element_ty).to(tl.float32)
-        _store_normed(OUT, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + rms_eps)), D, s_on,
-                      HAS_W)
-    else:
-        _read_norm_row(X, PRE, W, OUT, r, NH, D, Df, s_xn, s_xj, NH, s_on, rms_eps, HAS_W, NB, BD)
-
-
-READ_PREFETCH = True  # finish_read_norm_kernel loads the row's streams before its coefficients' work
+    j = tl.arange(0, NB)
+    p = tl.load(PRE + r * NH + j, mask=j < NH, other=0.0).to(tl.float32)
+    _read_norm_loaded(xs, p, X, W, OUT, r, D, Df, s_on, rms_eps, HAS_W, BD)
 
 
 def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, eps: float, norm_eps: float,
@@ -126,8 +133,7 @@ def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, 
     launch(finish_read_norm_kernel, (M,), p, pss, mix, scale, base, *out, x, weight if weight is not None else y, y,
            M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
            y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters,
-           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), PREFETCH=READ_PREFETCH, num_warps=8,
-           num_stages=1)
+           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), num_warps=8, num_stages=1)
     return y
 
 
@@ -221,16 +227,13 @@ def finish_head_read_norm_kernel(P, PSS, Y, SCALE, BASE, X, W, OUT, M, N, MN, Kf
     streams are loaded first, so their bytes arrive during the finish."""
     pm = tl.program_id(0)
     r = pm.to(tl.int64)
-    d = tl.arange(0, BD)
-    j = tl.arange(0, NB)
-    xs = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=(j < NH)[:, None] & (d < D)[None, :], other=0.0)
+    xs = _streams_row(X, r, NH, D, s_xn, s_xj, NB, BD)
     _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
     tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
+    j = tl.arange(0, NB)
     m = tl.load(Y + r * s_ym + j, mask=j < NH, other=0.0)
     pre = tl.where(j < NH, _sigmoid(m * tl.load(SCALE) + tl.load(BASE + j, mask=j < NH, other=0.0)) + eps, 0.0)
-    y = tl.sum(pre[:, None] * xs.to(tl.float32), 0).to(X.dtype.element_ty).to(tl.float32)
-    _store_normed(OUT, W, r, d, y, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, 0), Df) + rms_eps)), D, s_on,
-                  HAS_W)
+    _read_norm_loaded(xs, pre, X, W, OUT, r, D, Df, s_on, rms_eps, HAS_W, BD)
 
 
 def finish_head_read_norm(p, pss, S: int, K: int, mix, scale, base, eps: float, norm_eps: float, x, weight,
@@ -315,15 +318,16 @@ def _rope_rows(X, Y, POS, FREQ, CS, DEST, M, D, t, pm, SIGN: tl.constexpr, HALF:
 
 @triton.jit
 def rope_pair_kernel(Q, POS, FREQ, CS, KV, POOL, DEST, MQ, DQ, DK, QB, HALF: tl.constexpr, BMQ: tl.constexpr,
-                     BD: tl.constexpr, TABLE: tl.constexpr):
+                     BD: tl.constexpr, TABLE: tl.constexpr, BARRIER: tl.constexpr = True):
     """A decode step's two rotations of one layer in one launch: program ``(t, p)`` with ``p < QB``
     rotates row block ``p`` of token ``t``'s queries in place (``rope_``'s work), ``p == QB`` the
     token's window row into the ring row ``DEST[t]`` of ``POOL`` (``rope_into``'s) - the same
-    helper with the same constants as the two launches, so the same bits."""
+    helper with the same constants as the two launches, so the same bits (``BARRIER`` False, the
+    in-place branch without its barrier, is built only for the test that checks it is there)."""
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     if p < QB:
-        _rope_rows(Q, Q, POS, FREQ, CS, DEST, MQ, DQ, t, p, 1.0, HALF, BMQ, BD, False, False, True, TABLE)
+        _rope_rows(Q, Q, POS, FREQ, CS, DEST, MQ, DQ, t, p, 1.0, HALF, BMQ, BD, False, False, BARRIER, TABLE)
     else:
         _rope_rows(KV, POOL, POS, FREQ, CS, DEST, 1, DK, t, 0, 1.0, HALF, 1, BD, True, True, False, TABLE)
 
@@ -403,7 +407,8 @@ def rope_pair(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs:
         bm = min(16, triton.next_power_of_2(MQ))
         qb = triton.cdiv(MQ, bm)
         launch(rope_pair_kernel, (T, qb + 1), q, positions, freqs, freqs if table is None else table, kv, pool, dest,
-               MQ, Dq, kv.shape[-1], qb, HALF=freqs.shape[0], BMQ=bm, BD=128, TABLE=table is not None, num_warps=4)
+               MQ, Dq, kv.shape[-1], qb, HALF=freqs.shape[0], BMQ=bm, BD=128, TABLE=table is not None, BARRIER=True,
+               num_warps=4)
     return q
 
 

@@ -117,7 +117,7 @@ def builds() -> dict:
     """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check (a
     CSA compressor at V4-Flash width: two 512-wide halves; the rotation into a ring's rows and
     into a fresh tensor, and in place - with its barrier, and without it for the test that shows
-    the race)."""
+    the race - and the two of a decode step in one launch)."""
     sig = dict(KV="*bf16", G="*bf16", APE="*fp32", POS="*i64", DEST="*i64", RK="*fp32", RS="*fp32", W="i32",
                ratio="i32", s_kv="i32", s_g="i32")
     from v4stack.kernels import triton_mhc as tm
@@ -138,5 +138,8 @@ def builds() -> dict:
             **{f"rope_table_dest{int(d)}": (tm.rope_kernel, table, dict(
                 SIGN=1.0, HALF=32, BM=16, BD=128, HAS_DEST=d, COPY=d, BARRIER=not d, TABLE=True))
                for d in (False, True)},
+            **{f"rope_pair{'' if b else '_nobarrier'}": (tm.rope_pair_kernel, dict(
+                Q="*bf16", POS="*i64", FREQ="*fp64", CS="*fp32", KV="*bf16", POOL="*bf16", DEST="*i64", MQ="i32",
+                DQ="i32", DK="i32", QB="i32"), dict(HALF=32, BMQ=16, BD=128, TABLE=True, BARRIER=b)) for b in (True, False)},
             "rope_table": (tm.rope_table_kernel, dict(POS="*i64", FREQ="*fp64", CS="*fp32", T="i32"),
                            dict(HALF=32, BT=64))}

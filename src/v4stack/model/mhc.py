@@ -33,11 +33,6 @@ def hc_coefficients(x, fn, base, scale, iters: int, eps: float, norm_eps: float)
     return hc_pre(x, fn, scale, base, x.shape[1], iters, eps, norm_eps)
 
 
-def hc_read(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Sublayer input before its norm: ``sum_j pre_j x_j`` -> ``[N, d]`` in x's dtype."""
-    return ops.hc_read(x, pre)
-
-
 def read_norm(x: torch.Tensor, pre: torch.Tensor, norm) -> torch.Tensor:
     """A sublayer's normalised input: ``norm(hc_read(x, pre))`` for an ``RMSNorm`` ``norm``, one row
     step over its weight (one kernel on CUDA, ``fused.hc_read_norm``)."""
