@@ -175,12 +175,15 @@ def _sync(device: str) -> None:
 
 
 def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float,
-                overlap: bool = True, warmup: int = 6, rate: float | None = None, stagger: int = 0) -> dict:
+                overlap: bool = True, warmup: int = 6, rate: float | None = None, stagger: int = 0,
+                layout: str = "kernel") -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
     per = -(-(ctx + stagger + steps + warmup + 8) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
                                         token_budget=max(batch, 256), max_running=batch, ops_mode=mode,
                                         overlap=overlap))
+    if engine.runner.graphs is not None:  # how a graph takes its layout in (DecodeGraphs.layout_kernel)
+        engine.runner.graphs.layout_kernel = layout == "kernel"
     fill(engine, batch, ctx, steps + warmup + 4, seed=batch * 7 + ctx, stagger=stagger)
     t0 = time.perf_counter()
     for _ in range(warmup):  # publish the synthetic history's blocks, capture the graph, build kernels
@@ -214,7 +217,8 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     sf = step_flops(model, cfg, batch, ctx)
     compute = sf["step_flops"] / rate if rate else None
     bound = max(floor, compute) if floor and compute else None
-    res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "steps_timed": len(times),
+    res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "layout_in": layout,
+           "steps_timed": len(times),
            "step_s_p50": p50, "step_s_mean": mean, "device_wait_s_mean": wait, "host_s_mean": mean - wait,
            "host_s_p50": host[len(host) // 2],
            "replay_launch_s_mean": replay, "step_s_sorted": times, "step_s_order": order,
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stagger", type=int, default=0,
                     help="request i holds context + i %% stagger tokens (0: every request at the same position, "
                          "so every row closes its entries in the same steps)")
+    ap.add_argument("--layout-in", default="kernel",
+                    help="how a decode graph takes its layout in: kernel (the shipped read of the pinned staging), "
+                         "copy (a copy-engine transfer, then the feed), or kernel,copy for both (an A/B)")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
@@ -274,26 +281,27 @@ def main(argv: list[str] | None = None) -> None:
     for mode in a.modes.split(","):  # every config's fast points first: they are the cheap ones
         for name, (cfg, model) in models.items():
             for ctx in map(int, a.contexts.split(",")):
-                for b, ov in ((b, ov) for b in map(int, a.batches.split(",")) for ov in map(int, a.overlap.split(","))):
+                for b, ov, lay in ((b, ov, lay) for b in map(int, a.batches.split(","))
+                                   for ov in map(int, a.overlap.split(",")) for lay in a.layout_in.split(",")):
                     try:
                         r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup,
-                                        rate, a.stagger)
+                                        rate, a.stagger, lay)
                     except Exception:  # record and go on: one failing point must not lose the rest
                         import traceback
 
-                        r = {"mode": mode, "batch": b, "context": ctx, "overlap": bool(ov),
+                        r = {"mode": mode, "batch": b, "context": ctx, "overlap": bool(ov), "layout_in": lay,
                              "error": traceback.format_exc()[-1500:]}
                     r["config"] = name
                     payload["runs"].append(r)
                     if "error" in r:
-                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov}: ERROR {r['error']}", flush=True)
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov} {lay}: ERROR {r['error']}", flush=True)
                     else:
                         roof = (f"  roofline {r['roofline_tok_s']:9.1f} tok/s ({100 * r['fraction']:.1f}%)"
                                 if r["fraction"] else "")
                         if r["fraction_of_max"]:
                             roof += (f" compute floor {r['compute_floor_s'] * 1e3:.2f} ms"
                                      f" ({100 * r['fraction_of_max']:.1f}% of the binding floor)")
-                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
+                        print(f"{name} {mode:<9} ctx {ctx:>5} batch {b:>3} ov {ov} {lay}: step p50 {r['step_s_p50'] * 1e3:8.2f} ms "
                               f"{r['tok_s']:9.1f} tok/s{roof} host p50 {r['host_s_p50'] * 1e3:.2f} ms/step", flush=True)
                     from v4stack.kernels.fused_gpu import refused
 

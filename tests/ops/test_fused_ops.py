@@ -255,3 +255,72 @@ def test_feed_ids_kernel_takes_the_named_draws_in_place():
     assert ops.counters()["feed_ids"] == {"torch_composite": 1} and torch.equal(out, want)
     # inverse control: the sources off by one row take other ids
     assert not torch.equal(tl_.feed_ids(ids.clone(), torch.where(src >= 0, (src + 1) % 300, src), fed), want)
+
+
+def _layout(R, n, gen):
+    """A static step's layout as ``layout_in`` reads it: ids, positions, ends, slots, sources, rest."""
+    stage = torch.randint(0, 1 << 40, (n,), generator=gen)
+    stage[4 * R : 5 * R] = torch.randint(-1, 300, (R,), generator=gen)
+    return stage
+
+
+def test_layout_in_kernel_copies_the_layout_and_feeds_the_ids():
+    """``layout_in``: the buffer takes the staging's every element, except ids whose source is >= 0,
+    which take ``fed[src]`` - the kernel under the interpreter (several programs: 2600 elements)
+    equals the composition (a copy, then ``feed_ids``), which the CPU dispatch runs."""
+    from v4stack.kernels import triton_layout as tl_
+
+    R, n = 256, 2600
+    stage, fed = _layout(R, n, g), torch.randint(1000, 2000, (300,), generator=g)
+    ref = torch.zeros(n, dtype=torch.long)
+    fused.layout_in_reference(ref, stage, fed, R)
+    got = torch.full((n,), -7, dtype=torch.long)
+    assert tl_.layout_in(got, stage, fed, R) is got and torch.equal(got, ref)
+    src = stage[4 * R : 5 * R]
+    assert torch.equal(got[R:], stage[R:]) and torch.equal(got[:R][src < 0], stage[:R][src < 0])
+    assert torch.equal(got[:R][src >= 0], fed[src[src >= 0]])
+    ops.reset_counters()
+    out = torch.zeros(n, dtype=torch.long)
+    fused.layout_in(out, stage, fed, R)  # CPU: the composition
+    assert ops.counters()["layout_in"] == {"torch_composite": 1} and torch.equal(out, ref)
+    # inverse control: the sources off by one row take other ids
+    shifted = stage.clone()
+    shifted[4 * R : 5 * R] = torch.where(src >= 0, (src + 1) % 300, src)
+    bad = torch.zeros(n, dtype=torch.long)
+    assert not torch.equal(tl_.layout_in(bad, shifted, fed, R)[:R], ref[:R])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layout_in_reads_pinned_staging_inside_a_graph():
+    """On CUDA ``layout_in`` reads the pinned staging through the device's mapping: captured once in
+    a graph, every replay sees what the host wrote into the staging just before it (the loads skip
+    the caches), with the ids fed from the device; the kernel served it (no fallback to the copy)."""
+    from v4stack.kernels import fused_gpu
+
+    R, n = 256, 40_000
+    gen = torch.Generator().manual_seed(11)
+    stage = torch.empty(n, dtype=torch.long).pin_memory()
+    fed = torch.randint(1000, 2000, (300,), generator=gen).cuda()
+    buf = torch.zeros(n, dtype=torch.long, device="cuda")
+    stage.copy_(_layout(R, n, gen))
+    ops.reset_counters()
+    fused.layout_in(buf, stage, fed, R)  # built outside the capture
+    assert ops.counters()["layout_in"] == {"triton_layout_in": 1}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        fused.layout_in(buf, stage, fed, R)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(4):
+        host = _layout(R, n, gen)
+        stage.copy_(host)
+        graph.replay()
+        want = torch.zeros(n, dtype=torch.long)
+        fused.layout_in_reference(want, host, fed.cpu(), R)
+        assert torch.equal(buf.cpu(), want)
+    assert not fused_gpu.refused, fused_gpu.refused
+    # inverse control: the staging rewritten after the replay is not what the replay read
+    stage.copy_(_layout(R, n, gen))
+    assert not torch.equal(buf.cpu()[R:], stage[R:])

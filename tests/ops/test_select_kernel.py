@@ -65,14 +65,16 @@ def test_topk_rows_on_cuda_serves_the_kernel_in_both_modes():
 
 def test_select_kernels_build_for_hopper():
     """``kernels/builds.py``: the top-k (one bit a pass on fp32 scores; on bf16 at a 16k step's width
-    two bits a pass, and one in two blocks), the indexer reading keys by index, and the ids feed
-    compile for sm_90a."""
+    two bits a pass, and one in two blocks), the indexer reading keys by index, the ids feed and the
+    layout's read from the pinned staging compile for sm_90a."""
     from tests.ops.hopper import check, ptx
 
     got = ptx(("topk_rows", "topk_rows_bf16_wide", "topk_rows_bf16_pairs", "topk_rows_bf16_split", "indexer_scores",
-               "feed_ids"))
+               "feed_ids", "layout_in"))
     check(got)
     assert "wgmma.mma_async" in got["indexer_scores"]  # the indexer's dots on the tensor cores
+    # the staging is rewritten by the host between a graph's replays: its loads fetch again (volatile)
+    assert "ld.volatile.global" in got["layout_in"] and "ld.volatile" not in got["feed_ids"]
 
 
 def test_split_top_k_fits_two_programs_an_sm():

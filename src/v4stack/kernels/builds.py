@@ -90,6 +90,8 @@ def kernels() -> dict:
                                  dict(EB=4096, BITS=1, EBT=512), dict(num_warps=4)),
         "feed_ids": (tlay.feed_ids_kernel, _sig("IDS SRC FED T", ["*i64", "*i64", "*i64", I]), dict(BT=256),
                      dict(num_warps=4)),
+        "layout_in": (tlay.layout_in_kernel, _sig("STAGE BUF FED n R", ["*i64", "*i64", "*i64", I, I]), dict(BT=128),
+                      dict(num_warps=4)),
         "fp8_gemm": (tg.fp8_kernel, _sig("X W Sc Y M N K s_xm s_wn s_sn s_ym", [BF, "*fp8e4nv", P, BF] + [I] * 7),
                      dict(BM=64, BN=128, BK=128, SB=128)),
         "softmax_row": (tr.softmax_kernel, _sig("X Y N s_x s_y", [P, P, I, I, I]), dict(LOG=False, BLOCK=4096)),

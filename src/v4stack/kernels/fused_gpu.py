@@ -265,6 +265,14 @@ def feed_ids_ok(ids, src, fed) -> bool:
             and src.device == ids.device == fed.device)
 
 
+def layout_in_ok(buf, staging, fed, R) -> bool:
+    """The kernel reads the staging through the device's mapping of pinned host memory."""
+    return (buf.is_cuda and staging.device.type == "cpu" and staging.is_pinned() and fed.device == buf.device
+            and buf.dim() == staging.dim() == fed.dim() == 1 and buf.shape == staging.shape
+            and buf.dtype == staging.dtype == fed.dtype == torch.int64 and buf.is_contiguous()
+            and staging.is_contiguous() and 0 <= 5 * R <= buf.shape[0])
+
+
 def topk_rows_ok(scores, rows, k) -> bool:
     from v4stack.kernels.triton_select import MAX_ENTRIES
 
@@ -367,6 +375,8 @@ def register_all(register) -> None:
              ref("entry_rows_reference")), device="cuda", accepts=_with("triton", entry_rows_ok))
     register("feed_ids", "triton_feed_ids", _guarded("feed_ids", _lazy("triton_layout", "feed_ids"),
              ref("feed_ids_reference")), device="cuda", accepts=_with("triton", feed_ids_ok))
+    register("layout_in", "triton_layout_in", _guarded("layout_in", _lazy("triton_layout", "layout_in"),
+             ref("layout_in_reference")), device="cuda", accepts=_with("triton", layout_in_ok))
     register("topk_rows", "triton_topk_rows", _guarded("topk_rows", _lazy("triton_select", "topk_rows"),
              ref("topk_rows_reference")), device="cuda", accepts=_with("triton", topk_rows_ok))
     register("greedy_draw", "triton_greedy_draw", _guarded("greedy_draw", _lazy("triton_sample", "greedy_draw"),

@@ -7,6 +7,10 @@
   ratio``) or its block is -1 - the candidates of an HCA layer, and the rows an indexer scores.
 - ``feed_ids``: a decode step's token ids taken, where ``src >= 0``, from the tokens the previous
   step drew on the device (``fed[src]``), in place - inside the step's graph, not a copy before it.
+- ``layout_in``: a decode step's whole layout read by the kernel itself from pinned host memory
+  (mapped into the device's address space) into its device buffer, the ids fed as ``feed_ids``
+  feeds them - one kernel node where a graph otherwise has a copy-engine transfer and the feed.
+  The host rewrites the staging between replays, so its loads bypass the caches (``.cv``).
 
 Integer arithmetic only: the results equal the torch compositions' (``ops/fused.py``).
 """
@@ -77,3 +81,22 @@ def feed_ids(ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor) -> torch.T
         bt = min(1024, next_pow2(T))
         launch(feed_ids_kernel, (triton.cdiv(T, bt),), ids, src, fed, T, BT=bt, num_warps=4)
     return ids
+
+
+@triton.jit
+def layout_in_kernel(STAGE, BUF, FED, n, R, BT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    inside = i < n
+    v = tl.load(STAGE + i, mask=inside, other=0, volatile=True)
+    head = inside & (i < R)
+    src = tl.load(STAGE + 4 * R + i, mask=head, other=-1, volatile=True)
+    fed = tl.load(FED + tl.where(src >= 0, src, 0), mask=head & (src >= 0), other=0)
+    tl.store(BUF + i, tl.where(src >= 0, fed, v), mask=inside)
+
+
+def layout_in(buf: torch.Tensor, staging: torch.Tensor, fed: torch.Tensor, R: int) -> torch.Tensor:
+    n = buf.shape[0]
+    if n:
+        # one element a thread, so each warp's volatile load is one contiguous 256-byte read of the host memory
+        launch(layout_in_kernel, (triton.cdiv(n, 128),), staging, buf, fed, n, R, BT=128, num_warps=4)
+    return buf

@@ -50,6 +50,9 @@
   layers share (``triton_layout.py``: one kernel each instead of ~3-17 integer kernels).
 - ``feed_ids(ids, src, fed)``: a decode step's token ids from the previous step's device draws
   where ``src >= 0`` (``ids[t] = fed[src[t]]``, in place; ``triton_layout.py``: one kernel).
+- ``layout_in(buf, staging, fed, R)``: a static decode step's layout copied from its staging into
+  ``buf`` and its ids fed (``feed_ids``); on CUDA from pinned staging, one kernel that reads host
+  memory (no copy-engine transfer in the step's graph).
 - ``topk_rows(scores, rows, k)``: the indexer's top-k as pool rows in entry order
   (``triton_select.py``: one kernel instead of a radix sort, a sort and two gathers).
 - ``normed_sparse_attention(q, pools, idx, sink, scale, eps)``: the sparse attention of
@@ -278,6 +281,11 @@ def feed_ids_reference(ids, src, fed):
     return ids.copy_(torch.where(src >= 0, fed[src.clamp(min=0)], ids))
 
 
+def layout_in_reference(buf, staging, fed, R: int):
+    buf.copy_(staging, non_blocking=True)
+    return feed_ids(buf[:R], buf[4 * R : 5 * R], fed)
+
+
 def topk_rows_reference(scores, rows, k: int):
     _, idx = ops.topk(scores.masked_fill(rows < 0, float("-inf")), k, stable=True)
     return rows.gather(1, torch.sort(idx, dim=1).values)
@@ -327,12 +335,20 @@ register("closing_rows", "torch_composite", closing_rows_reference)
 register("entry_rows", "torch_composite", entry_rows_reference)
 register("topk_rows", "torch_composite", topk_rows_reference)
 register("feed_ids", "torch_composite", feed_ids_reference)
+register("layout_in", "torch_composite", layout_in_reference)
 
 
 def feed_ids(ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
     """``ids [T]`` (int64) with ``ids[t] = fed[src[t]]`` where ``src[t] >= 0``, in place: a decode
     step's token ids taken from the tokens the step before drew on the device."""
     return call("feed_ids", ops.get_mode(), "int64", ids.device.type, ids, src, fed)
+
+
+def layout_in(buf: torch.Tensor, staging: torch.Tensor, fed: torch.Tensor, R: int) -> None:
+    """``buf [n]`` (int64, a static decode step's layout: ids, positions, ends, slots, feed sources
+    ``[R]`` each, then the rest) set to ``staging [n]`` (its host copy), with the ids then fed from
+    ``fed`` where the sources are >= 0 (``feed_ids``)."""
+    call("layout_in", ops.get_mode(), "int64", buf.device.type, buf, staging, fed, R)
 
 
 def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:

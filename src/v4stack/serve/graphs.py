@@ -12,10 +12,12 @@ input of a static step is a view of one int64 buffer, so one transfer refreshes 
 A graph holds the whole step, so the device goes from one step's graph to the next with nothing
 between them:
 
-- the layout's transfer from pinned staging memory (the graph's first node);
-- the token ids the previous step drew on the device (``ops.fused.feed_ids``): row ``t`` takes
-  ``fed[src[t]]`` where the layout's ``src`` column is >= 0 - the previous step's draws stay on
-  the device, and a launched-ahead step names the rows it continues instead of gathering them;
+- the layout, read from pinned staging memory, and the token ids the previous step drew on the
+  device: one kernel, the graph's first node (``ops.fused.layout_in``; on CUDA it reads the host
+  memory through the device's mapping of it, so no copy-engine transfer precedes the step's first
+  kernel). Row ``t``'s id is ``fed[src[t]]`` where the layout's ``src`` column is >= 0 (as
+  ``ops.fused.feed_ids`` feeds it) - the previous step's draws stay on the device, and a
+  launched-ahead step names the rows it continues instead of gathering them;
 - the model step;
 - for a step whose rows are all plain greedy (``draw``), the draw itself
   (``sampling.greedy_rows``), its ids written to ``fed`` for the next step and its rows to pinned
@@ -96,6 +98,9 @@ class DecodeGraphs:
         # step_gaps_h200_8ed3a6a.json), though profiled the device idled less before the graph's first kernel then
         self.copies_inside = True
         self.copies_error: str | None = None  # why they could not be captured, if so
+        # with the copies inside, the layout comes in through ``fused.layout_in`` (on CUDA a kernel reading the
+        # pinned staging: no copy-engine node before the step's first kernel); else a transfer, then ``feed_ids``
+        self.layout_kernel = True
         self.draw_error: str | None = None  # why a step's draw could not be captured (then drawn outside)
 
     def _fed(self, device) -> torch.Tensor:
@@ -105,11 +110,14 @@ class DecodeGraphs:
 
     def _body(self, runner, buf, batch: StepBatch, rows: int, draw: bool, staging=None, host=None, feed=True):
         """What a graph holds (and what an eager static step runs)."""
-        if staging is not None:
-            buf.copy_(staging, non_blocking=True)  # the step's whole layout in one transfer
         R = rows
-        if feed:
-            fused.feed_ids(buf[:R], buf[4 * R : 5 * R], self._fed(buf.device))
+        if staging is not None and feed and self.layout_kernel:  # read from the staging by one kernel, ids fed
+            fused.layout_in(buf, staging, self._fed(buf.device), R)
+        else:
+            if staging is not None:
+                buf.copy_(staging, non_blocking=True)  # the step's whole layout in one transfer
+            if feed:
+                fused.feed_ids(buf[:R], buf[4 * R : 5 * R], self._fed(buf.device))
         logits = self.model.step_paged(batch, self.cache.paged)
         if not draw:
             return logits, None, None
