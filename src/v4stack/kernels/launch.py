@@ -12,9 +12,13 @@ Triton's module builder, which caches it): key, lookup, packing, the current tor
 driver call, with no Python frame in between. The first call with a new key comes back to Python
 (``_miss``), which compiles through Triton - so the specialisation is Triton's own - and stores an
 ``Entry`` the C path launches from then on; a kernel that needs what the C path does not do
-(scratch buffers, clusters, cooperative or PDL launches, a parameter whose type differs from the
-key's reading) keeps Triton's own C launcher for its key. Where the C module cannot be built the
-same key is computed in Python (``_py_launch``).
+(scratch buffers, clusters, cooperative launches, a parameter whose type differs from the key's
+reading) keeps Triton's own C launcher for its key. Where the C module cannot be built the same key
+is computed in Python (``_py_launch``).
+
+A kernel whose body opens with ``gdc.pdl_enter()`` is launched with programmatic stream
+serialisation on a Hopper (or later) GPU (``pdl_of``; ``V4STACK_PDL=0`` turns it off): it may be
+placed while the kernel before it finishes, and waits for it in its first instruction.
 
 Under ``TRITON_INTERPRET=1`` (the CPU test run) it calls the kernel through Triton as usual.
 """
@@ -23,6 +27,7 @@ import os
 from pathlib import Path
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+PDL = os.environ.get("V4STACK_PDL", "1") != "0" and not _INTERPRET
 _SOURCE = Path(__file__).with_name("launch_c.c")
 # per-argument kind of a parameter, from the key's int code (launch_c.c: arg_code)
 _KIND_OF_CODE = {1: "s", 2: "i", 3: "i", 4: "l", 5: "l", 6: "u", 7: "u", 8: "b", 9: "f", 10: "s"}
@@ -89,16 +94,45 @@ def kinds(key: tuple, nconsts: int) -> str:
     return "".join("p" if b is True or b is False else _KIND_OF_CODE[a] for a, b in zip(items[::2], items[1::2]))
 
 
+_opens: dict = {}  # id(kernel) -> whether launch() starts it programmatically (kernels stay alive: _alive)
+_hopper = None
+
+
+def pdl_of(kernel) -> bool:
+    """Whether ``kernel`` is launched with programmatic stream serialisation: PDL on, the current
+    GPU a Hopper or later, and the kernel's body opening with ``gdc.pdl_enter()``."""
+    global _hopper
+    if not PDL:
+        return False
+    r = _opens.get(id(kernel))
+    if r is None:
+        if _hopper is None:
+            import torch
+
+            _hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        from v4stack.kernels.gdc import opens_with_wait
+
+        _alive.add(kernel)
+        r = _opens[id(kernel)] = bool(_hopper) and opens_with_wait(kernel.src)
+    return r
+
+
+def pdl_kwargs(kernel) -> dict:
+    """The launch option for a kernel launched through Triton itself (``kernel[grid](...)``: those
+    with tensor descriptors) that ``pdl_of`` would launch programmatically."""
+    return {"launch_pdl": True} if pdl_of(kernel) else {}
+
+
 class _Entry:
     """A key Triton's own C launcher serves (what the C path does not do)."""
     __slots__ = ("launch", "head", "function", "meta", "vals")
 
-    def __init__(self, k, consts):
+    def __init__(self, k, consts, pdl: bool = False):
         run = k.run
         direct = getattr(run, "launch", None)
         if direct is not None and not run.global_scratch_size and not run.profile_scratch_size:
             # the driver's C launcher itself: pointers go in as ints, no scratch buffers
-            self.launch, self.head = direct, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+            self.launch, self.head = direct, (run.launch_cooperative_grid, run.launch_pdl or pdl, None, None)
         else:
             self.launch, self.head = run, ()
         self.function, self.meta = k.function, k.packed_metadata
@@ -130,7 +164,7 @@ def _c_entry(k, kernel, key, nargs, nconsts):
         if t is None or (t.startswith("*") and kind != "p") or (not t.startswith("*") and _KIND_OF_SIG.get(t) != kind):
             return None
     num_warps, _, shared = k.packed_metadata
-    return _C.Entry(k.function, 32 * num_warps, shared, kd)
+    return _C.Entry(k.function, 32 * num_warps, shared, kd, pdl_of(kernel))
 
 
 _cache: dict = {}  # the C path's (shared with the C module)
@@ -158,7 +192,7 @@ def _compile(kernel, grid, args, consts, key, cache):
     k = kernel[grid](*args, **consts)
     _alive.add(kernel)  # keys hold id(kernel): the kernel outlives its entries
     c = _c_entry(k, kernel, key, len(args), len(consts)) if cache is _cache else None
-    cache[key] = c or _Entry(k, consts)
+    cache[key] = c or _Entry(k, consts, pdl_of(kernel))
 
 
 def _miss(kernel, grid, args, consts, key):

@@ -6,7 +6,9 @@
  * data pointer is 16-byte aligned; an int: its class: == 1, i32, i64 or u64, each 16-divisible or
  * not; a bool, a float, None) - looks it up in the cache dict, and for an ``Entry`` packs the
  * arguments into the kernel's parameter slots and calls ``cuLaunchKernel`` on the current torch
- * stream. A miss, or an entry that is not an ``Entry``, goes to the Python ``fallback(kernel, grid,
+ * stream (``cuLaunchKernelEx`` with programmatic stream serialisation for an entry made with
+ * ``pdl``: the kernel may be launched while the one before it in the stream finishes, and waits for
+ * it in its first instruction - ``kernels/gdc.py``). A miss, or an entry that is not an ``Entry``, goes to the Python ``fallback(kernel, grid,
  * args, consts, key)``, which compiles through Triton and fills the cache (``key`` None: an argument
  * the key cannot read, launched by Triton itself).
  *
@@ -16,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,8 +34,29 @@ typedef CUresult (*ctx_set_t)(CUcontext);
 typedef CUresult (*dev_get_t)(CUdevice *, int);
 typedef CUresult (*retain_t)(CUcontext *, CUdevice);
 typedef CUresult (*errstr_t)(CUresult, const char **);
+/* cuLaunchKernelEx's configuration, as cuda.h lays it out (an attribute: its id padded to 8 bytes,
+ * then a 64-byte value union) */
+typedef struct {
+  int id;
+  char pad[4];
+  union {
+    int flag;
+    char bytes[64];
+  } value;
+} LaunchAttr;
+typedef struct {
+  unsigned gridX, gridY, gridZ, blockX, blockY, blockZ, shmem;
+  CUstream stream;
+  LaunchAttr *attrs;
+  unsigned nattrs;
+} LaunchConfig;
+typedef CUresult (*launch_ex_t)(const LaunchConfig *, CUfunction, void **, void **);
+enum { ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
+_Static_assert(sizeof(LaunchAttr) == 72 && offsetof(LaunchAttr, value) == 8, "CUlaunchAttribute's layout");
+_Static_assert(offsetof(LaunchConfig, stream) == 32 && sizeof(LaunchConfig) == 56, "CUlaunchConfig's layout");
 
 static launch_t cu_launch;
+static launch_ex_t cu_launch_ex;
 static ctx_get_t cu_ctx_get;
 static ctx_set_t cu_ctx_set;
 static dev_get_t cu_dev_get;
@@ -51,7 +75,7 @@ typedef struct {
   PyObject_HEAD
   CUfunction fn;
   unsigned block, shmem;
-  int nargs, nparams;
+  int nargs, nparams, pdl;
   char kinds[MAX_ARGS];
 } Entry;
 
@@ -60,7 +84,8 @@ static int Entry_init(Entry *self, PyObject *args, PyObject *kw) {
   unsigned block, shmem;
   const char *kinds;
   Py_ssize_t n;
-  if (!PyArg_ParseTuple(args, "KIIs#", &fn, &block, &shmem, &kinds, &n)) return -1;
+  int pdl = 0;
+  if (!PyArg_ParseTuple(args, "KIIs#|p", &fn, &block, &shmem, &kinds, &n, &pdl)) return -1;
   if (n > MAX_ARGS) {
     PyErr_SetString(PyExc_ValueError, "Entry: too many arguments");
     return -1;
@@ -70,6 +95,7 @@ static int Entry_init(Entry *self, PyObject *args, PyObject *kw) {
   self->shmem = shmem;
   self->nargs = (int)n;
   self->nparams = 0;
+  self->pdl = pdl;
   for (Py_ssize_t i = 0; i < n; i++) {
     char k = kinds[i];
     if (!strchr("splibfu", k)) {
@@ -88,7 +114,7 @@ static PyTypeObject EntryType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Entry_init,
-    .tp_doc = "Entry(function, block_threads, shared_bytes, kinds): a kernel the C path launches",
+    .tp_doc = "Entry(function, block_threads, shared_bytes, kinds, pdl=False): a kernel the C path launches",
 };
 
 /* ---- the key ------------------------------------------------------------------------------ */
@@ -250,6 +276,7 @@ static int driver(void) {
     PyErr_SetString(PyExc_RuntimeError, "light launcher: a driver entry point is missing");
     return -1;
   }
+  cu_launch_ex = (launch_ex_t)dlsym(h, "cuLaunchKernelEx");  /* optional: without it, no PDL launches */
   cu_launch = l;
   return 0;
 }
@@ -304,6 +331,15 @@ static PyObject *run_entry(Entry *e, PyObject *grid, PyObject *dev, PyObject *co
     if (check(cu_dev_get(&d, (int)PyLong_AsLong(dev)), "cuDeviceGet") < 0 ||
         check(cu_retain(&ctx, d), "cuDevicePrimaryCtxRetain") < 0 || check(cu_ctx_set(ctx), "cuCtxSetCurrent") < 0)
       return NULL;
+  }
+  if (e->pdl && cu_launch_ex) {
+    LaunchAttr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = ATTR_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.flag = 1;
+    LaunchConfig cfg = {g[0], g[1], g[2], e->block, 1, 1, e->shmem, (CUstream)(uintptr_t)stream, &attr, 1};
+    if (check(cu_launch_ex(&cfg, e->fn, params, NULL), "cuLaunchKernelEx") < 0) return NULL;
+    Py_RETURN_NONE;
   }
   if (check(cu_launch(e->fn, g[0], g[1], g[2], e->block, 1, 1, e->shmem, (CUstream)(uintptr_t)stream, params, NULL),
             "cuLaunchKernel") < 0)

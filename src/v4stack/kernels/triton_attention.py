@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.attention_tiles import CHUNK, LIVE_BI, pick
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch
 
 _LIVE_BI = tl.constexpr(LIVE_BI)
@@ -186,6 +187,7 @@ def fused_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink
     # rows are read from memory once and from L2 by the others. The head width is read in NB
     # column blocks and the output kept as NB accumulators of DV / NB columns, each merged right
     # after its MMA, so no [BH, DV] fp32 block is ever live twice.
+    pdl_enter()
     KB: tl.constexpr = D // NB
     VB: tl.constexpr = DV // NB
     OWN: tl.constexpr = DV == D
@@ -228,6 +230,7 @@ def _store_part(Pa, base, hm, c0, acc, D: tl.constexpr, KB: tl.constexpr):
 @triton.jit
 def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, Pm, Pl, Pa, H, scale, NCH,
                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, NB: tl.constexpr):
+    pdl_enter()
     KB: tl.constexpr = D // NB
     t = tl.program_id(2).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
@@ -250,6 +253,7 @@ def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink
 
 @triton.jit
 def merge_kernel(Pm, Pl, Pa, Sink, O, s_ot, s_oh, H, NCH, D: tl.constexpr, BH: tl.constexpr):
+    pdl_enter()
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     d = tl.arange(0, D)

@@ -21,13 +21,15 @@ differs, so a row's bits are those of the table kernel's tiles (checked on the G
 import triton
 import triton.language as tl
 
-from v4stack.kernels.launch import cdiv, next_pow2
+from v4stack.kernels.gdc import pdl_enter
+from v4stack.kernels.launch import cdiv, next_pow2, pdl_kwargs
 
 
 @triton.jit
 def grouped_tma_kernel(x_desc, w_desc, Y, Off, E, N, K, s_ym, EB: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, NUM_SMS: tl.constexpr,
                        FLAT: tl.constexpr):
+    pdl_enter()
     e = tl.arange(0, EB)
     lo = tl.load(Off + e, mask=e < E, other=0).to(tl.int32)
     hi = tl.load(Off + e + 1, mask=e < E, other=0).to(tl.int32)
@@ -81,5 +83,5 @@ def grouped_linear_tma(x, w, off, y, t):
     grid = (min(nsm, (min(E, T) + T // bm) * cdiv(N, bn)),)
     grouped_tma_kernel[grid](xd, wd, y, off, E, N, K, y.stride(0), EB=max(16, next_pow2(E)), BM=bm, BN=bn, BK=bk,
                              NUM_SMS=nsm, FLAT=t.get("FLAT", False), num_warps=t["num_warps"],
-                             num_stages=t["num_stages"])
+                             num_stages=t["num_stages"], **pdl_kwargs(grouped_tma_kernel))
     return y

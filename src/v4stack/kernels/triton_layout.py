@@ -19,11 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch, next_pow2
 
 
 @triton.jit
 def ring_rows_kernel(POS, SLOTS, DEST, WIN, R, W, HAS_WIN: tl.constexpr, BW: tl.constexpr):
+    pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t)
     base = tl.load(SLOTS + t) * R
@@ -47,6 +49,7 @@ def ring_rows(positions: torch.Tensor, slots: torch.Tensor, R: int, W: int):
 
 @triton.jit
 def entry_rows_kernel(TAB, POS, ROWS, nb, E, s_tab, ratio, per, BE: tl.constexpr):
+    pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1).to(tl.int64) * BE + tl.arange(0, BE)
     inside = e < E
@@ -68,6 +71,7 @@ def entry_rows(table: torch.Tensor, positions: torch.Tensor, ratio: int, per: in
 
 @triton.jit
 def feed_ids_kernel(IDS, SRC, FED, T, BT: tl.constexpr):
+    pdl_enter()
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     inside = t < T
     src = tl.load(SRC + t, mask=inside, other=-1)
@@ -85,6 +89,7 @@ def feed_ids(ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor) -> torch.T
 
 @triton.jit
 def layout_in_kernel(STAGE, BUF, FED, n, R, BT: tl.constexpr):
+    pdl_enter()
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     inside = i < n
     v = tl.load(STAGE + i, mask=inside, other=0, volatile=True)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch, next_pow2
 from v4stack.kernels.triton_rows import _store_normed
 from v4stack.kernels.triton_slices import FINISH_BN, _finish_rows
@@ -49,6 +50,7 @@ def _split_store(pre, post, c, r, ok, PRE, POST, COMB, eps, NH: tl.constexpr, IT
 @triton.jit
 def hc_split_kernel(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps,
                     NH: tl.constexpr, ITERS: tl.constexpr, ROWS: tl.constexpr):
+    pdl_enter()
     _split_rows(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, tl.program_id(0), NH, ITERS, ROWS)
 
 
@@ -74,6 +76,7 @@ def finish_split_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, M, N, MN, Kf, n
     """``hc_pre``'s two last launches as one, one row a program (one warp): ``finish_kernel``'s sum
     of the projection's partials into ``Y`` (the mix), then ``hc_split_kernel``'s work on that row
     (one row, one warp: ``SPLIT_LAUNCH``'s shape, so the same bits as the two kernels)."""
+    pdl_enter()
     pm = tl.program_id(0)
     _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
     tl.debug_barrier()  # the row's mix, stored by the warp's lanes, is read back by other lanes
@@ -110,6 +113,7 @@ def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, 
     for a program: what the two launches cost was mostly their latency). The row's streams are
     loaded first, so their bytes arrive while the partials are summed and split (at 89db14d, against
     loading them after: 14.66 -> 14.27 us at 256 rows, the same bits; wide_projections_h100_89db14d.json)."""
+    pdl_enter()
     pm = tl.program_id(0)
     r = pm.to(tl.int64)
     xs = _streams_row(X, r, NH, D, s_xn, s_xj, NB, BD)
@@ -195,6 +199,7 @@ def finish_split(p, pss, S: int, K: int, y, scale, base, out, iters: int, eps: f
 
 @triton.jit
 def hc_head_kernel(MIX, SCALE, BASE, PRE, N, s_mix, eps, NH: tl.constexpr, ROWS: tl.constexpr):
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = r < N
     h = tl.arange(0, NH)
@@ -225,6 +230,7 @@ def finish_head_read_norm_kernel(P, PSS, Y, SCALE, BASE, X, W, OUT, M, N, MN, Kf
     weights and its RMS norm into ``OUT`` - the read never written, nor the weights (four launches
     where there were ``finish_sum``, ``head_weights``, ``hc_read`` and ``rms_norm``). The row's
     streams are loaded first, so their bytes arrive during the finish."""
+    pdl_enter()
     pm = tl.program_id(0)
     r = pm.to(tl.int64)
     xs = _streams_row(X, r, NH, D, s_xn, s_xj, NB, BD)
@@ -273,6 +279,7 @@ def rope_kernel(X, Y, POS, FREQ, CS, DEST, M, D, SIGN: tl.constexpr, HALF: tl.co
     that checks the barrier is there. ``TABLE``: the cosines and sines are read from ``CS [T, 2,
     HALF]`` (``rope_table_kernel``'s, the same fp32 values) instead of computed here in fp64.
     """
+    pdl_enter()
     _rope_rows(X, Y, POS, FREQ, CS, DEST, M, D, tl.program_id(0).to(tl.int64), tl.program_id(1), SIGN, HALF, BM, BD,
                HAS_DEST, COPY, BARRIER, TABLE)
 
@@ -324,6 +331,7 @@ def rope_pair_kernel(Q, POS, FREQ, CS, KV, POOL, DEST, MQ, DQ, DK, QB, HALF: tl.
     token's window row into the ring row ``DEST[t]`` of ``POOL`` (``rope_into``'s) - the same
     helper with the same constants as the two launches, so the same bits (``BARRIER`` False, the
     in-place branch without its barrier, is built only for the test that checks it is there)."""
+    pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     if p < QB:
@@ -336,6 +344,7 @@ def rope_pair_kernel(Q, POS, FREQ, CS, KV, POOL, DEST, MQ, DQ, DK, QB, HALF: tl.
 def rope_table_kernel(POS, FREQ, CS, T, HALF: tl.constexpr, BT: tl.constexpr):
     """``CS [T, 2, HALF]`` (fp32): per row the cosines, then the sines, of ``POS[t] * FREQ`` (the
     angle in fp64, rounded to fp32 after the function: what ``rope_kernel`` computes)."""
+    pdl_enter()
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     ok = (t < T)[:, None]
     i = tl.arange(0, HALF)
@@ -414,6 +423,7 @@ def rope_pair(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs:
 
 @triton.jit
 def swiglu_act_kernel(G, U, WT, Y, N, limit, CLAMP: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = o < N

@@ -23,11 +23,13 @@ two gathers with their fills, two concatenations) is ~12 kernels; this is one, a
 import triton
 import triton.language as tl
 
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch, next_pow2
 
 
 @triton.jit
 def tail_kernel(KV, G, APE, POS, DEST, RK, RS, W, ratio, s_kv, s_g, BW: tl.constexpr):
+    pdl_enter()
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BW + tl.arange(0, BW)
     m = c < W
@@ -53,6 +55,7 @@ def tail_write(kv, score, ape, positions, ratio: int, ring_kv, ring_score, dest,
 
 @triton.jit
 def capture_kernel(POOL, SNAP, SLOTS, SEQ, POS, SLOT, R, D, fill, s_snap, BR: tl.constexpr, BD: tl.constexpr):
+    pdl_enter()
     c = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64) * BR + tl.arange(0, BR)
     rows_in = j < R
@@ -80,6 +83,7 @@ def ring_capture(pool, snap, slots, seq, pos, slot, R: int, fill: float) -> None
 
 @triton.jit
 def closing_kernel(PK, PS, SLOTS, SEQ, ENT, OK, OS, R, m, lookback, W, c, COFF: tl.constexpr, BD: tl.constexpr):
+    pdl_enter()
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
     q = tl.load(ENT + n) * m - lookback + j

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import _INTERPRET, launch, next_pow2
 from v4stack.kernels.triton_slices import _add_in_order
 
@@ -35,6 +36,7 @@ def gate_kernel(L, B, TAB, TOK, IDX, WO, E, s_l, scale, K: tl.constexpr, KP: tl.
                 HASHED: tl.constexpr, HAS_B: tl.constexpr, ACCURATE: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):
     """One token a program. ``S`` > 0: ``L`` is the logits' slice partials ``[S, T, E]`` (``s_l`` =
     T * E), added in slice order as ``triton_slices.finish_kernel`` adds them (the same bits)."""
+    pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BE)
     ok = c < E
@@ -147,6 +149,7 @@ def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: t
     token has one more pair, its slot ``K``, for expert ``E - 1`` with weight 1 (the shared expert
     joined to the routed ones; ``IDX`` / ``W`` hold the ``K`` routed slots). ``ONE`` (``P <= BP``:
     a decode step's pairs): the ids are loaded once and both passes run on them."""
+    pdl_enter()
     e = tl.program_id(0)
     zero = tl.sum(tl.zeros([BP], tl.int32), 0)
     if ONE:
@@ -202,6 +205,7 @@ def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD:
                   JOIN: tl.constexpr):
     """``JOIN``: token ``n``'s pairs are ``k + 1``, the last one the shared expert's (after every
     routed expert in the combine's order), ``IDX`` holding the ``k`` routed ids."""
+    pdl_enter()
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = d < D

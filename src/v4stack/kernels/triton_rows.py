@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 
 ROW_BLOCK = 4096  # widest row one program handles; wider rows run in chunks of this size
@@ -18,6 +19,7 @@ ROW_BLOCK = 4096  # widest row one program handles; wider rows run in chunks of 
 @triton.jit
 def softmax_kernel(X, Y, N, s_x, s_y, LOG: tl.constexpr, BLOCK: tl.constexpr):
     """A row of at most BLOCK in one program."""
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     x = tl.load(X + r * s_x + o, mask=o < N, other=float("-inf")).to(tl.float32)
@@ -34,6 +36,7 @@ def softmax_kernel(X, Y, N, s_x, s_y, LOG: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def chunk_stats_kernel(X, Pm, Ps, N, s_x, S, BLOCK: tl.constexpr):
     """Wide rows, pass 1: chunk c of row r -> its max and its sum of exp(x - max)."""
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     o = c * BLOCK + tl.arange(0, BLOCK)
@@ -47,6 +50,7 @@ def chunk_stats_kernel(X, Pm, Ps, N, s_x, S, BLOCK: tl.constexpr):
 def chunk_write_kernel(X, Y, Pm, Ps, N, s_x, s_y, S, LOG: tl.constexpr, BLOCK: tl.constexpr, SB: tl.constexpr):
     """Wide rows, pass 2: every chunk merges the row's chunk statistics in the same fixed tree
     (so all chunks agree on the row's max and sum), then writes its own elements."""
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     j = tl.arange(0, SB)
@@ -95,6 +99,7 @@ def log_softmax(x, dim=-1):
 
 @triton.jit
 def pool_kernel(KV, S, Y, P, C, s_kr, s_kp, s_sr, s_sp, s_yr, BP: tl.constexpr, BC: tl.constexpr):
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     p = tl.arange(0, BP)
@@ -132,6 +137,7 @@ def weighted_pool(kv, score, dim):
 
 @triton.jit
 def combine_kernel(Yin, Idx, Out, k, D, s_yn, s_yk, s_in, s_on, BK: tl.constexpr, BD: tl.constexpr):
+    pdl_enter()
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     j = tl.arange(0, BK)
@@ -160,6 +166,7 @@ def moe_combine(y, idx):
 
 @triton.jit
 def rms_norm_kernel(X, W, Y, N, Nf, s_x, s_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
@@ -191,6 +198,7 @@ def rms_norm(x, weight, eps):
 
 @triton.jit
 def hc_read_kernel(X, Pre, Y, n, D, s_xn, s_xj, s_pn, s_yn, NB: tl.constexpr, BD: tl.constexpr):
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     j = tl.arange(0, NB)
@@ -231,6 +239,7 @@ def hc_read_norm_kernel(X, Pre, W, Y, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS
     streams' dtype as it stores it) and its RMS norm, without writing the read. ONE (the row in
     one block of BD columns): the read is loaded once and kept; else two passes over the blocks,
     the sum of squares (per lane, then one tree) and the read again (the same bits) scaled."""
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     if ONE:
         _read_norm_row(X, Pre, W, Y, r, n, D, Df, s_xn, s_xj, s_pn, s_yn, eps, HAS_W, NB, BD)
@@ -284,6 +293,7 @@ def hc_read_norm(x, pre, weight, eps):
 @triton.jit
 def hc_write_kernel(X, Out, Post, Comb, Y, n, D, s_xn, s_xj, s_on, s_pn, s_cn, s_cj, s_yn, s_yk,
                     NB: tl.constexpr, BD: tl.constexpr):
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     j = tl.arange(0, NB)

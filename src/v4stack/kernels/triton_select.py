@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch, next_pow2
 
 # one program holds a query's entries (and a count fits 16 bits); wider rows take the torch composition
@@ -47,6 +48,7 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: 
                      EBT: tl.constexpr = 0):
     """``EB`` entries in one block, and with ``EBT`` the entries from ``EB`` on in a second block of
     ``EBT`` (a row just past a power of two - a 16k step's 4608 - held as 4096 + 512, not 8192)."""
+    pdl_enter()
     n = tl.program_id(0).to(tl.int64)
     r, key = _keys(S, ROWS, n, s_s, s_r, tl.arange(0, EB), E)
     if EBT > 0:

@@ -32,6 +32,8 @@ concurrently on two streams of one device; the library launches them on the curr
 import triton
 import triton.language as tl
 
+from v4stack.kernels.gdc import pdl_enter
+
 FLOAT_SEMANTICS = {
     "linear_half": "wgmma bf16/fp16 products, fp32 accumulation in fixed K slices (tiles.HALF_SPLIT), one rounding",
     "linear_fp32": "3xTF32 (lo*hi + hi*lo + hi*hi per K step of tiles.F32_BK on the tensor cores, TF32-exact "
@@ -191,6 +193,7 @@ def finish_kernel(P, PSS, Y, M, N, MN, Kf, eps, s_ym, S: tl.constexpr, SP: tl.co
     load (SP = S rounded up to a power of two; the slices past S read as +0.0, which changes no
     sum: a sum started from +0.0 is never -0.0), so they are in flight together; the adds then
     take the columns in order (``_add_in_order``). MN = M * N, the partials' slice stride."""
+    pdl_enter()
     _finish_rows(P, PSS, Y, M, N, MN, Kf, eps, s_ym, tl.program_id(0), tl.program_id(1), S, SP, FR, BN, RMS)
 
 
@@ -223,6 +226,7 @@ def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLI
     GRID: program (m, n, s) computes slice s into ``P[s, M, N]`` (``PSS[s, M]``), the tile's last
     arrival sums them in slice order (``UNR`` partials' loads in flight at once), or with TWO
     ``finish_kernel`` does; else program (m, n) sums its slices in registers."""
+    pdl_enter()
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)

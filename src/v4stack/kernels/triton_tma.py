@@ -13,7 +13,8 @@ the GPU, ``bench/gemm_tiles.py``).
 import triton
 import triton.language as tl
 
-from v4stack.kernels.launch import cdiv
+from v4stack.kernels.gdc import pdl_enter
+from v4stack.kernels.launch import cdiv, pdl_kwargs
 from v4stack.kernels.triton_slices import fold
 
 
@@ -33,6 +34,7 @@ def linear_tma_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.
                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, KPS: tl.constexpr,
                       FLAT: tl.constexpr):
     """KPS: K steps of BK per slice (``SPLIT // BK``)."""
+    pdl_enter()
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -65,6 +67,7 @@ def tma_grid_kernel(a_desc, b_desc, Y, P, CNT, M, N, K, s_ym, BM: tl.constexpr, 
     """The grid form on TMA loads: program (m, n, s) computes slice s of its tile (KPS steps of BK
     from zero, as ``linear_tma_kernel``'s slice) into ``P[s]`` as fp32; the tile's last program
     to arrive adds the S partials in slice order (``triton_slices.fold``) and stores Y."""
+    pdl_enter()
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     s = tl.program_id(2)
@@ -113,11 +116,13 @@ def linear_tma(a, w, y, BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stage
     if GRID and S > 1 and gm * gn <= ts.COUNTERS:
         p, cnt = ts.workspace(a.device, S * M * N), ts.counters(a.device)
         tma_grid_kernel[(gm, gn, S)](ad, bd, y, p, cnt, M, N, K, y.stride(0), BM=BM, BN=BN, BK=BK, KPS=SPLIT // BK,
-                                     UNR=UNR, num_warps=num_warps, num_stages=num_stages)
+                                     UNR=UNR, num_warps=num_warps, num_stages=num_stages,
+                                     **pdl_kwargs(tma_grid_kernel))
         return y
     cd = TensorDescriptor.from_tensor(y, [BM, BN])
     nsm = num_sms()
     grid = (min(nsm, cdiv(M, BM) * cdiv(N, BN)),)
     linear_tma_kernel[grid](ad, bd, cd, M, N, K, BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, NUM_SMS=nsm, WS=WS,
-                            KPS=SPLIT // BK, FLAT=FLAT, num_warps=num_warps, num_stages=num_stages)
+                            KPS=SPLIT // BK, FLAT=FLAT, num_warps=num_warps, num_stages=num_stages,
+                            **pdl_kwargs(linear_tma_kernel))
     return y

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 from v4stack.kernels.triton_slices import finish_sum
 
@@ -55,6 +56,7 @@ def wide_partials_kernel(X, W, P, PSS, M, N, K, s_xm, s_wn, KC: tl.constexpr, BM
                          BK: tl.constexpr, SPLIT_W: tl.constexpr, RMS: tl.constexpr):
     """Program ``(m, s)``: rows ``[m BM, ...)`` x columns ``[s KC, (s + 1) KC)`` of K -> ``P[s, rows, :N]``
     (and ``PSS[s, rows]``: the rows' sums of squares over the chunk)."""
+    pdl_enter()
     pm = tl.program_id(0)
     s = tl.program_id(1)
     rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
