@@ -33,13 +33,15 @@ def _on() -> bool:
 
 
 ON = tl.constexpr(_on())
+TRIGGER = tl.constexpr(os.environ.get("V4STACK_PDL_TRIGGER", "1") != "0")
 
 
 @triton.jit
 def pdl_enter():
     if ON:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 def opens_with_wait(src: str) -> bool:
