@@ -1,8 +1,8 @@
 """Programmatic dependent launch (``kernels/gdc.py``, ``kernels/launch.py``).
 
 - the launcher starts a kernel programmatically only where its body opens with ``pdl_enter()``
-  (the inverse: the call anywhere else, or missing, is refused), and every Triton kernel of the
-  project opens so;
+  (the inverse: the call anywhere else, or missing, is refused), and only inside
+  ``programmatic(True)``; every Triton kernel of the project opens so;
 - the Hopper builds wait before their first memory access;
 - on the GPU (``gpu``): a kernel that waits, launched programmatically after a slow writer, reads
   what the writer wrote; the inverse control - the same launch of a reader without the wait, by the
@@ -53,6 +53,17 @@ def test_the_c_path_takes_the_flag():
     c = L.build_c()
     e = c.Entry(0, 128, 0, "pl", True)
     assert isinstance(e, c.Entry) and isinstance(c.Entry(0, 128, 0, "pl"), c.Entry)
+    assert c.set_pdl(True) is False and c.set_pdl(False) is True and c.set_pdl(False) is False
+
+
+def test_programmatic_scopes_nest_and_restore():
+    assert L._now is False
+    with L.programmatic(True):
+        assert L._now is True
+        with L.programmatic(False):
+            assert L._now is False
+        assert L._now is True
+    assert L._now is False
 
 
 def test_hopper_builds_wait_before_their_first_memory_access():
@@ -114,8 +125,9 @@ def test_a_programmatic_launch_overlaps_and_the_wait_orders_it():
     def trial(read) -> bool:
         y.zero_()
         z.fill_(-1.0)
-        L.launch(_slow_writer_kernel, (1,), y, spin, BLOCK=B)
-        read()
+        with L.programmatic(True):
+            L.launch(_slow_writer_kernel, (1,), y, spin, BLOCK=B)
+            read()
         torch.cuda.synchronize()
         return torch.equal(z, y) and torch.equal(y, want)
 
@@ -128,5 +140,15 @@ def test_a_programmatic_launch_overlaps_and_the_wait_orders_it():
         assert not any(trial(lambda: L.launch(_racing_reader, (1,), y, z, BLOCK=B)) for _ in range(3))
     finally:
         del L._cache[key]
-    # launched the usual way, the same reader is ordered after the writer
+    # launched the usual way, the same reader is ordered after the writer; and outside
+    # programmatic(True) the C path launches even the racing entry the usual way
     assert all(trial(lambda: L.launch(_racing_reader, (1,), y, z, BLOCK=B)) for _ in range(3))
+    L._cache[key] = racing
+    try:
+        y.zero_()
+        L.launch(_slow_writer_kernel, (1,), y, spin, BLOCK=B)
+        L.launch(_racing_reader, (1,), y, z, BLOCK=B)
+        torch.cuda.synchronize()
+        assert torch.equal(z, want)
+    finally:
+        del L._cache[key]

@@ -17,8 +17,10 @@ reading) keeps Triton's own C launcher for its key. Where the C module cannot be
 is computed in Python (``_py_launch``).
 
 A kernel whose body opens with ``gdc.pdl_enter()`` is launched with programmatic stream
-serialisation on a Hopper (or later) GPU (``pdl_of``; ``V4STACK_PDL=0`` turns it off): it may be
-placed while the kernel before it finishes, and waits for it in its first instruction.
+serialisation on a Hopper (or later) GPU (``pdl_of``; ``V4STACK_PDL=0`` turns it off) inside
+``programmatic(True)``: it may be placed while the kernel before it finishes, and waits for it in
+its first instruction. Outside that scope every launch is the usual one (``serve/graphs.py`` says
+where the engine opens it: decode graphs of few rows, whose kernels are short).
 
 Under ``TRITON_INTERPRET=1`` (the CPU test run) it calls the kernel through Triton as usual.
 """
@@ -94,6 +96,30 @@ def kinds(key: tuple, nconsts: int) -> str:
     return "".join("p" if b is True or b is False else _KIND_OF_CODE[a] for a, b in zip(items[::2], items[1::2]))
 
 
+_now = False  # programmatic(): whether pdl_of's kernels are launched programmatically now
+
+
+class programmatic:
+    """``with programmatic(on):`` the launches inside start ``pdl_of``'s kernels programmatically
+    (``on``) or the usual way; the previous setting comes back on exit."""
+
+    def __init__(self, on: bool):
+        self.on = bool(on)
+
+    def __enter__(self):
+        global _now
+        self.was, _now = _now, self.on
+        if _C is not None:
+            _C.set_pdl(self.on)
+        return self
+
+    def __exit__(self, *exc):
+        global _now
+        _now = self.was
+        if _C is not None:
+            _C.set_pdl(self.was)
+
+
 _opens: dict = {}  # id(kernel) -> whether launch() starts it programmatically (kernels stay alive: _alive)
 _hopper = None
 
@@ -120,19 +146,20 @@ def pdl_of(kernel) -> bool:
 def pdl_kwargs(kernel) -> dict:
     """The launch option for a kernel launched through Triton itself (``kernel[grid](...)``: those
     with tensor descriptors) that ``pdl_of`` would launch programmatically."""
-    return {"launch_pdl": True} if pdl_of(kernel) else {}
+    return {"launch_pdl": True} if _now and pdl_of(kernel) else {}
 
 
 class _Entry:
     """A key Triton's own C launcher serves (what the C path does not do)."""
-    __slots__ = ("launch", "head", "function", "meta", "vals")
+    __slots__ = ("launch", "head", "function", "meta", "vals", "pdl")
 
     def __init__(self, k, consts, pdl: bool = False):
         run = k.run
         direct = getattr(run, "launch", None)
+        self.pdl = pdl
         if direct is not None and not run.global_scratch_size and not run.profile_scratch_size:
             # the driver's C launcher itself: pointers go in as ints, no scratch buffers
-            self.launch, self.head = direct, (run.launch_cooperative_grid, run.launch_pdl or pdl, None, None)
+            self.launch, self.head = direct, (run.launch_cooperative_grid, run.launch_pdl, None, None)
         else:
             self.launch, self.head = run, ()
         self.function, self.meta = k.function, k.packed_metadata
@@ -141,7 +168,10 @@ class _Entry:
     def __call__(self, grid, args, stream):
         n = len(grid)
         raw = [a.data_ptr() if hasattr(a, "data_ptr") else a for a in args]
-        self.launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, self.function, *self.head,
+        head = self.head
+        if self.pdl and _now and head:
+            head = (head[0], True, None, None)
+        self.launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, self.function, *head,
                     self.meta, None, None, None, *raw, *self.vals)
 
 

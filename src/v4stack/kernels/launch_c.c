@@ -7,8 +7,8 @@
  * not; a bool, a float, None) - looks it up in the cache dict, and for an ``Entry`` packs the
  * arguments into the kernel's parameter slots and calls ``cuLaunchKernel`` on the current torch
  * stream (``cuLaunchKernelEx`` with programmatic stream serialisation for an entry made with
- * ``pdl``: the kernel may be launched while the one before it in the stream finishes, and waits for
- * it in its first instruction - ``kernels/gdc.py``). A miss, or an entry that is not an ``Entry``, goes to the Python ``fallback(kernel, grid,
+ * ``pdl`` while ``set_pdl(True)`` holds: the kernel may be launched while the one before it in the
+ * stream finishes, and waits for it in its first instruction - ``kernels/gdc.py``). A miss, or an entry that is not an ``Entry``, goes to the Python ``fallback(kernel, grid,
  * args, consts, key)``, which compiles through Triton and fills the cache (``key`` None: an argument
  * the key cannot read, launched by Triton itself).
  *
@@ -57,6 +57,7 @@ _Static_assert(offsetof(LaunchConfig, stream) == 32 && sizeof(LaunchConfig) == 5
 
 static launch_t cu_launch;
 static launch_ex_t cu_launch_ex;
+static int pdl_on;  /* set_pdl(): whether an entry made with pdl is launched programmatically now */
 static ctx_get_t cu_ctx_get;
 static ctx_set_t cu_ctx_set;
 static dev_get_t cu_dev_get;
@@ -332,7 +333,7 @@ static PyObject *run_entry(Entry *e, PyObject *grid, PyObject *dev, PyObject *co
         check(cu_retain(&ctx, d), "cuDevicePrimaryCtxRetain") < 0 || check(cu_ctx_set(ctx), "cuCtxSetCurrent") < 0)
       return NULL;
   }
-  if (e->pdl && cu_launch_ex) {
+  if (e->pdl && pdl_on && cu_launch_ex) {
     LaunchAttr attr;
     memset(&attr, 0, sizeof attr);
     attr.id = ATTR_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -468,12 +469,21 @@ static PyObject *init(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *set_pdl(PyObject *self, PyObject *arg) {
+  int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  int was = pdl_on;
+  pdl_on = on;
+  return PyBool_FromLong(was);
+}
+
 static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL | METH_KEYWORDS,
      "launch(kernel, grid, *args, **consts)"},
     {"key", key_of, METH_VARARGS, "key(kernel, device, args, consts): the cache key launch() builds"},
     {"pack", pack_of, METH_VARARGS, "pack(entry, args): the parameter slots launch() passes, as bytes"},
     {"init", init, METH_VARARGS, "init(cache, fallback, tensor_type, get_device, get_stream)"},
+    {"set_pdl", set_pdl, METH_O, "set_pdl(on): launch pdl entries programmatically from now (returns the old value)"},
     {NULL, NULL, 0, NULL},
 };
 

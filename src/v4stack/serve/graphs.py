@@ -29,6 +29,10 @@ step in flight, the graph being launched last ran two steps ago, so its buffers 
 caller that left a step unread) the launch first settles that step's read-back. Where the runtime
 cannot capture the copies, they are made around the replay instead (``copies_error`` says why).
 
+Graphs of up to ``pdl_rows`` rows are captured with programmatic launches (``kernels/gdc.py``):
+each of the project's kernels may be placed while the one before it finishes, which hides most of
+a launch's gap between the short kernels of a small step.
+
 The first step of a graph is captured (after a warm-up run on a side stream; re-running a decode
 step writes the same rows again, so the warm-up changes nothing, and ``fed`` is put back as it
 was). Graphs are captured and replayed under the engine's ops mode, so both modes get them. If a
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from v4stack.kernels.launch import programmatic
 from v4stack.model.paged import StepBatch
 from v4stack.ops import fused
 from v4stack.serve.sampling import Sampled, greedy_rows
@@ -101,6 +106,11 @@ class DecodeGraphs:
         # with the copies inside, the layout comes in through ``fused.layout_in`` (on CUDA a kernel reading the
         # pinned staging: no copy-engine node before the step's first kernel); else a transfer, then ``feed_ids``
         self.layout_kernel = True
+        # graphs of up to this many rows launch the project's kernels programmatically (kernels/gdc.py: each may be
+        # placed while the one before it finishes). On an H100 (flash4 fast, 1k) that took the step 1.57 -> 1.52 ms
+        # at batch 1, 1.84 -> 1.78 at 16, 1.94 -> 1.92 at 64, and made batch 256's 2.48 -> 2.58 ms (its waiting
+        # programs sit beside the long GEMMs): bench/results/serve_pdl*_h100_a924208_*.json
+        self.pdl_rows = 64
         self.draw_error: str | None = None  # why a step's draw could not be captured (then drawn outside)
 
     def _fed(self, device) -> torch.Tensor:
@@ -151,7 +161,7 @@ class DecodeGraphs:
             g = torch.cuda.CUDAGraph()
             inside = self.copies_inside
             try:
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool), programmatic(rows <= self.pdl_rows):
                     logits, tok, out = self._body(runner, buf, batch, rows, draw,
                                                   staging if inside else None, host if inside else None)
                 break
