@@ -68,6 +68,9 @@ def stamp() -> dict:
         "load_average": list(load) if load else None,
         "ops_counters": _ops_counters(),
         **({"side": os.environ["V4STACK_SIDE"]} if os.environ.get("V4STACK_SIDE") else {}),  # an A/B run's side
+        # the settings the code reads from the environment (V4STACK_PDL, ...): part of what was run
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("V4STACK_") and k not in ("V4STACK_COMMIT", "V4STACK_DIRTY", "V4STACK_SIDE")},
     }
 
 
