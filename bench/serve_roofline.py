@@ -176,7 +176,7 @@ def _sync(device: str) -> None:
 
 def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float,
                 overlap: bool = True, warmup: int = 6, rate: float | None = None, stagger: int = 0,
-                layout: str = "kernel") -> dict:
+                layout: str = "kernel", pdl_rows: int | None = None) -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
     per = -(-(ctx + stagger + steps + warmup + 8) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
@@ -184,6 +184,8 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
                                         overlap=overlap))
     if engine.runner.graphs is not None:  # how a graph takes its layout in (DecodeGraphs.layout_kernel)
         engine.runner.graphs.layout_kernel = layout == "kernel"
+        if pdl_rows is not None:  # graphs of up to this many rows launch programmatically (DecodeGraphs.pdl_rows)
+            engine.runner.graphs.pdl_rows = pdl_rows
     fill(engine, batch, ctx, steps + warmup + 4, seed=batch * 7 + ctx, stagger=stagger)
     t0 = time.perf_counter()
     for _ in range(warmup):  # publish the synthetic history's blocks, capture the graph, build kernels
@@ -218,6 +220,7 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     compute = sf["step_flops"] / rate if rate else None
     bound = max(floor, compute) if floor and compute else None
     res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "layout_in": layout,
+           "pdl_rows": engine.runner.graphs.pdl_rows if engine.runner.graphs is not None else None,
            "steps_timed": len(times),
            "step_s_p50": p50, "step_s_mean": mean, "device_wait_s_mean": wait, "host_s_mean": mean - wait,
            "host_s_p50": host[len(host) // 2],
@@ -263,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout-in", default="kernel",
                     help="how a decode graph takes its layout in: kernel (the shipped read of the pinned staging), "
                          "copy (a copy-engine transfer, then the feed), or kernel,copy for both (an A/B)")
+    ap.add_argument("--pdl-rows", type=int, default=None,
+                    help="decode graphs of up to this many rows launch programmatically (default: the engine's)")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
@@ -285,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                                    for ov in map(int, a.overlap.split(",")) for lay in a.layout_in.split(",")):
                     try:
                         r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup,
-                                        rate, a.stagger, lay)
+                                        rate, a.stagger, lay, a.pdl_rows)
                     except Exception:  # record and go on: one failing point must not lose the rest
                         import traceback
 

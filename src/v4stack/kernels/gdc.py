@@ -44,9 +44,17 @@ def pdl_enter():
             tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_wait():
+    """``pdl_enter``'s wait without the early release: the next kernel is placed as this one's
+    programs exit (a long kernel, beside whose work waiting programs would sit)."""
+    if ON:
+        tl.extra.cuda.gdc_wait()
+
+
 def opens_with_wait(src: str) -> bool:
-    """Whether the kernel source ``src`` (a ``def``, as Triton keeps it) has ``pdl_enter()`` as the
-    first statement of its body (after a docstring)."""
+    """Whether the kernel source ``src`` (a ``def``, as Triton keeps it) has ``pdl_enter()`` or
+    ``pdl_wait()`` as the first statement of its body (after a docstring)."""
     import ast
     import textwrap
 
@@ -57,4 +65,4 @@ def opens_with_wait(src: str) -> bool:
         body = body[1:]
     first = body[0] if body else None
     return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and not first.value.args
-            and isinstance(first.value.func, ast.Name) and first.value.func.id == "pdl_enter")
+            and isinstance(first.value.func, ast.Name) and first.value.func.id in ("pdl_enter", "pdl_wait"))
