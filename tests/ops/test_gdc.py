@@ -3,8 +3,7 @@
 - the launcher starts a kernel programmatically only where its body opens with ``pdl_enter()``
   (the inverse: the call anywhere else, or missing, is refused), and only inside
   ``programmatic(True)``; every Triton kernel of the project opens so;
-- the Hopper builds wait before their first memory access, and release their successor early
-  except the long kernels (``pdl_wait``);
+- the Hopper builds wait before their first memory access;
 - on the GPU (``gpu``): a kernel that waits, launched programmatically after a slow writer, reads
   what the writer wrote; the inverse control - the same launch of a reader without the wait, by the
   C path and by Triton's launcher - reads the buffer before the writer wrote it, so the launch does
@@ -35,7 +34,6 @@ def test_only_a_body_that_opens_with_the_wait_counts():
     assert not opens_with_wait("def k(X):\n    tl.store(X, 1)\n")
     assert not opens_with_wait("def k(X):\n    pdl_enter(X)\n")
     assert not opens_with_wait("def k(X):\n    gdc_wait()\n    tl.store(X, 1)\n")
-    assert opens_with_wait("def k(X):\n    pdl_wait()\n    tl.store(X, 1)\n")
 
 
 def test_every_project_kernel_opens_with_the_wait():
@@ -68,9 +66,6 @@ def test_programmatic_scopes_nest_and_restore():
     assert L._now is False
 
 
-LONG = ("grouped_gemm_bf16_tma", "sparse_attention_online")  # pdl_wait's kernels among those built below
-
-
 def test_hopper_builds_wait_before_their_first_memory_access():
     from tests.ops.hopper import ptx
 
@@ -79,8 +74,7 @@ def test_hopper_builds_wait_before_their_first_memory_access():
     for name, src in got.items():
         body = src[src.index(".entry"):]
         w = body.index("griddepcontrol.wait")
-        # a long kernel (pdl_wait) leaves its successor to be placed as its programs exit
-        assert ("griddepcontrol.launch_dependents" in body) == (name not in LONG), name
+        assert "griddepcontrol.launch_dependents" in body, name
         for op in ("ld.global", "st.global", "cp.async", "atom.global", "red.global"):
             assert op not in body[:w], (name, op)
 

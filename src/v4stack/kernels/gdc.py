@@ -9,6 +9,12 @@ its launch and its programs' placement overlap the previous kernel's last progra
 starting after it has drained - inside a decode step's graph, where kernels of a few microseconds
 follow each other, that launch gap is a large part of a small kernel's time.
 
+Measured on an H100 (flash4 fast decode, ``bench/results/serve_pdl*_h100_*.json``): the early
+release is what gains - without it (dependents placed as the programs exit) the steps took what
+they take without programmatic launches (a924208) - and it gains at small batches only: batch 256
+lost ~0.1 ms, also with the long kernels (GEMMs, attention, the draw's blocks) left out of the early
+release (e63fcc0). ``serve/graphs.py`` opens the programmatic scope for graphs of up to 64 rows.
+
 A kernel after one that lets it launch early can only start its wait; the chain cannot run ahead,
 since each kernel releases its successor only after its own wait returned. Without a programmatic
 launch (any kernel launched the usual way, the CPU interpreter) the two instructions do nothing
@@ -33,28 +39,18 @@ def _on() -> bool:
 
 
 ON = tl.constexpr(_on())
-TRIGGER = tl.constexpr(os.environ.get("V4STACK_PDL_TRIGGER", "1") != "0")
 
 
 @triton.jit
 def pdl_enter():
     if ON:
         tl.extra.cuda.gdc_wait()
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait():
-    """``pdl_enter``'s wait without the early release: the next kernel is placed as this one's
-    programs exit (a long kernel, beside whose work waiting programs would sit)."""
-    if ON:
-        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def opens_with_wait(src: str) -> bool:
-    """Whether the kernel source ``src`` (a ``def``, as Triton keeps it) has ``pdl_enter()`` or
-    ``pdl_wait()`` as the first statement of its body (after a docstring)."""
+    """Whether the kernel source ``src`` (a ``def``, as Triton keeps it) has ``pdl_enter()`` as the
+    first statement of its body (after a docstring)."""
     import ast
     import textwrap
 
@@ -65,4 +61,4 @@ def opens_with_wait(src: str) -> bool:
         body = body[1:]
     first = body[0] if body else None
     return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and not first.value.args
-            and isinstance(first.value.func, ast.Name) and first.value.func.id in ("pdl_enter", "pdl_wait"))
+            and isinstance(first.value.func, ast.Name) and first.value.func.id == "pdl_enter")

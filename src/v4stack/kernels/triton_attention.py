@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.attention_tiles import CHUNK, LIVE_BI, pick
-from v4stack.kernels.gdc import pdl_enter, pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch
 
 _LIVE_BI = tl.constexpr(LIVE_BI)
@@ -230,7 +230,7 @@ def _store_part(Pa, base, hm, c0, acc, D: tl.constexpr, KB: tl.constexpr):
 @triton.jit
 def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, Pm, Pl, Pa, H, scale, NCH,
                  D: tl.constexpr, BH: tl.constexpr, CH: tl.constexpr, IEEE: tl.constexpr, NB: tl.constexpr):
-    pdl_wait()
+    pdl_enter()
     KB: tl.constexpr = D // NB
     t = tl.program_id(2).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
@@ -253,7 +253,7 @@ def split_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink
 
 @triton.jit
 def merge_kernel(Pm, Pl, Pa, Sink, O, s_ot, s_oh, H, NCH, D: tl.constexpr, BH: tl.constexpr):
-    pdl_wait()
+    pdl_enter()
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     d = tl.arange(0, D)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from v4stack.kernels.attention_tiles import CHUNK, pick, takes_online
-from v4stack.kernels.gdc import pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch
 from v4stack.kernels.triton_attention import (_LIVE_BI, ROWS_PER_LAUNCH, _dot, _live_chunks, _logits, _q_blocks, _rows,
                                               _store_blocks, blocks)
@@ -50,7 +50,7 @@ def online_kernel(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sin
     """QN: each head's query is RMS-normalised first (weightless, ``qeps``; fp32, rounded back to
     the query dtype as the normalisation kernel would store it) in the program's registers, so the
     normalised queries are never written and read back."""
-    pdl_wait()
+    pdl_enter()
     KB: tl.constexpr = D // NB
     t = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BH + tl.arange(0, BH)

@@ -14,7 +14,7 @@ the weight bytes read are a quarter of bf16's.
 import triton
 import triton.language as tl
 
-from v4stack.kernels.gdc import pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch
 
 
@@ -32,7 +32,7 @@ def _e2m1(code):
 @triton.jit
 def fp4_grouped_kernel(X, Wp, Sc, Y, TileE, TileR0, Off, N, K, s_xm, s_we, s_wn, s_se, s_sn, s_ym,
                        BM: tl.constexpr, BN: tl.constexpr):
-    pdl_wait()
+    pdl_enter()
     p = tl.program_id(0)
     e = tl.load(TileE + p)
     if e >= 0:

@@ -13,7 +13,7 @@ the same in every candidate tile is checked on the GPU (``bench/gemm_tiles.py``,
 import triton
 import triton.language as tl
 
-from v4stack.kernels.gdc import pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 
 from v4stack.kernels.tiles import (F32_SKINNY_N, F32_SKINNY_TILES, F32_SPLIT, F32_TILES, F32_TILES_GRAPH, FP8_BLOCK,
@@ -112,7 +112,7 @@ def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s
                    BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr,
                    CH: tl.constexpr = 1):
     """A program scores ``CH`` chunks of ``BS`` keys of one query (the query and its weights loaded once)."""
-    pdl_wait()
+    pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BH)
     d = tl.arange(0, D)
@@ -175,7 +175,7 @@ def indexer_scores_rows(q, w, pool, rows):
 @triton.jit
 def fp8_kernel(X, W, Sc, Y, M, N, K, s_xm, s_wn, s_sn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                SB: tl.constexpr):
-    pdl_wait()
+    pdl_enter()
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     n0 = tl.program_id(1) * BN
     cols = n0 + tl.arange(0, BN)

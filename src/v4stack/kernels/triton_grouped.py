@@ -15,7 +15,7 @@ from a zero start), so bits do not depend on the tile shape bucket or on which p
 import triton
 import triton.language as tl
 
-from v4stack.kernels.gdc import pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 from v4stack.kernels.tiles import GRAPH_ROWS, GROUPED_FALLBACK, GROUPED_TILES, GROUPED_TILES_GRAPH, pick_call
 from v4stack.kernels.triton_gemm import _mm_tile
@@ -24,7 +24,7 @@ from v4stack.kernels.triton_gemm import _mm_tile
 @triton.jit
 def grouped_table_kernel(X, W, Y, Off, E, N, K, s_xm, s_we, s_wn, s_ym, EB: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    pdl_wait()
+    pdl_enter()
     p = tl.program_id(0)
     e = tl.arange(0, EB)
     lo = tl.load(Off + e, mask=e < E, other=0)

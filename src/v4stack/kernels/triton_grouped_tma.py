@@ -21,7 +21,7 @@ differs, so a row's bits are those of the table kernel's tiles (checked on the G
 import triton
 import triton.language as tl
 
-from v4stack.kernels.gdc import pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, next_pow2, pdl_kwargs
 
 
@@ -29,7 +29,7 @@ from v4stack.kernels.launch import cdiv, next_pow2, pdl_kwargs
 def grouped_tma_kernel(x_desc, w_desc, Y, Off, E, N, K, s_ym, EB: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, NUM_SMS: tl.constexpr,
                        FLAT: tl.constexpr):
-    pdl_wait()
+    pdl_enter()
     e = tl.arange(0, EB)
     lo = tl.load(Off + e, mask=e < E, other=0).to(tl.int32)
     hi = tl.load(Off + e + 1, mask=e < E, other=0).to(tl.int32)

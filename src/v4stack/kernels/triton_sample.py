@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4stack.kernels.gdc import pdl_enter, pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch
 
 BLOCK = 1024  # columns per lane step (the lane form)
@@ -60,7 +60,7 @@ def _combine(mv, sv, iv, V):
 
 @triton.jit
 def greedy_part_kernel(X, PM, PS, PI, V, s_x, NC, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    pdl_wait()
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     c0 = c * CHUNK
@@ -77,7 +77,7 @@ def greedy_blocks_kernel(X, PM, PS, PI, V, s_x, NC, CHUNK: tl.constexpr, BLOCK: 
     ``BLOCK`` columns its maximum, then ``sum exp(x - max)`` against the running maximum (one
     exponential a column and one a block, no per-column state to carry), the first column of the
     block's maximum kept where it rises strictly."""
-    pdl_wait()
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     c0 = c * CHUNK

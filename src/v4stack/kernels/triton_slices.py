@@ -32,7 +32,7 @@ concurrently on two streams of one device; the library launches them on the curr
 import triton
 import triton.language as tl
 
-from v4stack.kernels.gdc import pdl_enter, pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 
 FLOAT_SEMANTICS = {
     "linear_half": "wgmma bf16/fp16 products, fp32 accumulation in fixed K slices (tiles.HALF_SPLIT), one rounding",
@@ -226,7 +226,7 @@ def slices_kernel(X, W, Y, P, PSS, CNT, M, N, K, Kf, eps, s_xm, s_wn, s_ym, SPLI
     GRID: program (m, n, s) computes slice s into ``P[s, M, N]`` (``PSS[s, M]``), the tile's last
     arrival sums them in slice order (``UNR`` partials' loads in flight at once), or with TWO
     ``finish_kernel`` does; else program (m, n) sums its slices in registers."""
-    pdl_wait()
+    pdl_enter()
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)

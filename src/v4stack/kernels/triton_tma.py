@@ -13,7 +13,7 @@ the GPU, ``bench/gemm_tiles.py``).
 import triton
 import triton.language as tl
 
-from v4stack.kernels.gdc import pdl_wait
+from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, pdl_kwargs
 from v4stack.kernels.triton_slices import fold
 
@@ -34,7 +34,7 @@ def linear_tma_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.
                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr, KPS: tl.constexpr,
                       FLAT: tl.constexpr):
     """KPS: K steps of BK per slice (``SPLIT // BK``)."""
-    pdl_wait()
+    pdl_enter()
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -67,7 +67,7 @@ def tma_grid_kernel(a_desc, b_desc, Y, P, CNT, M, N, K, s_ym, BM: tl.constexpr, 
     """The grid form on TMA loads: program (m, n, s) computes slice s of its tile (KPS steps of BK
     from zero, as ``linear_tma_kernel``'s slice) into ``P[s]`` as fp32; the tile's last program
     to arrive adds the S partials in slice order (``triton_slices.fold``) and stores Y."""
-    pdl_wait()
+    pdl_enter()
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     s = tl.program_id(2)
