@@ -203,6 +203,26 @@ def test_sampled_tokens_follow_the_target_distribution(model, step):
     assert (chi2 < tol) == (step is Greedy), (chi2, tol, df)
 
 
+def test_a_rejected_drafts_boundary_snapshot_is_returned_once(model, prompts, greedy_ref):
+    """A draft that ends a block gets that block's boundary snapshot planned; when the draft is
+    rejected the slot goes back to the pool and must not be recorded as the request's (the
+    snapshot it names was never of the request's real token): with every draft rejected, the
+    tokens are the plain engine's, and afterwards each snapshot slot is free or held by one
+    published block, once (before, a finished request released its recorded slot a second time:
+    "state slot ... released twice")."""
+    eng = spec_engine(model, Oracle, expected={tuple(p): o for p, o in zip(prompts, greedy_ref)}, wrong=range(N))
+    # 20 / 36 tokens: the last draft (output 11, at position 31 / 47) ends a block of 16, and the request
+    # finishes in that step; the others put such drafts mid-request
+    long = prompts + [list(range(40, 60)), list(range(100, 136)), list(range(150, 175))]
+    ref = plain(model, long, SamplingParams(max_tokens=N))
+    eng.spec.expected.update({tuple(p): o for p, o in zip(long, ref)})
+    assert [r.output for r in eng.generate(long, SamplingParams(max_tokens=N))] == ref
+    assert eng.stats.drafted > 0 and eng.stats.accepted == 0
+    cm = eng.cache
+    slots = cm.snap.free + list(cm.snap_of.values())  # free, or the snapshot of one published block
+    assert sorted(slots) == list(range(cm.snap.n_slots))
+
+
 def test_the_wal_holds_only_accepted_tokens(model, prompts, greedy_ref, tmp_path):
     sp = SamplingParams(max_tokens=N)
     ref = greedy_ref[:2]

@@ -139,9 +139,12 @@ class MTPStep:
                 else:
                     rejected.append(ver.index(i))
                     toks = toks[:-1]
+                    kept_to = rc.pos + len(toks)
                     for P, slot in c.items():  # a boundary snapshot taken after the draft
-                        if P > rc.pos + len(toks):
+                        if P > kept_to:
                             e.cache.snap.release(slot)
+                    # (the released ones are not the request's: advance must not record them)
+                    c = {P: slot for P, slot in c.items() if P <= kept_to}
                 e.stats.drafted += 1
                 e.stats.accepted += len(ds) - 1
             e.cache.advance(rc, toks, c)
