@@ -139,7 +139,9 @@ def pdl_of(kernel) -> bool:
         from v4stack.kernels.gdc import opens_with_wait
 
         _alive.add(kernel)
-        r = _opens[id(kernel)] = bool(_hopper) and opens_with_wait(kernel.src)
+        only = os.environ.get("V4STACK_PDL_ONLY")  # a measurement's restriction: these kernels' names only
+        named = only is None or getattr(kernel, "__name__", "") in only.split(",")
+        r = _opens[id(kernel)] = bool(_hopper) and named and opens_with_wait(kernel.src)
     return r
 
 
