@@ -140,7 +140,7 @@ def pdl_of(kernel) -> bool:
 
         _alive.add(kernel)
         only = os.environ.get("V4STACK_PDL_ONLY")  # a measurement's restriction: these kernels' names only
-        named = only is None or getattr(kernel, "__name__", "") in only.split(",")
+        named = not only or getattr(kernel, "__name__", "") in only.split(",")
         r = _opens[id(kernel)] = bool(_hopper) and named and opens_with_wait(kernel.src)
     return r
 

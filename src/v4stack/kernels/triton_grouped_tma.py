@@ -16,13 +16,18 @@ The K chain of an output element is ``triton_gemm._mm_tile``'s: the MMA steps in
 zero start, K past the end read as zeros - only which program computes a tile, and when,
 differs, so a row's bits are those of the table kernel's tiles (checked on the GPU, bench
 ``gemm_tiles.py --only grouped``).
+
+It is launched the usual way, not programmatically (``kernels/gdc.py``): on an H100 a flash4 batch-256
+step took ~0.1 ms longer with this kernel launched programmatically, and ~0.02 ms with every other
+kernel so and this one not (``bench/results/serve_pdlset_*_h100_50e39e9_*.json``,
+``serve_pdlx_*_h100_50e39e9_*.json``).
 """
 
 import triton
 import triton.language as tl
 
 from v4stack.kernels.gdc import pdl_enter
-from v4stack.kernels.launch import cdiv, next_pow2, pdl_kwargs
+from v4stack.kernels.launch import cdiv, next_pow2
 
 
 @triton.jit
@@ -83,5 +88,5 @@ def grouped_linear_tma(x, w, off, y, t):
     grid = (min(nsm, (min(E, T) + T // bm) * cdiv(N, bn)),)
     grouped_tma_kernel[grid](xd, wd, y, off, E, N, K, y.stride(0), EB=max(16, next_pow2(E)), BM=bm, BN=bn, BK=bk,
                              NUM_SMS=nsm, FLAT=t.get("FLAT", False), num_warps=t["num_warps"],
-                             num_stages=t["num_stages"], **pdl_kwargs(grouped_tma_kernel))
+                             num_stages=t["num_stages"])
     return y
