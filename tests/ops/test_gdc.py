@@ -3,8 +3,7 @@
 - the launcher starts a kernel programmatically only where its body opens with ``pdl_enter()``
   (the inverse: the call anywhere else, or missing, is refused), and only inside
   ``programmatic(True)``; every Triton kernel of the project opens so;
-- the Hopper builds wait before their first memory access (and the CUDA decode attention's entry
-  waits before its work, its launch configuration laid out as the driver's);
+- the Hopper builds wait before their first memory access;
 - on the GPU (``gpu``): a kernel that waits, launched programmatically after a slow writer, reads
   what the writer wrote; the inverse control - the same launch of a reader without the wait, by the
   C path and by Triton's launcher - reads the buffer before the writer wrote it, so the launch does
@@ -55,18 +54,6 @@ def test_the_c_path_takes_the_flag():
     e = c.Entry(0, 128, 0, "pl", True)
     assert isinstance(e, c.Entry) and isinstance(c.Entry(0, 128, 0, "pl"), c.Entry)
     assert c.set_pdl(True) is False and c.set_pdl(False) is True and c.set_pdl(False) is False
-
-
-def test_the_cuda_kernels_launch_config_has_the_drivers_layout():
-    import ctypes
-
-    from v4stack.kernels import cubin
-
-    assert ctypes.sizeof(cubin._Attr) == 72 and cubin._Attr.value.offset == 8
-    assert ctypes.sizeof(cubin._Config) == 56 and cubin._Config.stream.offset == 32
-    src = open(os.path.join(os.path.dirname(L.__file__), "cuda_attention.cu")).read()
-    entry = src[src.index("#define ENTRY"):]
-    assert entry.index("griddepcontrol.wait") < entry.index("attend<IT>(")  # before any of its work
 
 
 def test_programmatic_scopes_nest_and_restore():

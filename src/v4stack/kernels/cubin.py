@@ -82,20 +82,7 @@ def _driver():
                                                                             ctypes.POINTER(ctypes.c_void_p),
                                                                             ctypes.c_void_p]
     cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    cu.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     return cu
-
-
-class _Attr(ctypes.Structure):  # CUlaunchAttribute: the id padded to 8 bytes, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
-
-
-class _Config(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 def _check(rc: int, what: str) -> None:
@@ -107,12 +94,10 @@ _PACK = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float, "p
 
 
 class Function:
-    """One kernel of a loaded cubin, on the device that was current when it was loaded. ``waits``:
-    the kernel opens with ``griddepcontrol.wait`` (then releases its successor), so inside
-    ``launch.programmatic(True)`` it is launched programmatically (``kernels/gdc.py``)."""
+    """One kernel of a loaded cubin, on the device that was current when it was loaded."""
 
-    def __init__(self, module, handle, types: tuple[str, ...], smem: int, waits: bool = False):
-        self._module, self._handle, self.types, self.smem, self.waits = module, handle, types, smem, waits
+    def __init__(self, module, handle, types: tuple[str, ...], smem: int):
+        self._module, self._handle, self.types, self.smem = module, handle, types, smem
 
     def launch(self, grid: tuple[int, int, int], block: int, *args) -> None:
         import torch
@@ -126,22 +111,14 @@ class Function:
             vals.append(_PACK[ty](a))
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         stream = torch.cuda.current_stream().cuda_stream
-        from v4stack.kernels import launch as L
-
-        if self.waits and L._now and L.PDL:
-            attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-            cfg = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), self.smem, stream,
-                          ctypes.pointer(attr), 1)
-            _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self._handle, params, None), "cuLaunchKernelEx")
-            return
         _check(_driver().cuLaunchKernel(self._handle, *grid, block, 1, 1, self.smem, stream, params, None),
                "cuLaunchKernel")
 
 
 @functools.lru_cache(maxsize=None)
-def load(source: str, name: str, types: tuple[str, ...], smem: int, device: int, waits: bool = False) -> Function:
+def load(source: str, name: str, types: tuple[str, ...], smem: int, device: int) -> Function:
     """Kernel ``name`` of ``source``'s cubin, built if needed, with ``smem`` bytes of dynamic shared
-    memory allowed (loaded once per device); ``waits``: see ``Function``."""
+    memory allowed (loaded once per device)."""
     import torch
 
     path, _ = build(source)
@@ -161,7 +138,7 @@ def load(source: str, name: str, types: tuple[str, ...], smem: int, device: int,
         if smem > 48 * 1024:
             _check(cu.cuFuncSetAttribute(fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                    f"raising {name}'s shared memory to {smem}")
-    return Function(mod, fn, types, smem, waits)
+    return Function(mod, fn, types, smem)
 
 
 @functools.lru_cache(maxsize=None)

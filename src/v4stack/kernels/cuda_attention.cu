@@ -408,9 +408,6 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
              int64_t s_i0, int K0, int N0, const __nv_bfloat16 *P1, const IT *I1, int64_t s_i1, int K1, int N1, \
              const float *Sink, __nv_bfloat16 *O, int64_t s_ot, int64_t s_oh, float scale2, float qeps, int qn,  \
              int items, int groups) {                                                                          \
-        /* a programmatic launch (kernels/gdc.py): wait for the kernels before, then release the next */        \
-        asm volatile("griddepcontrol.wait;\n" ::: "memory");                                                  \
-        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");                                     \
         attend<IT>(Q, s_qt, s_qh, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1, Sink, O, s_ot, s_oh, scale2, qeps, qn, \
                    items, groups);                                                                             \
     }

@@ -93,7 +93,7 @@ def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = No
     if T == 0:
         return out
     fn = cubin.load(SOURCE, "decode_attention_i64" if it == torch.int64 else "decode_attention_i32", TYPES, SMEM,
-                    q.device.index if q.device.index is not None else torch.cuda.current_device(), True)
+                    q.device.index if q.device.index is not None else torch.cuda.current_device())
     sink = sink.float().contiguous()
     items = T * (H // HEADS)  # int32 in the kernel: T < 2^31 / (H / 64)
     if walk is None:
