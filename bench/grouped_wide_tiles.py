@@ -1,0 +1,77 @@
+"""Wider and one-warpgroup tiles of the persistent TMA grouped GEMM at flash4's batch-256 decode
+shapes (9 experts - the joined shared one included - 1792 routed rows; gate / up N 2048 K 4096,
+down N 4096 K 2048), outside the tile table (these tiles have no proved contract, so the dispatch
+cannot take them; this measures whether one is worth proving). Each tile: its output against the
+shipped tile's, bit for bit, and its time per call replayed in a CUDA graph.
+
+    python -m bench.grouped_wide_tiles --out bench/results/grouped_wide_tiles_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.grouped_tiles import routed
+from bench.runner import write_result
+from v4stack.kernels.triton_grouped_tma import grouped_linear_tma
+
+SHIPPED = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, occ=2)
+TILES = [SHIPPED,
+         dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=3, occ=2),
+         dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=2, occ=2),
+         dict(BM=64, BN=256, BK=64, num_warps=4, num_stages=3, occ=1),
+         dict(BM=64, BN=256, BK=64, num_warps=4, num_stages=4, occ=1),
+         dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, occ=1),
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, occ=1)]
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) / reps * 1e3)
+    return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/grouped_wide_tiles_h100.json")
+    a = ap.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, N, K in (("gate_up", 2048, 4096), ("down", 4096, 2048)):
+        x, off, _ = routed(256, 9, K, "cuda", gen, shared=True)
+        w = (torch.randn(9, N, K, device="cuda") * 0.02).to(torch.bfloat16)
+        ref = grouped_linear_tma(x, w, off, torch.empty(x.shape[0], N, device="cuda", dtype=x.dtype), SHIPPED)
+        for t in TILES:
+            y = torch.empty_like(ref)
+            r = {"projection": name, "N": N, "K": K, "rows": x.shape[0], "tile": t}
+            try:
+                grouped_linear_tma(x, w, off, y, t)
+                torch.cuda.synchronize()
+                r["bits_equal_shipped"] = bool(torch.equal(y, ref))
+                r["us"] = graph_time(lambda: grouped_linear_tma(x, w, off, y, t))
+                r["tflops"] = 2 * x.shape[0] * N * K / r["us"] / 1e6
+            except Exception as e:  # noqa: BLE001  (a tile this GPU cannot build: recorded)
+                r["error"] = repr(e)[:300]
+            print(r, flush=True)
+            rows.append(r)
+    write_result(a.out, {"bench": "grouped_wide_tiles", "device_name": torch.cuda.get_device_name(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
