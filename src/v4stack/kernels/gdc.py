@@ -11,9 +11,11 @@ follow each other, that launch gap is a large part of a small kernel's time.
 
 Measured on an H100 (flash4 fast decode, ``bench/results/serve_pdl*_h100_*.json``): the early
 release is what gains - without it (dependents placed as the programs exit) the steps took what
-they take without programmatic launches (a924208) - and it gains at small batches only: batch 256
-lost ~0.1 ms, also with the long kernels (GEMMs, attention, the draw's blocks) left out of the early
-release (e63fcc0). ``serve/graphs.py`` opens the programmatic scope for graphs of up to 64 rows.
+they take without programmatic launches (a924208) - and it gains at small batches: batch 1 / 16 /
+64 1.57 -> 1.52, 1.84 -> 1.78, 1.94 -> 1.92 ms at 1k (fb967b7). At batch 256 the grouped expert
+GEMM launched programmatically cost ~0.1 ms a step (50e39e9, by kernel set), so it is launched the
+usual way (``triton_grouped_tma``); without it batch 256 still lost 0.02-0.03 ms, and
+``serve/graphs.py`` opens the programmatic scope for graphs of up to 64 rows only.
 
 A kernel after one that lets it launch early can only start its wait; the chain cannot run ahead,
 since each kernel releases its successor only after its own wait returned. Without a programmatic
@@ -25,7 +27,6 @@ import os
 
 import triton
 import triton.language as tl
-
 
 
 def _on() -> bool:
