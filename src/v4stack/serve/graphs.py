@@ -108,8 +108,9 @@ class DecodeGraphs:
         self.layout_kernel = True
         # graphs of up to this many rows launch the project's kernels programmatically (kernels/gdc.py: each may be
         # placed while the one before it finishes). On an H100 (flash4 fast, 1k) that took the step 1.57 -> 1.52 ms
-        # at batch 1, 1.84 -> 1.78 at 16, 1.94 -> 1.92 at 64, and made batch 256's 2.48 -> 2.58 ms (its waiting
-        # programs sit beside the long GEMMs): bench/results/serve_pdl*_h100_a924208_*.json
+        # at batch 1, 1.84 -> 1.78 at 16, 1.94 -> 1.92 at 64 (bench/results/serve_pdl*_h100_fb967b7_*.json), and made
+        # batch 256's 2.48 -> 2.58 ms (a924208): the grouped GEMM was most of that and is launched the usual way since
+        # (50e39e9, serve_pdlset_*); without it batch 256 still lost 0.02-0.03 ms, so larger graphs stay outside
         self.pdl_rows = 64
         self.draw_error: str | None = None  # why a step's draw could not be captured (then drawn outside)
 
