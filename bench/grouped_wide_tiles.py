@@ -2,7 +2,9 @@
 shapes (9 experts - the joined shared one included - 1792 routed rows; gate / up N 2048 K 4096,
 down N 4096 K 2048), outside the tile table (these tiles have no proved contract, so the dispatch
 cannot take them; this measures whether one is worth proving). Each tile: its output against the
-shipped tile's, bit for bit, and its time per call replayed in a CUDA graph.
+shipped tile's, bit for bit, and its time per call replayed in a CUDA graph (``bench.timing.graph_time``;
+the committed H100 result, ``grouped_wide_tiles_h100_883b485.json``, is 883b485's own timer: the
+fastest of five replays of a 20-call graph).
 
     python -m bench.grouped_wide_tiles --out bench/results/grouped_wide_tiles_h100.json
 """
@@ -15,6 +17,7 @@ import torch
 
 from bench.grouped_tiles import routed
 from bench.runner import write_result
+from bench.timing import graph_time
 from v4stack.kernels.triton_grouped_tma import grouped_linear_tma
 
 SHIPPED = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, occ=2)
@@ -25,26 +28,6 @@ TILES = [SHIPPED,
          dict(BM=64, BN=256, BK=64, num_warps=4, num_stages=4, occ=1),
          dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=4, occ=1),
          dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, occ=1)]
-
-
-def graph_time(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        best = min(best, s.elapsed_time(e) / reps * 1e3)
-    return best
 
 
 def main(argv=None) -> None:
@@ -64,7 +47,7 @@ def main(argv=None) -> None:
                 grouped_linear_tma(x, w, off, y, t)
                 torch.cuda.synchronize()
                 r["bits_equal_shipped"] = bool(torch.equal(y, ref))
-                r["us"] = graph_time(lambda: grouped_linear_tma(x, w, off, y, t))
+                r["us"] = graph_time(lambda: grouped_linear_tma(x, w, off, y, t)) * 1e6
                 r["tflops"] = 2 * x.shape[0] * N * K / r["us"] / 1e6
             except Exception as e:  # noqa: BLE001  (a tile this GPU cannot build: recorded)
                 r["error"] = repr(e)[:300]

@@ -295,7 +295,8 @@ def test_layout_in_kernel_copies_the_layout_and_feeds_the_ids():
 def test_layout_in_reads_pinned_staging_inside_a_graph():
     """On CUDA ``layout_in`` reads the pinned staging through the device's mapping: captured once in
     a graph, every replay sees what the host wrote into the staging just before it (the loads skip
-    the caches), with the ids fed from the device; the kernel served it (no fallback to the copy)."""
+    the caches), with the ids fed from the device; the kernel served it (no fallback to the copy).
+    The control, a graph holding the capture-time layout, fails the same per-replay check."""
     from v4stack.kernels import fused_gpu
 
     R, n = 256, 40_000
@@ -307,20 +308,24 @@ def test_layout_in_reads_pinned_staging_inside_a_graph():
     ops.reset_counters()
     fused.layout_in(buf, stage, fed, R)  # built outside the capture
     assert ops.counters()["layout_in"] == {"triton_layout_in": 1}
+    # inverse control: a graph that holds the layout as it was at capture (a device copy made then)
+    snap, stale = stage.cuda(), torch.zeros_like(buf)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.cuda.graph(graph):
-        fused.layout_in(buf, stage, fed, R)
+    graph, stale_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            fused.layout_in(buf, stage, fed, R)
+        with torch.cuda.graph(stale_graph):
+            fused.layout_in(stale, snap, fed, R)  # (a device staging: the composition, a device-to-device copy)
     torch.cuda.current_stream().wait_stream(side)
     for _ in range(4):
         host = _layout(R, n, gen)
         stage.copy_(host)
         graph.replay()
+        stale_graph.replay()
         want = torch.zeros(n, dtype=torch.long)
         fused.layout_in_reference(want, host, fed.cpu(), R)
         assert torch.equal(buf.cpu(), want)
+        assert not torch.equal(stale.cpu(), want)  # the check catches a read of the capture-time layout
     assert not fused_gpu.refused, fused_gpu.refused
-    # inverse control: the staging rewritten after the replay is not what the replay read
-    stage.copy_(_layout(R, n, gen))
-    assert not torch.equal(buf.cpu()[R:], stage[R:])
