@@ -90,3 +90,60 @@ def grouped_linear_tma(x, w, off, y, t):
                              NUM_SMS=nsm, FLAT=t.get("FLAT", False), num_warps=t["num_warps"],
                              num_stages=t["num_stages"])
     return y
+
+
+# ---- group_linear: every group's rows in place ----------------------------------------------------
+
+
+@triton.jit
+def group_tma_kernel(x_desc, w_desc, Y, T, N, K, G, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     NUM_SMS: tl.constexpr):
+    """``Y[:, g N + n] = x[:, g K : (g + 1) K] @ w[g].T``: X read as ``[T, G K]`` in BM x BK boxes
+    from column ``g K`` (``K`` a multiple of BK, so a box never reaches the next group's columns),
+    W as ``[G N, K]``. Tiles (row tile fastest, then column tile, then group) walked persistently."""
+    pdl_enter()
+    num_m = tl.cdiv(T, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = K // BK
+    for t in tl.range(tl.program_id(0), num_m * num_n * G, NUM_SMS):
+        m = t % num_m
+        rest = t // num_m
+        pn = rest % num_n
+        g = rest // num_n
+        acc = tl.zeros([BM, BN], tl.float32)
+        for ki in range(k_tiles):
+            a = x_desc.load([m * BM, g * K + ki * BK])
+            b = w_desc.load([g * N + pn * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        rows = (m * BM + tl.arange(0, BM)).to(tl.int64)
+        cols = pn * BN + tl.arange(0, BN)
+        tl.store(Y + rows[:, None] * s_ym + g * N + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rows < T)[:, None] & (cols < N)[None, :])
+
+
+def group_usable(x, w, bk: int) -> bool:
+    """``x [T, G, K]`` contiguous bf16 / fp16 with ``K`` a multiple of ``bk``, ``w [G, N, K]`` contiguous."""
+    return (usable(x.view(x.shape[0], -1), w) and x.is_contiguous() and w.is_contiguous()
+            and x.shape[2] % bk == 0 and w.dtype == x.dtype)
+
+
+def group_linear_tma(x, w, t):
+    """``group_linear`` (``x [T, G, K]``, ``w [G, N, K]`` -> ``[T, G N]``) reading each group's rows
+    where they lie: the same K chain per output element as ``grouped_linear_tma`` on the groups'
+    rows gathered (any tile), without the gather and the output's transpose."""
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from v4stack.kernels.triton_tma import num_sms
+
+    T, G, K = x.shape
+    N = w.shape[1]
+    y = torch.empty(T, G * N, dtype=x.dtype, device=x.device)
+    bm, bn, bk = t["BM"], t["BN"], t["BK"]
+    xd = TensorDescriptor.from_tensor(x.view(T, G * K), [bm, bk])
+    wd = TensorDescriptor.from_tensor(w.view(G * N, K), [bn, bk])
+    nsm = num_sms() * t.get("occ", 1)
+    grid = (min(nsm, cdiv(T, bm) * cdiv(N, bn) * G),)
+    group_tma_kernel[grid](xd, wd, y, T, N, K, G, y.stride(0), BM=bm, BN=bn, BK=bk, NUM_SMS=nsm,
+                           num_warps=t["num_warps"], num_stages=t["num_stages"])
+    return y
