@@ -208,13 +208,19 @@ def test_fused_kernels_on_cuda_match_float64_and_are_row_local():
     with ops.mode("fast"):
         torch.testing.assert_close(fused.group_linear(o, w).float(), fused.group_linear_reference(o, w).float(),
                                    atol=1e-2, rtol=1e-2)
-    # invariant mode: wo_a as one grouped GEMM, a row's bits the same alone and in a batch
+    # invariant mode: wo_a as one grouped GEMM reading each group's rows in place (from 64 rows), a row's
+    # bits the same alone (the gathered rows' path) and in a batch, and those of the gathered rows
+    from v4stack.kernels.fused_gpu import group_linear_rows
+
     o, w = torch.randn(70, 8, 512, device="cuda").bfloat16(), torch.randn(8, 128, 512, device="cuda").bfloat16() / 20
     with ops.mode("invariant"):
         ops.reset_counters()
         y = fused.group_linear(o, w)
-        assert ops.counters()["group_linear"] == {"grouped_rows": 1}
+        assert ops.counters()["group_linear"] == {"grouped_in_place": 1}
+        assert torch.equal(y, group_linear_rows(o, w))
+        ops.reset_counters()
         assert torch.equal(fused.group_linear(o[40:41].clone(), w)[0], y[40])
+        assert ops.counters()["group_linear"] == {"grouped_rows": 1}
     torch.testing.assert_close(y.double(), fused.group_linear_reference(o.double(), w.double()), atol=2e-2, rtol=2e-2)
 
 
