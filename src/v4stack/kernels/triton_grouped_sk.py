@@ -93,20 +93,17 @@ def grouped_sk_kernel(x_desc, w_desc, Y, Off, WS, Flag, E, N, K, s_ym, EB: tl.co
         ke = tl.minimum(k_tiles, kb + it1 - it)
         r0, r1, wrow, c0 = _locate(full + tt, num_m, e, lo, hi, tiles, ends, N, BM, BN)
         acc = _run(x_desc, w_desc, r0, wrow, kb, ke, BM, BN, BK)
-        if ke < k_tiles:  # short of the tile's end: the program's last run leaves its partial
-            tl.store(WS + (2 * pid + 1) * slot + rr[:, None] * BN + cc[None, :], acc)
-            tl.debug_barrier()
+        # every run leaves its sum in a slot (using ``acc`` in one place only keeps it out of local memory)
+        ends_tile = ke == k_tiles
+        tl.store(WS + (2 * pid + 1 - ends_tile.to(tl.int32)) * slot + rr[:, None] * BN + cc[None, :], acc)
+        tl.debug_barrier()
+        if ke < k_tiles:  # short of the tile's end: the program's last run; its partial is ready
             tl.atomic_xchg(Flag + pid, 1, sem="release", scope="gpu")
-        elif kb == 0:  # the whole tile in one run
-            wr = (r0 + rr).to(tl.int64)
-            wc = c0 + cc
-            tl.store(Y + wr[:, None] * s_ym + wc[None, :], acc.to(Y.dtype.element_ty),
-                     mask=(wr < r1)[:, None] & (wc < N)[None, :])
-        else:  # the owner: the runs before its own are the last runs of programs q_lo .. pid - 1
+        else:  # the tile's owner: the runs before its own (kb > 0) are the last runs of programs q_lo .. pid - 1
             s = tt * k_tiles
             q_lo = ((s + 1) * P + total - 1) // total - 1  # the program whose run holds step s
-            tl.store(WS + (2 * pid) * slot + rr[:, None] * BN + cc[None, :], acc)
-            for q in range(q_lo, pid):
+            q_hi = tl.where(kb > 0, pid, q_lo)  # a tile in one run waits for nobody
+            for q in range(q_lo, q_hi):
                 if _start(q + 1, total, P) > _start(q, total, P):  # programs without a run leave none
                     f = tl.atomic_add(Flag + q, 0, sem="acquire", scope="gpu")
                     while f == 0:
@@ -117,16 +114,17 @@ def grouped_sk_kernel(x_desc, w_desc, Y, Off, WS, Flag, E, N, K, s_ym, EB: tl.co
                 ro = rc + tl.arange(0, RC)
                 o = ro[:, None] * BN + cc[None, :]
                 part = tl.zeros([RC, BN], tl.float32)
-                for q in range(q_lo, pid):
+                for q in range(q_lo, q_hi):
                     if _start(q + 1, total, P) > _start(q, total, P):
                         part += tl.load(WS + (2 * q + 1) * slot + o, cache_modifier=".cg")
                 part += tl.load(WS + (2 * pid) * slot + o, cache_modifier=".cg")
                 orow = (r0 + ro).to(tl.int64)
                 tl.store(Y + orow[:, None] * s_ym + oc[None, :], part.to(Y.dtype.element_ty),
                          mask=(orow < r1)[:, None] & (oc < N)[None, :])
-            for q in range(q_lo, pid):
+            for q in range(q_lo, q_hi):
                 if _start(q + 1, total, P) > _start(q, total, P):
                     tl.atomic_xchg(Flag + q, 0, sem="relaxed", scope="gpu")
+            tl.debug_barrier()  # the slot is read by every thread before a later run rewrites it
         it += ke - kb
 
 
