@@ -233,18 +233,23 @@ def group_linear_rows(x, w):
 GROUP_TILE = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, occ=2)  # the engine's grouped tile at 256 rows
 
 
+def group_linear_inplace_ok(x, w) -> bool:
+    """From 64 rows (below, the copies are small and the grouped table's narrow tiles serve), bf16 /
+    fp16 on Hopper, TMA's terms (``V4STACK_GROUP_TMA=0``: never, for A/B runs)."""
+    from v4stack.kernels import triton_grouped_tma as tma
+
+    return (group_linear_ok(x, w) and x.shape[0] >= 64 and os.environ.get("V4STACK_GROUP_TMA") != "0"
+            and tma.group_usable(x, w, GROUP_TILE["BK"]) and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 def group_linear_inplace(x, w):
     """Invariant ``group_linear`` with each group's rows read where they lie (``x`` as ``[T, g k]``,
     column ``i k`` for group i; ``triton_grouped_tma.group_linear_tma``) and the result written in
     its final layout: the K chains of ``group_linear_rows`` (every grouped tile gives a row the same
-    bits) without its two copies. From 64 rows (below, the copies are small and the grouped table's
-    narrow tiles serve); elsewhere ``group_linear_rows``."""
+    bits) without its two copies (``bench/grouped_sk.py``: 36.7 against 84.1 us at 256 rows on an H100)."""
     from v4stack.kernels import triton_grouped_tma as tma
 
-    if (x.shape[0] >= 64 and tma.group_usable(x, w, GROUP_TILE["BK"])
-            and torch.cuda.get_device_capability(x.device)[0] >= 9):
-        return tma.group_linear_tma(x, w, GROUP_TILE)
-    return group_linear_rows(x, w)
+    return tma.group_linear_tma(x, w, GROUP_TILE)
 
 
 def _ints(*ts) -> bool:
@@ -377,8 +382,7 @@ def register_all(register) -> None:
     register("group_linear", "grouped_rows", group_linear_rows, mode="invariant", device="cuda",
              accepts=_with("triton", group_linear_ok))
     register("group_linear", "grouped_in_place", group_linear_inplace, mode="invariant", device="cuda",
-             accepts=_with("triton", lambda x, w: group_linear_ok(x, w) and os.environ.get("V4STACK_GROUP_TMA") != "0"),
-             first=True)
+             accepts=_with("triton", group_linear_inplace_ok), first=True)
     register("rope_", "triton_rope_inplace", _guarded("rope_", _lazy("triton_mhc", "rope_"),
              ref("rope_inplace_reference")), device="cuda", accepts=_with("triton", rope_ok))
     register("rope_table", "triton_rope_table", _guarded("rope_table", _lazy("triton_mhc", "rope_table"),
