@@ -26,7 +26,7 @@ def _tiles(counts, N, bm, bn):
     return sum(-(-c // bm) for c in counts) * -(-N // bn)
 
 
-def test_stream_k_tail_sums_each_split_tile_once_and_lowers_its_flags():
+def test_stream_k_tail_sums_each_split_tile_once():
     # 3 + 0 + 2 row tiles x 2 column tiles = 10 tiles of 4 K steps: with P programs, the last
     # 10 % P tiles are split along K over all P programs (runs crossing tile ends, programs
     # without a run when the tail has fewer steps than programs)
@@ -39,7 +39,6 @@ def test_stream_k_tail_sums_each_split_tile_once_and_lowers_its_flags():
         y = torch.full_like(whole, float("nan"))
         sk.grouped_linear_sk(x, w, off, y, SMALL, P=P)
         torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
-        assert int(sk.workspace(x.device, P, SMALL)[1].sum()) == 0, P
         if 10 % P == 0:  # no tail: every tile whole, the TMA kernel's bits
             assert torch.equal(y, whole)
 
@@ -88,7 +87,7 @@ def test_group_linear_read_in_place_gives_the_gathered_rows_bits():
 @pytest.mark.gpu
 def test_on_the_gpu_the_stream_k_tail_matches_the_whole_tiles_at_flash4_widths():
     # flash4 batch 256: 9 experts (the shared one joined), 1792 rows; gate N 2048 K 4096 and down N 4096
-    # K 2048: split tiles within bf16 rounding of the whole-K chains, whole tiles bit-equal, flags down,
+    # K 2048: split tiles within bf16 rounding of the whole-K chains, whole tiles bit-equal,
     # and the same bits on a second call and inside a CUDA graph
     from bench.grouped_tiles import routed
 
@@ -103,7 +102,6 @@ def test_on_the_gpu_the_stream_k_tail_matches_the_whole_tiles_at_flash4_widths()
         y = sk.grouped_linear_sk(x, w, off, torch.empty_like(ref))
         torch.cuda.synchronize()
         torch.testing.assert_close(y.float(), ref.float(), atol=1e-2, rtol=1e-2)
-        assert int(sk.workspace(x.device, sk.num_sms_default(), sk.SK_TILE)[1].sum()) == 0
         differ = (y != ref).any(dim=1)
         assert differ.any() and not differ.all()  # some tiles split (the tail), most whole
         assert torch.equal(sk.grouped_linear_sk(x, w, off, torch.empty_like(ref)), y)

@@ -10,12 +10,11 @@ This kernel runs ``#SM`` programs, one an SM:
   (the programs in flight at once share an expert's weight tile through L2), as
   ``triton_grouped_tma`` does;
 - the rest - fewer tiles than programs - split along K into equal runs of K steps, one run a
-  program, a run crossing at most one tile boundary. A run that does not reach its tile's last K
-  step leaves its fp32 partial in a workspace slot and raises its flag (release); the run that
-  reaches it (the tile's owner) waits for the flags of the runs before it (acquire), sums their
-  partials in K order with its own and stores the tile. Each run that leaves a partial is the
-  last of its program, so a program waits only on programs before it and every program is
-  resident (one an SM): no cycle, no starvation. The owner lowers the flags it consumed.
+  program (a range crosses at most one tile end, so a program runs at most two), each run's fp32
+  partial left in the program's workspace slot;
+- then a second launch (``grouped_sk_sum_kernel``, a program per tail tile and row chunk) sums each
+  split tile's partials in K order and stores it. The launch boundary orders the partials before
+  their sums: no program waits on another, whatever the GPU runs beside it.
 
 Which tiles are split depends on the routing, so a row's bits depend on the batch: fast mode only
 (invariant mode keeps ``triton_grouped_tma``'s whole-K chains). The sum of a split tile's runs is
@@ -55,14 +54,20 @@ def _run(x_desc, w_desc, r0, wrow, k0, k1, BM: tl.constexpr, BN: tl.constexpr, B
 
 
 @triton.jit
-def _start(q, total, P: tl.constexpr):
+def _start(q, total, PT):
     """First K step (of the tail's) that program ``q`` runs."""
-    return (q * total) // P
+    return (q * total) // PT
 
 
 @triton.jit
-def grouped_sk_kernel(x_desc, w_desc, Y, Off, WS, Flag, E, N, K, s_ym, EB: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr, P: tl.constexpr):
+def _holder(step, total, PT):
+    """The program whose run holds tail step ``step``."""
+    return ((step + 1) * PT + total - 1) // total - 1
+
+
+@triton.jit
+def grouped_sk_kernel(x_desc, w_desc, Y, Off, WS, E, N, K, s_ym, EB: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr):
     pdl_enter()
     e = tl.arange(0, EB)
     lo = tl.load(Off + e, mask=e < E, other=0).to(tl.int32)
@@ -83,49 +88,55 @@ def grouped_sk_kernel(x_desc, w_desc, Y, Off, WS, Flag, E, N, K, s_ym, EB: tl.co
         cols = c0 + cc
         tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=(rows < r1)[:, None] & (cols < N)[None, :])
-    total = (num_t - full) * k_tiles  # the tail's K steps, P equal runs
-    it = _start(pid, total, P)
-    it1 = _start(pid + 1, total, P)
-    slot = BM * BN
-    while it < it1:
-        tt = it // k_tiles
-        kb = it - tt * k_tiles
-        ke = tl.minimum(k_tiles, kb + it1 - it)
+    total = (num_t - full) * k_tiles  # the tail's K steps: PT equal runs of at least one step
+    PT = tl.minimum(total, P)
+    if pid < PT:
+        s0 = _start(pid, total, PT)
+        s1 = _start(pid + 1, total, PT)
+        t0 = s0 // k_tiles
+        n_runs = 1 + (s1 > (t0 + 1) * k_tiles).to(tl.int32)  # a range crosses at most one tile end
+        for r in range(n_runs):  # run r's partial in slot 2 pid + r
+            tt = t0 + r
+            kb = tl.maximum(s0 - tt * k_tiles, 0)
+            ke = tl.minimum(k_tiles, s1 - tt * k_tiles)
+            r0, r1, wrow, c0 = _locate(full + tt, num_m, e, lo, hi, tiles, ends, N, BM, BN)
+            acc = _run(x_desc, w_desc, r0, wrow, kb, ke, BM, BN, BK)
+            tl.store(WS + (2 * pid + r) * BM * BN + rr[:, None] * BN + cc[None, :], acc)
+
+
+@triton.jit
+def grouped_sk_sum_kernel(Y, Off, WS, E, N, K, s_ym, EB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, RC: tl.constexpr, P: tl.constexpr):
+    """Program ``(tt, c)``: rows ``c RC ..`` of tail tile ``tt``, the sum of its runs' partials in K
+    order (run of program q: slot ``2 q``, or ``2 q + 1`` where q's range began in the tile before)."""
+    pdl_enter()
+    tt = tl.program_id(0)
+    e = tl.arange(0, EB)
+    lo = tl.load(Off + e, mask=e < E, other=0).to(tl.int32)
+    hi = tl.load(Off + e + 1, mask=e < E, other=0).to(tl.int32)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, 0)
+    num_m = tl.sum(tiles, 0)
+    num_t = num_m * tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    full = num_t - num_t % P
+    if tt < num_t - full:
+        total = (num_t - full) * k_tiles
+        PT = tl.minimum(total, P)
+        q_lo = _holder(tt * k_tiles, total, PT)
+        q_hi = _holder((tt + 1) * k_tiles - 1, total, PT)
         r0, r1, wrow, c0 = _locate(full + tt, num_m, e, lo, hi, tiles, ends, N, BM, BN)
-        acc = _run(x_desc, w_desc, r0, wrow, kb, ke, BM, BN, BK)
-        # every run leaves its sum in a slot (using ``acc`` in one place only keeps it out of local memory)
-        ends_tile = ke == k_tiles
-        tl.store(WS + (2 * pid + 1 - ends_tile.to(tl.int32)) * slot + rr[:, None] * BN + cc[None, :], acc)
-        tl.debug_barrier()
-        if ke < k_tiles:  # short of the tile's end: the program's last run; its partial is ready
-            tl.atomic_xchg(Flag + pid, 1, sem="release", scope="gpu")
-        else:  # the tile's owner: the runs before its own (kb > 0) are the last runs of programs q_lo .. pid - 1
-            s = tt * k_tiles
-            q_lo = ((s + 1) * P + total - 1) // total - 1  # the program whose run holds step s
-            q_hi = tl.where(kb > 0, pid, q_lo)  # a tile in one run waits for nobody
-            for q in range(q_lo, q_hi):
-                if _start(q + 1, total, P) > _start(q, total, P):  # programs without a run leave none
-                    f = tl.atomic_add(Flag + q, 0, sem="acquire", scope="gpu")
-                    while f == 0:
-                        f = tl.atomic_add(Flag + q, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
-            oc = c0 + cc
-            for rc in tl.static_range(0, BM, RC):
-                ro = rc + tl.arange(0, RC)
-                o = ro[:, None] * BN + cc[None, :]
-                part = tl.zeros([RC, BN], tl.float32)
-                for q in range(q_lo, q_hi):
-                    if _start(q + 1, total, P) > _start(q, total, P):
-                        part += tl.load(WS + (2 * q + 1) * slot + o, cache_modifier=".cg")
-                part += tl.load(WS + (2 * pid) * slot + o, cache_modifier=".cg")
-                orow = (r0 + ro).to(tl.int64)
-                tl.store(Y + orow[:, None] * s_ym + oc[None, :], part.to(Y.dtype.element_ty),
-                         mask=(orow < r1)[:, None] & (oc < N)[None, :])
-            for q in range(q_lo, q_hi):
-                if _start(q + 1, total, P) > _start(q, total, P):
-                    tl.atomic_xchg(Flag + q, 0, sem="relaxed", scope="gpu")
-            tl.debug_barrier()  # the slot is read by every thread before a later run rewrites it
-        it += ke - kb
+        ro = tl.program_id(1) * RC + tl.arange(0, RC)
+        cc = tl.arange(0, BN)
+        o = ro[:, None] * BN + cc[None, :]
+        part = tl.zeros([RC, BN], tl.float32)
+        for q in range(q_lo, q_hi + 1):
+            sq = 2 * q + (_start(q, total, PT) < tt * k_tiles).to(tl.int32)
+            part += tl.load(WS + sq * BM * BN + o)
+        rows = (r0 + ro).to(tl.int64)
+        cols = c0 + cc
+        tl.store(Y + rows[:, None] * s_ym + cols[None, :], part.to(Y.dtype.element_ty),
+                 mask=(rows < r1)[:, None] & (cols < N)[None, :])
 
 
 SK_TILE = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, RC=16)
@@ -133,14 +144,13 @@ _work: dict = {}
 
 
 def workspace(device, P: int, t: dict):
-    """Per device: two fp32 tile slots a program (a run's partial, an owner's own run) and a flag a
-    program (zero between calls: every raised flag is lowered by the owner that consumed it)."""
+    """Per device: two fp32 tile slots a program (its runs' partials; a program's range of the tail
+    crosses at most one tile end)."""
     import torch
 
     key = (str(device), P, t["BM"], t["BN"])
     if key not in _work:
-        _work[key] = (torch.empty(2 * P * t["BM"] * t["BN"], dtype=torch.float32, device=device),
-                      torch.zeros(P, dtype=torch.int32, device=device))
+        _work[key] = torch.empty(2 * P * t["BM"] * t["BN"], dtype=torch.float32, device=device)
     return _work[key]
 
 
@@ -162,12 +172,15 @@ def grouped_linear_sk(x, w, off, y, t: dict = SK_TILE, P: int | None = None):
     T, K = x.shape
     E, N, _ = w.shape
     P = P or num_sms()
-    ws, flag = workspace(x.device, P, t)
+    ws = workspace(x.device, P, t)
     bm, bn, bk = t["BM"], t["BN"], t["BK"]
     xd = TensorDescriptor.from_tensor(x, [bm, bk])
     wd = TensorDescriptor.from_tensor(w.view(E * N, K), [bn, bk])
-    grouped_sk_kernel[(P,)](xd, wd, y, off, ws, flag, E, N, K, y.stride(0), EB=max(16, next_pow2(E)), BM=bm, BN=bn,
-                            BK=bk, RC=t["RC"], P=P, num_warps=t["num_warps"], num_stages=t["num_stages"])
+    eb = max(16, next_pow2(E))
+    grouped_sk_kernel[(P,)](xd, wd, y, off, ws, E, N, K, y.stride(0), EB=eb, BM=bm, BN=bn, BK=bk, P=P,
+                            num_warps=t["num_warps"], num_stages=t["num_stages"])
+    grouped_sk_sum_kernel[(P, bm // t["RC"])](y, off, ws, E, N, K, y.stride(0), EB=eb, BM=bm, BN=bn, BK=bk,
+                                               RC=t["RC"], P=P, num_warps=4)
     return y
 
 
