@@ -18,7 +18,6 @@ def kernels() -> dict:
     from v4stack.kernels import triton_attention_online as tao
     from v4stack.kernels import triton_gemm as tg
     from v4stack.kernels import triton_grouped as tgr
-    from v4stack.kernels import triton_grouped_sk as tsk
     from v4stack.kernels import triton_grouped_tma as tgt
     from v4stack.kernels import triton_layout as tlay
     from v4stack.kernels import triton_mhc as tm
@@ -53,13 +52,6 @@ def kernels() -> dict:
                                                                           I, I, I, I]),
                                   dict(EB=16, BM=128, BN=256, BK=64, NUM_SMS=132, FLAT=True),
                                   dict(num_warps=8, num_stages=3)),
-        "grouped_gemm_bf16_sk": (tsk.grouped_sk_kernel,
-                                 _sig("x_desc w_desc Y Off WS E N K s_ym", ["tensordesc<bf16[128, 64]>",
-                                                                           "tensordesc<bf16[256, 64]>", BF, "*i64", P,
-                                                                           I, I, I, I]),
-                                 dict(EB=16, BM=128, BN=256, BK=64, P=132), dict(num_warps=8, num_stages=3)),
-        "grouped_gemm_bf16_sk_sum": (tsk.grouped_sk_sum_kernel, _sig("Y Off WS E N K s_ym", [BF, "*i64", P, I, I, I, I]),
-                                     dict(EB=16, BM=128, BN=256, BK=64, RC=16, P=132), dict(num_warps=4)),
         "group_gemm_bf16_tma": (tgt.group_tma_kernel,
                                 _sig("x_desc w_desc Y T N K G s_ym", ["tensordesc<bf16[64, 64]>",
                                                                       "tensordesc<bf16[128, 64]>", BF, I, I, I, I, I]),

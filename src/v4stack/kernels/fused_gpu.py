@@ -246,7 +246,8 @@ def group_linear_inplace(x, w):
     """Invariant ``group_linear`` with each group's rows read where they lie (``x`` as ``[T, g k]``,
     column ``i k`` for group i; ``triton_grouped_tma.group_linear_tma``) and the result written in
     its final layout: the K chains of ``group_linear_rows`` (every grouped tile gives a row the same
-    bits) without its two copies (``bench/grouped_sk.py``: 36.7 against 84.1 us at 256 rows on an H100)."""
+    bits) without its two copies (``bench/group_linear_inplace.py``; 36.7 against 84.1 us at 256 rows on an H100,
+    ``bench/results/grouped_sk_h100_3dca66d.json``)."""
     from v4stack.kernels import triton_grouped_tma as tma
 
     return tma.group_linear_tma(x, w, GROUP_TILE)

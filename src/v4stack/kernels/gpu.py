@@ -13,7 +13,6 @@ the GPU image carries Triton but not TileLang.
 import functools
 import importlib
 import importlib.util
-import os
 
 import torch
 
@@ -105,32 +104,6 @@ def _fp8_linear(x, qw):
 
 _lazy_fp8 = _lazy("triton_gemm", "fp8_linear", "fp8_gemm")
 _lazy_grouped = _lazy("triton_grouped", "grouped_linear", "gemm_grouped")
-SK_MIN_ROWS = int(os.environ.get("V4STACK_GROUPED_SK_ROWS", "128"))  # rows an expert (0: never)
-
-
-def _grouped_sk_ok(x, w, offsets) -> bool:
-    """bf16 / fp16 on Hopper, TMA's terms, at least ``SK_MIN_ROWS`` rows an expert on average, and the
-    workspace made before any capture (it is made on the first call outside a graph)."""
-    if not (SK_MIN_ROWS and x.is_cuda and x.dim() == 2 and w.dim() == 3 and x.dtype in C.HALF
-            and w.dtype == x.dtype and w.device == x.device and offsets.is_cuda and x.shape[1] == w.shape[2]
-            and w.shape[0] <= 256 and x.shape[0] >= SK_MIN_ROWS * w.shape[0]
-            and torch.cuda.get_device_capability(x.device)[0] == 9):
-        return False
-    from v4stack.kernels import triton_grouped_sk as sk
-    from v4stack.kernels import triton_grouped_tma as tma
-
-    xc = x if x.is_contiguous() else x.contiguous()
-    return (tma.usable(xc, w) and w.is_contiguous()
-            and (sk.ready(x.device) or not torch.cuda.is_current_stream_capturing()))
-
-
-def _grouped_sk(x, w, offsets):
-    from v4stack.kernels import triton_grouped_sk as sk
-
-    xc = x if x.is_contiguous() else x.contiguous()
-    off = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
-    y = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    return sk.grouped_linear_sk(xc, w, off, y)
 
 
 def register_all(register) -> None:
@@ -228,9 +201,6 @@ def register_all(register) -> None:
         register("linear", name, _lazy("triton_gemm", "linear", "gemm_half"), mode=fast, fmt=dt, device="cuda",
                  accepts=trit((lambda w: lambda x, weight: C.linear(x, weight) and w(x, weight))(when)))
     register("grouped_linear", "torch_grouped_mm", _grouped_mm, mode=fast, device="cuda", accepts=_grouped_mm_ok)
-    # fast mode, many rows an expert on Hopper: wide tiles with a stream-K tail (triton_grouped_sk)
-    register("grouped_linear", "triton_grouped_sk", _grouped_sk, mode=fast, device="cuda",
-             accepts=trit(_grouped_sk_ok), first=True)
     register("grouped_linear", "triton_grouped_gemm", _lazy_grouped, mode=inv, device="cuda",
              accepts=_with("triton", C.grouped_linear))
     # fast mode, many rows: the online-softmax launch (no fixed arithmetic across launch shapes)
