@@ -12,12 +12,14 @@ W=${WORK:-/tmp/decode_run}
 CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -qi h100 && echo h100 || echo h200)}
 mkdir -p "$W"
 pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" "$OUT/decode.tgz"; }
-# optional first stages: the indexer / top-k forms (SELECT_S), the coefficients' launches (WIDE_S) and the
-# work between two steps' graphs (GAPS_S)
+# optional first stages: the indexer / top-k forms (SELECT_S), the coefficients' launches (WIDE_S), invariant
+# group_linear read in place (GL_S) and the work between two steps' graphs (GAPS_S)
 [ "${SELECT_S:-0}" != 0 ] && timeout "$SELECT_S" python3 -m bench.indexer_select --out "$W/indexer_select_${CARD}.json" \
     > "$W/indexer_select.log" 2>&1; [ "${SELECT_S:-0}" != 0 ] && grep -E "^topk|BS.: 128, .CH.: 1, .num_warps.: 4" "$W/indexer_select.log" | tail -20
 [ "${WIDE_S:-0}" != 0 ] && timeout "$WIDE_S" python3 -m bench.wide_projections --parts read_norm,router --out "$W/wide_projections_${CARD}.json" \
     > "$W/wide_projections.log" 2>&1; [ "${WIDE_S:-0}" != 0 ] && grep -E "^read_norm|^router_with_gate" "$W/wide_projections.log"
+[ "${GL_S:-0}" != 0 ] && timeout "$GL_S" python3 -m bench.group_linear_inplace --out "$W/group_linear_inplace_${CARD}.json" \
+    > "$W/group_linear_inplace.log" 2>&1; [ "${GL_S:-0}" != 0 ] && cut -c1-200 "$W/group_linear_inplace.log"
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_${CARD}.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack
@@ -31,11 +33,11 @@ pack
 grep -E "^flash" "$W/serve_roofline.log" 2>/dev/null
 pack
 [ "${PROFILE_S:-60}" != 0 ] && timeout "${PROFILE_S:-60}" python3 -m bench.serve_profile --device cuda --configs flash4 \
-    --modes fast --batches 64,256 --contexts ${PROFILE_CTX:-1024,16384} --steps 4 --warmup 4 --out "$W/serve_profile_${CARD}.json" \
+    --modes ${PROFILE_MODES:-fast} --batches 64,256 --contexts ${PROFILE_CTX:-1024,16384} --steps 4 --warmup 4 --out "$W/serve_profile_${CARD}.json" \
     > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
 pack
 [ "${TESTS_S:-90}" != 0 ] && timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --continue-on-collection-errors tests/ops/test_fused_ops.py \
-    tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/ops/test_gdc.py tests/ops/test_route_kernels.py tests/ops/test_select_kernel.py \
+    tests/ops/test_group_linear_inplace.py tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/ops/test_gdc.py tests/ops/test_route_kernels.py tests/ops/test_select_kernel.py \
     tests/ops/test_slices.py::test_on_the_gpu_bf16_streams_give_their_fp32_copy_bits_at_the_shipped_tiles tests/ops/test_cuda_attention.py tests/ops/test_wide.py tests/serve tests/model/test_gpu.py > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" 2>/dev/null | tail -20
 pack
