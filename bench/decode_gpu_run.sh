@@ -23,7 +23,7 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_${CARD}.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack
-[ "${CHECK_S:-120}" != 0 ] && timeout "${CHECK_S:-120}" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
+[ "${CHECK_S:-150}" != 0 ] && timeout "${CHECK_S:-150}" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
     --set 'compress_ratios=[0,0,4,128]' --set n_routed_experts=8 --set num_nextn_predict_layers=0 --prompts 8 \
     --phases invariant,fast,mixed_rope --out "$W/model_invariance_flash4_${CARD}.json" > "$W/model_check.log" 2>&1
 grep -iE "differ|steps|error" "$W/model_check.log" 2>/dev/null | tail -8
