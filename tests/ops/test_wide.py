@@ -254,8 +254,127 @@ def test_wide_kernels_build_for_hopper_on_bf16_wgmma():
     from tests.ops.hopper import check, ptx
 
     got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "moe_route_one", "finish_read_norm",
-               "finish_head_read_norm"))
+               "finish_head_read_norm", "write_partials"))
     check(got)
-    for name in ("wide_partials", "wide_partials_bf16w"):
+    for name in ("wide_partials", "wide_partials_bf16w", "write_partials"):
         assert "wgmma.mma_async" in got[name] and ".bf16" in got[name], name
     assert "cvt.rn.bf16" in got["wide_partials"]  # the split's rounding (the bf16-weight build has none)
+
+
+WRITE_SMALL = dict(BM=16, KC=16, BK=16, num_warps=4, num_stages=1)  # d = 80: five chunks a stream
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_hc_write_pre_read_norm_writes_the_streams_and_takes_their_partials(with_weight):
+    """The write and the next sublayer's coefficients in one pass: the new streams are ``hc_write``'s
+    (bit for bit: the same fp32 sum over the streams in order, then rounded), and the coefficients and
+    input are ``hc_pre_read_norm``'s of those streams (the partials from the written bf16 values, the
+    same K steps - so bit for bit too, the chunk of ``WRITE_SMALL`` dividing the stream width). Against
+    float64; a row alone as in its batch. Inverse control: another sublayer's output (rows reversed)
+    writes other streams."""
+    from v4stack.kernels import triton_rows as trw
+
+    M, n, d = 13, 4, 80
+    x = torch.randn(M, n, d, generator=g).bfloat16()
+    out = torch.randn(M, d, generator=g).bfloat16()
+    post = torch.rand(M, n, generator=g) * 2
+    comb = torch.rand(M, n, n, generator=g)
+    fn = torch.randn(24, n * d, generator=g) * 0.05
+    scale, base = _coeffs()
+    wt = (torch.rand(d, generator=g) + 0.5).bfloat16() if with_weight else None
+    args = (fn, scale, base, 4, 20, 1e-6, 1e-6, wt, 1e-5)
+    y, h, post2, comb2 = tw.hc_write_pre_read_norm(x, out, post, comb, *args, tile=WRITE_SMALL)
+    written = trw.hc_write(x, out, post, comb)
+    torch.testing.assert_close(y.float(), written.float(), atol=0, rtol=2 ** -8)  # both bf16 of the same fp32 sum
+    tile = dict(BM=16, KC=WRITE_SMALL["KC"], BK=WRITE_SMALL["BK"], num_warps=4, num_stages=1)
+    hr, pr, cr = tw.hc_pre_read_norm(y, *args, tile=tile)
+    assert torch.equal(h, hr) and torch.equal(post2, pr) and torch.equal(comb2, cr)
+    wd = None if wt is None else wt.double()
+    want = fused.hc_write_pre_read_norm_reference(x.double(), out.double(), post.double(), comb.double(), fn.double(),
+                                                  scale.double(), base.double(), 4, 20, 1e-6, 1e-6, wd, 1e-5)
+    torch.testing.assert_close(y.double(), want[0], atol=3e-2, rtol=1e-2)  # the streams, rounded to bf16
+    of_y = fused.hc_pre_read_norm_reference(y.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6,
+                                            1e-6, wd, 1e-5)  # the coefficients of the streams as written
+    torch.testing.assert_close(post2.double(), of_y[1], atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(comb2.double(), of_y[2], atol=2e-6, rtol=2e-6)
+    alone = tw.hc_write_pre_read_norm(x[5:6].clone(), out[5:6].clone(), post[5:6].clone(), comb[5:6].clone(), *args,
+                                      tile=WRITE_SMALL)
+    assert all(torch.equal(a[0], b[5]) for a, b in zip(alone, (y, h, post2, comb2)))
+    other = tw.hc_write_pre_read_norm(x, out.flip(0), post, comb, *args, tile=WRITE_SMALL)
+    assert not torch.equal(other[0], y)
+
+
+def test_hc_write_pre_read_norm_takes_fast_mode_on_cuda_only():
+    from v4stack.kernels import fused_gpu
+    from v4stack.ops.dispatch import _candidates
+
+    assert [i.name for i in _candidates(("hc_write_pre_read_norm", "fast", "bfloat16", "cuda"))][0] == \
+        "triton_hc_write_pre_read_norm"
+    assert [i.name for i in _candidates(("hc_write_pre_read_norm", "invariant", "bfloat16", "cuda"))] == ["composite"]
+    x = torch.empty(4, 4, 80, dtype=torch.bfloat16)
+    assert not fused_gpu.hc_write_pre_read_norm_ok(x, torch.empty(4, 80, dtype=torch.bfloat16), torch.empty(4, 4),
+                                                   torch.empty(4, 4, 4), torch.empty(24, 320), None, None, 4, 20,
+                                                   1e-6, 1e-6, None, 1e-5)  # a CPU tensor
+
+
+def test_the_model_makes_each_write_with_the_next_coefficients():
+    """Inference runs every block's stream writes through ``hc_write_pre_read_norm`` (the last one
+    before the head alone), training and hooked blocks the separate ops: the same logits either way
+    (the composite is the same ops) - the control: the counters show which path ran."""
+    from v4stack import ops
+    from v4stack.config import preset
+    from v4stack.model.model import V4Model
+
+    torch.manual_seed(0)
+    m = V4Model(preset("tiny")).eval()
+    tokens = torch.randint(0, m.cfg.vocab_size, (1, 9))
+    ops.reset_counters()
+    with torch.no_grad():
+        chained = m(tokens)
+    c = ops.counters()
+    L = len(m.layers)
+    assert sum(c["hc_write_pre_read_norm"].values()) == 2 * L - 1 and sum(c["hc_write"].values()) == 2 * L
+    seen = []
+    hook = m.layers[0].register_forward_hook(lambda mod, a, out: seen.append(out.shape))
+    ops.reset_counters()
+    with torch.no_grad():
+        hooked = m(tokens)
+    hook.remove()
+    assert seen and "hc_write_pre_read_norm" in ops.counters()  # the within-block one stays
+    assert torch.equal(chained, hooked)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hc_write_pre_read_norm_on_the_device_at_v4_widths():
+    """At V4-Flash widths (256 rows, streams 4 x 4096): fast mode's one pass writes ``hc_write``'s
+    streams and gives ``hc_pre_read_norm``'s coefficients and input of them within fp32 rounding
+    (its partials' K steps are its own tile's), a row alone as in its batch, no fallback."""
+    from v4stack import ops
+    from v4stack.kernels import fused_gpu
+
+    x = torch.randn(256, 4, 4096, device="cuda").bfloat16()
+    out = torch.randn(256, 4096, device="cuda").bfloat16()
+    post = torch.rand(256, 4, device="cuda") * 2
+    comb = torch.rand(256, 4, 4, device="cuda")
+    fn = torch.randn(24, 16384, device="cuda") * 0.01
+    scale, base = (t.cuda() for t in _coeffs())
+    nw = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
+    args = (fn, scale, base, 4, 20, 1e-6, 1e-6, nw, 1e-6)
+    with ops.mode("fast"):
+        ops.reset_counters()
+        y, h, p, c = fused.hc_write_pre_read_norm(x, out, post, comb, *args)
+        assert ops.counters()["hc_write_pre_read_norm"] == {"triton_hc_write_pre_read_norm": 1}
+        alone = fused.hc_write_pre_read_norm(x[50:51].clone(), out[50:51].clone(), post[50:51].clone(),
+                                             comb[50:51].clone(), *args)
+        y2 = ops.hc_write(x, out, post, comb)
+        h2, p2, c2 = fused.hc_pre_read_norm(y2, *args)
+    assert not fused_gpu.refused, fused_gpu.refused
+    torch.testing.assert_close(y.float(), y2.float(), atol=0, rtol=2 ** -8)
+    torch.testing.assert_close(p, p2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(c, c2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h.float(), h2.float(), atol=2e-2, rtol=1e-2)
+    assert all(torch.equal(a[0], b[50]) for a, b in zip(alone, (y, h, p, c)))
+    # inverse control: another sublayer's output writes other streams
+    with ops.mode("fast"):
+        assert not torch.equal(fused.hc_write_pre_read_norm(x, out.roll(1, 0), post, comb, *args)[0], y)

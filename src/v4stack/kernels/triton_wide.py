@@ -188,3 +188,82 @@ def hc_head_read_norm(x, fn, scale, base, eps: float, norm_eps: float, weight, r
         mix = torch.empty(M, fn.shape[0], dtype=torch.float32, device=x.device)
         finish_head_read_norm(p, pss, S, fn.shape[1], mix, scale, base, eps, norm_eps, x, weight, rms_eps, y)
     return y
+
+
+@triton.jit
+def write_partials_kernel(X, O, Post, Comb, Y, W, P, PSS, M, N, D, s_xn, s_xj, s_on, s_pn, s_cn, s_cj, s_wn,
+                          NJ: tl.constexpr, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+    """``hc_write`` then ``hc_pre``'s partials of the new streams in one pass: program ``(m, s)``
+    writes rows ``[m BM, ...)`` x columns ``[s KC, (s + 1) KC)`` of the new streams (viewed as
+    ``[M, NJ D]``, a chunk inside one stream ``k``: ``KC`` divides ``D``) - ``post_k * out +
+    sum_j comb[j, k] x_j`` - and from those bf16 values, as ``wide_partials_kernel`` would read
+    them, ``P[s, rows, :N]`` and ``PSS[s, rows]`` (its arithmetic at the same tile: K steps of BK,
+    the weight's three parts lo, mid, hi chained in each)."""
+    pdl_enter()
+    pm = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    cols = tl.arange(0, BN)
+    cmask = cols < N
+    kk = tl.arange(0, BK)
+    k = (s * KC) // D
+    d0 = s * KC - k * D
+    pk = tl.load(Post + rows * s_pn + k, mask=rmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BM, BN], tl.float32)
+    sq = tl.zeros([BM, BK], tl.float32)
+    for c in range(0, KC, BK):
+        d = d0 + c + kk
+        m2 = rmask[:, None] & (d < D)[None, :]
+        o = tl.load(O + rows[:, None] * s_on + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        mixed = tl.zeros([BM, BK], tl.float32)
+        for j in tl.static_range(NJ):
+            cj = tl.load(Comb + rows * s_cn + j * s_cj + k, mask=rmask, other=0.0).to(tl.float32)
+            xj = tl.load(X + rows[:, None] * s_xn + j * s_xj + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            mixed += cj[:, None] * xj
+        y = (pk[:, None] * o + mixed).to(Y.dtype.element_ty)
+        tl.store(Y + rows[:, None] * s_xn + k * s_xj + d[None, :], y, mask=m2)
+        w = tl.load(W + cols[None, :] * s_wn + (s * KC + c + kk)[:, None], mask=cmask[None, :], other=0.0)
+        hi, mid, lo = _parts(w)
+        acc = tl.dot(y, lo, acc)
+        acc = tl.dot(y, mid, acc)
+        acc = tl.dot(y, hi, acc)
+        yf = y.to(tl.float32)
+        sq += yf * yf
+    tl.store(P + (s * M + rows)[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+    tl.store(PSS + s * M + rows, tl.sum(sq, 1), mask=rmask)
+
+
+# write_partials' tile: rows and K columns a program (KC must divide the streams' width), the same for
+# every M. K steps of 32 (BK 64 or 4 warps spill 1.5-7 KB a thread in the sm_90a build: the four
+# streams' loads a step are in flight together), so its partials' order is its own, not TILE's.
+WRITE_TILE = dict(BM=64, KC=256, BK=32, num_warps=8, num_stages=2)
+
+
+def hc_write_pre_read_norm(x, out, post, comb, fn, scale, base, n: int, iters: int, eps: float, norm_eps: float,
+                           weight, rms_eps: float, tile: dict | None = None):
+    """``ops.fused.hc_write_pre_read_norm`` in fast mode: the new streams ``x' [M, n, d]`` (bf16) and
+    the next sublayer's input, post, comb - ``write_partials_kernel`` (the write and the coefficients'
+    partials of what it wrote, so the new streams are not read back for them), then
+    ``triton_mhc.finish_read_norm`` as ``hc_pre_read_norm`` runs it."""
+    from v4stack.kernels.triton_mhc import _outputs, finish_read_norm
+
+    t = tile or WRITE_TILE
+    M, _, D = x.shape
+    N, K = fn.shape
+    xc, oc, pc, cc = x.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous()
+    y = torch.empty_like(xc)
+    outs = _outputs(M, n, x.device)
+    h = torch.empty(M, D, dtype=x.dtype, device=x.device)
+    if M:
+        S = K // t["KC"]
+        p = torch.empty(S * M * N, dtype=torch.float32, device=x.device)
+        pss = torch.empty(S * M, dtype=torch.float32, device=x.device)
+        launch(write_partials_kernel, (cdiv(M, t["BM"]), S), xc, oc, pc, cc, y, fn, p, pss, M, N, D, xc.stride(0),
+               xc.stride(1), oc.stride(0), pc.stride(0), cc.stride(0), cc.stride(1), fn.stride(0), NJ=n, KC=t["KC"],
+               BM=t["BM"], BN=max(16, next_pow2(N)), BK=t["BK"], num_warps=t["num_warps"],
+               num_stages=t["num_stages"])
+        mix = torch.empty(M, N, dtype=torch.float32, device=x.device)
+        finish_read_norm(p, pss, S, K, mix, scale, base, outs, iters, eps, norm_eps, y, weight, rms_eps, h)
+    return y, h, outs[1], outs[2]
