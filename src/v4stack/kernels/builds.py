@@ -116,11 +116,6 @@ def kernels() -> dict:
                   dict(KC=tw.TILE["KC"], BM=tw.TILE["BM"], BN=bn, BK=tw.TILE["BK"], SPLIT_W=wt == P, RMS=rms),
                   dict(num_warps=tw.TILE["num_warps"], num_stages=tw.TILE["num_stages"]))
            for name, wt, bn, rms in (("wide_partials", P, 32, True), ("wide_partials_bf16w", BF, 16, False))},
-        "write_partials": (tw.write_partials_kernel,
-                           _sig("X O Post Comb Y W P PSS M N D s_xn s_xj s_on s_pn s_cn s_cj s_wn",
-                                [BF, BF, P, P, BF, P, P, P] + [I] * 10),
-                           dict(NJ=4, KC=256, BM=tw.WRITE_TILE["BM"], BN=32, BK=tw.WRITE_TILE["BK"]),
-                           dict(num_warps=tw.WRITE_TILE["num_warps"], num_stages=tw.WRITE_TILE["num_stages"])),
         "finish_read_norm": (tm.finish_read_norm_kernel,
                              _sig("P PSS Y SCALE BASE PRE POST COMB X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj "
                                   "s_on rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),

@@ -49,20 +49,6 @@ def hc_pre_read_norm_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps, weight
             and (weight is None or weight.is_contiguous()))
 
 
-def hc_write_pre_read_norm_ok(x, out, post, comb, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps) -> bool:
-    """Fast mode's ``triton_wide.hc_write_pre_read_norm``: ``hc_pre_read_norm_wide_ok`` of the streams,
-    the write's operands (``out [M, d]`` in the streams' dtype, fp32 ``post [M, n]``, ``comb [M, n, n]``)
-    and the write's column chunk inside a stream (``WRITE_TILE``'s KC divides d)."""
-    from v4stack.kernels.triton_wide import WRITE_TILE
-
-    M, _, D = x.shape
-    return (hc_pre_read_norm_wide_ok(x, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps)
-            and x.is_contiguous() and D % WRITE_TILE["KC"] == 0 and fn.shape[1] == n * D and fn.is_contiguous()
-            and out.dtype == x.dtype and out.shape == (M, D) and out.device == x.device
-            and post.dtype == torch.float32 and post.shape == (M, n) and post.device == x.device
-            and comb.dtype == torch.float32 and comb.shape == (M, n, n) and comb.device == x.device)
-
-
 def hc_head_read_norm_wide_ok(x, fn, scale, base, eps, norm_eps, weight, rms_eps) -> bool:
     """Fast mode's ``triton_wide.hc_head_read_norm``: ``hc_head_pre_wide_ok``, a row read in one
     block, at most ``READ_NORM_FUSED_ROWS`` rows (more: the separate launches)."""
@@ -355,9 +341,6 @@ def register_all(register) -> None:
     register("hc_pre_read_norm", "triton_hc_pre_read_norm_wide", _guarded("hc_pre_read_norm_wide",
              _lazy("triton_wide", "hc_pre_read_norm"), ref("hc_pre_read_norm_reference")), mode="fast", device="cuda",
              accepts=_with("triton", hc_pre_read_norm_wide_ok))
-    register("hc_write_pre_read_norm", "triton_hc_write_pre_read_norm", _guarded("hc_write_pre_read_norm",
-             _lazy("triton_wide", "hc_write_pre_read_norm"), ref("hc_write_pre_read_norm_reference")), mode="fast",
-             device="cuda", accepts=_with("triton", hc_write_pre_read_norm_ok))
     register("hc_head_read_norm", "triton_hc_head_read_norm_wide", _guarded("hc_head_read_norm_wide",
              _lazy("triton_wide", "hc_head_read_norm"), ref("hc_head_read_norm_reference")), mode="fast",
              device="cuda", accepts=_with("triton", hc_head_read_norm_wide_ok))

@@ -8,7 +8,6 @@ from torch import nn
 from v4stack.config import ModelConfig
 from v4stack.model.attention import Attention, Segment
 from v4stack.model.mhc import coefficients_read_norm, hc_coefficients, hc_parameters, hc_write, read_norm
-from v4stack.ops.fused import hc_write_pre_read_norm
 from v4stack.model.moe import MoE
 from v4stack.model import rowwise
 from v4stack.model.norm import RMSNorm
@@ -30,35 +29,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 token_ids: torch.Tensor) -> torch.Tensor:
         """Streams ``x [N, n_hc, d]`` -> new streams."""
-        x, pending = self.forward_chain(x, None, positions, segments, token_ids)
-        return hc_write(x, *pending)
-
-    def forward_chain(self, x: torch.Tensor, pending, positions: torch.Tensor, segments: list[Segment],
-                      token_ids: torch.Tensor):
-        """The block with its last stream write left to the caller: ``x`` the streams as the block
-        before left them and ``pending`` that block's own last write ``(out, post, comb)``, not made
-        yet (or None) -> (the streams before this block's last write, its ``(out, post, comb)``).
-        Each write is made together with the next sublayer's coefficients and input
-        (``fused.hc_write_pre_read_norm``: the same ops; fast mode on CUDA reads the new streams once
-        fewer)."""
-        if pending is None:
-            h, post, comb = self._sublayer_input(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                                 self.attn_norm)
-        else:
-            x, h, post, comb = self._write_then_input(x, *pending, self.hc_attn_fn, self.hc_attn_base,
-                                                      self.hc_attn_scale, self.attn_norm)
-        out = self.attn(h, positions, segments, self.layer_id)
-        x, h, post, comb = self._write_then_input(x, out, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
-                                                  self.hc_ffn_scale, self.ffn_norm)
-        return x, (self.ffn(h, token_ids), post, comb)
-
-    def _write_then_input(self, x, out, post, comb, fn, base, scale, norm):
-        """A sublayer's stream write, then the next sublayer's input, post and comb from the new streams."""
-        if rowwise.hooked():
-            x = hc_write(x, out, post, comb)
-            return (x, *self._sublayer_input(x, fn, base, scale, norm))
-        return hc_write_pre_read_norm(x, out, post, comb, fn, scale, base, x.shape[1], self.iters, self.hc_eps,
-                                      self.norm_eps, norm.weight, norm.eps)
+        h, post, comb = self._sublayer_input(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
+        x = hc_write(x, self.attn(h, positions, segments, self.layer_id), post, comb)
+        h, post, comb = self._sublayer_input(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
+        return hc_write(x, self.ffn(h, token_ids), post, comb)
 
     def _sublayer_input(self, x, fn, base, scale, norm):
         """A sublayer's normalised input and the mHC write's post, comb: the coefficients then the

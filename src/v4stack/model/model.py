@@ -22,7 +22,7 @@ from v4stack.model.attention import Segment
 from v4stack.model.block import Block
 from v4stack.model.init import init_weights, is_fp32_param
 from v4stack.model.linear import Linear
-from v4stack.model.mhc import hc_parameters, hc_write, head_input
+from v4stack.model.mhc import hc_parameters, head_input
 from v4stack.model.mtp import MTPBlock
 from v4stack.model.norm import RMSNorm
 from v4stack.model import rowwise
@@ -78,15 +78,9 @@ class V4Model(nn.Module):
     def _trunk(self, ids: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         e = rowwise.module_step(self.embed, self.embed, ids).unsqueeze(1)
         x = torch.cat([e] * self.cfg.hc_mult, 1)  # the streams' copies (a broadcast copy runs ~2.6x slower on CUDA)
-        if torch.is_grad_enabled() or rowwise.hooked() or any(b._forward_hooks or b._forward_pre_hooks
-                                                              for b in self.layers):
-            for block in self.layers:  # training, or someone watching each block's output
-                x = block(x, positions, segments, ids)
-            return x
-        pending = None  # inference: each block's last write made with the next block's first coefficients
         for block in self.layers:
-            x, pending = block.forward_chain(x, pending, positions, segments, ids)
-        return x if pending is None else hc_write(x, *pending)
+            x = block(x, positions, segments, ids)
+        return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """The logits of the streams ``x``: the head's stream weights, the read with the final norm

@@ -15,10 +15,6 @@
 - ``hc_pre_read_norm(x, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps)``: the two
   above, the input and post, comb returned (fast mode on CUDA: the coefficients' finish and the
   read in one launch).
-- ``hc_write_pre_read_norm(x, out, post, comb, fn, scale, base, n, iters, eps, norm_eps, weight,
-  rms_eps)``: a sublayer's ``hc_write`` then the next sublayer's ``hc_pre_read_norm`` of the new
-  streams -> (new streams, its input, post, comb); fast mode on CUDA takes the coefficients'
-  partials while it writes the streams (``triton_wide.write_partials_kernel``).
 - ``hc_head_read_norm(x, fn, scale, base, eps, norm_eps, weight, rms_eps)``: ``hc_head_pre`` then
   ``hc_read_norm``, the output head's normalised input (fast mode on CUDA: the finish, the weights
   and the read in one launch).
@@ -142,12 +138,6 @@ def hc_pre_read_norm_reference(x, fn, scale, base, n: int, iters: int, eps: floa
                                rms_eps: float):
     pre, post, comb = hc_pre(x, fn, scale, base, n, iters, eps, norm_eps)  # each op as its own dispatch serves it
     return hc_read_norm(x, pre, weight, rms_eps), post, comb
-
-
-def hc_write_pre_read_norm_reference(x, out, post, comb, fn, scale, base, n: int, iters: int, eps: float,
-                                     norm_eps: float, weight, rms_eps: float):
-    y = ops.hc_write(x, out, post, comb)  # each op as its own dispatch serves it
-    return (y, *hc_pre_read_norm(y, fn, scale, base, n, iters, eps, norm_eps, weight, rms_eps))
 
 
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -333,7 +323,6 @@ register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
 register("hc_read_norm", "torch_composite", hc_read_norm_reference)
 register("hc_pre_read_norm", "composite", hc_pre_read_norm_reference)
-register("hc_write_pre_read_norm", "composite", hc_write_pre_read_norm_reference)
 register("hc_head_pre", "torch_composite", hc_head_pre_reference)
 register("hc_head_read_norm", "composite", hc_head_read_norm_reference)
 register("group_linear", "torch_per_group", group_linear_reference)
@@ -457,16 +446,6 @@ def hc_pre_read_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     fast mode on CUDA does the finish, the split and the read in one launch (``triton_wide.py``)."""
     return call("hc_pre_read_norm", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, fn, scale, base, n, iters,
                 eps, norm_eps, weight, rms_eps)
-
-
-def hc_write_pre_read_norm(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                           fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float,
-                           norm_eps: float, weight: torch.Tensor | None, rms_eps: float):
-    """``hc_write(x, out, post, comb)`` then ``hc_pre_read_norm`` of the new streams -> (new streams,
-    the next sublayer's input, post, comb). Both modes compose the ops; fast mode on CUDA takes the
-    coefficients' partials from the values it writes, so the new streams are read once fewer."""
-    return call("hc_write_pre_read_norm", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, out, post, comb, fn,
-                scale, base, n, iters, eps, norm_eps, weight, rms_eps)
 
 
 def hc_head_read_norm(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
