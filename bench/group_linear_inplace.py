@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from bench.runner import write_result
-from bench.timing import graph_time
+from bench.timing import graph_time, time_tile
 from v4stack import ops
 from v4stack.kernels import triton_grouped_tma as tma
 from v4stack.kernels.fused_gpu import GROUP_TILE, group_linear_rows
@@ -42,16 +42,8 @@ def main(argv=None) -> None:
         print(r, flush=True)
         rows.append(r)
         for t in TILES:
-            r = {"rows": T, "kernel": "in_place", "tile": t}
-            try:
-                y = tma.group_linear_tma(x, w, t)
-                torch.cuda.synchronize()
-                r["bits_equal_gathered"] = bool(torch.equal(y, ref))
-                r["us"] = graph_time(lambda: tma.group_linear_tma(x, w, t)) * 1e6
-            except Exception as e:  # noqa: BLE001  (a tile this GPU cannot build: recorded)
-                r["error"] = repr(e)[:300]
-            print(r, flush=True)
-            rows.append(r)
+            rows.append(time_tile({"rows": T, "kernel": "in_place", "tile": t},
+                                  lambda t=t: tma.group_linear_tma(x, w, t), ref, "bits_equal_gathered"))
     write_result(a.out, {"bench": "group_linear_inplace", "device_name": torch.cuda.get_device_name(), "rows": rows})
 
 

@@ -17,7 +17,7 @@ import torch
 
 from bench.grouped_tiles import routed
 from bench.runner import write_result
-from bench.timing import graph_time
+from bench.timing import time_tile
 from v4stack.kernels.triton_grouped_tma import grouped_linear_tma
 
 SHIPPED = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, occ=2)
@@ -42,16 +42,10 @@ def main(argv=None) -> None:
         ref = grouped_linear_tma(x, w, off, torch.empty(x.shape[0], N, device="cuda", dtype=x.dtype), SHIPPED)
         for t in TILES:
             y = torch.empty_like(ref)
-            r = {"projection": name, "N": N, "K": K, "rows": x.shape[0], "tile": t}
-            try:
-                grouped_linear_tma(x, w, off, y, t)
-                torch.cuda.synchronize()
-                r["bits_equal_shipped"] = bool(torch.equal(y, ref))
-                r["us"] = graph_time(lambda: grouped_linear_tma(x, w, off, y, t)) * 1e6
+            r = time_tile({"projection": name, "N": N, "K": K, "rows": x.shape[0], "tile": t},
+                          lambda t=t: grouped_linear_tma(x, w, off, y, t), ref, "bits_equal_shipped")
+            if "us" in r:
                 r["tflops"] = 2 * x.shape[0] * N * K / r["us"] / 1e6
-            except Exception as e:  # noqa: BLE001  (a tile this GPU cannot build: recorded)
-                r["error"] = repr(e)[:300]
-            print(r, flush=True)
             rows.append(r)
     write_result(a.out, {"bench": "grouped_wide_tiles", "device_name": torch.cuda.get_device_name(), "rows": rows})
 

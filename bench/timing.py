@@ -118,3 +118,18 @@ def host_per_call(fn, batches: int, per: int) -> float:
         ts.append((time.perf_counter() - t0) / per)
     torch.cuda.synchronize()
     return statistics.median(ts)
+
+
+def time_tile(r: dict, run, ref, bits_key: str) -> dict:
+    """One tile of a kernel sweep: ``run()`` once, its result against ``ref`` bit for bit as
+    ``r[bits_key]``, then its device time per call in a graph as ``r["us"]`` (``graph_time``); a tile
+    this GPU cannot build or launch is recorded as ``r["error"]``. Prints and returns ``r``."""
+    try:
+        y = run()
+        torch.cuda.synchronize()
+        r[bits_key] = bool(torch.equal(y, ref))
+        r["us"] = graph_time(run) * 1e6
+    except Exception as e:  # noqa: BLE001  (recorded, the sweep goes on)
+        r["error"] = repr(e)[:300]
+    print(r, flush=True)
+    return r
