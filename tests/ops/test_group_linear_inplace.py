@@ -28,6 +28,7 @@ def test_group_linear_read_in_place_gives_the_gathered_rows_bits():
     # inverse control: the groups' columns swapped give other columns
     assert not torch.equal(tma.group_linear_tma(x.flip(1).contiguous(), w, t), y)
     assert not tma.group_usable(x, w, 128)  # K not a multiple of the box: refused
+    assert not tma.group_usable(x.transpose(0, 1).contiguous().transpose(0, 1), w, 32)  # strided rows: refused
 
 
 @pytest.mark.gpu

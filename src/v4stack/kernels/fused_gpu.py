@@ -3,7 +3,6 @@ Triton kernels of ``triton_mhc.py``, ``triton_route.py``, ``triton_ring.py`` and
 row-local mHC read / write kernels for fast mode as well."""
 
 import importlib
-
 import os
 
 import torch
@@ -231,6 +230,7 @@ def group_linear_rows(x, w):
 
 
 GROUP_TILE = dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, occ=2)  # the engine's grouped tile at 256 rows
+GROUP_TMA = os.environ.get("V4STACK_GROUP_TMA") != "0"  # 0: invariant wo_a keeps the gathered rows (A/B runs)
 
 
 def group_linear_inplace_ok(x, w) -> bool:
@@ -238,16 +238,16 @@ def group_linear_inplace_ok(x, w) -> bool:
     fp16 on Hopper, TMA's terms (``V4STACK_GROUP_TMA=0``: never, for A/B runs)."""
     from v4stack.kernels import triton_grouped_tma as tma
 
-    return (group_linear_ok(x, w) and x.shape[0] >= 64 and os.environ.get("V4STACK_GROUP_TMA") != "0"
-            and tma.group_usable(x, w, GROUP_TILE["BK"]) and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    return (GROUP_TMA and group_linear_ok(x, w) and x.shape[0] >= 64 and tma.group_usable(x, w, GROUP_TILE["BK"])
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 def group_linear_inplace(x, w):
     """Invariant ``group_linear`` with each group's rows read where they lie (``x`` as ``[T, g k]``,
     column ``i k`` for group i; ``triton_grouped_tma.group_linear_tma``) and the result written in
     its final layout: the K chains of ``group_linear_rows`` (every grouped tile gives a row the same
-    bits) without its two copies (``bench/group_linear_inplace.py``; 36.7 against 84.1 us at 256 rows on an H100,
-    ``bench/results/grouped_sk_h100_3dca66d.json``)."""
+    bits) without its two copies (``python -m bench.group_linear_inplace``: 36.6 against 82.2 us at 256
+    rows on an H100, ``bench/results/group_linear_inplace_h100_456015c.json``)."""
     from v4stack.kernels import triton_grouped_tma as tma
 
     return tma.group_linear_tma(x, w, GROUP_TILE)

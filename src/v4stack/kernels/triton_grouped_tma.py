@@ -123,7 +123,7 @@ def group_tma_kernel(x_desc, w_desc, Y, T, N, K, G, s_ym, BM: tl.constexpr, BN: 
 
 def group_usable(x, w, bk: int) -> bool:
     """``x [T, G, K]`` contiguous bf16 / fp16 with ``K`` a multiple of ``bk``, ``w [G, N, K]`` contiguous."""
-    return (usable(x.view(x.shape[0], -1), w) and x.is_contiguous() and w.is_contiguous()
+    return (x.is_contiguous() and w.is_contiguous() and usable(x.view(x.shape[0], -1), w)
             and x.shape[2] % bk == 0 and w.dtype == x.dtype)
 
 
