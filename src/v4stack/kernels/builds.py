@@ -116,6 +116,8 @@ def kernels() -> dict:
                   dict(KC=tw.TILE["KC"], BM=tw.TILE["BM"], BN=bn, BK=tw.TILE["BK"], SPLIT_W=wt == P, RMS=rms),
                   dict(num_warps=tw.TILE["num_warps"], num_stages=tw.TILE["num_stages"]))
            for name, wt, bn, rms in (("wide_partials", P, 32, True), ("wide_partials_bf16w", BF, 16, False))},
+        "unsort": (route.unsort_kernel, _sig("O RANK IDX S Y k D s_o s_s s_y", [BF, "*i64", "*i64", BF, BF, I, I, I, I, I]),
+                   dict(BK=8, BD=1024, HAS_S=False, JOIN=True), dict(num_warps=4)),
         "finish_read_norm": (tm.finish_read_norm_kernel,
                              _sig("P PSS Y SCALE BASE PRE POST COMB X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj "
                                   "s_on rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
