@@ -20,6 +20,7 @@ import triton.language as tl
 
 from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch, next_pow2
+from v4stack.kernels.triton_route import combine_ranks
 
 
 @triton.jit
@@ -30,11 +31,7 @@ def unsort_loop_kernel(O, RANK, IDX, Y, k, D, s_o, s_y, BK: tl.constexpr, BD: tl
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = d < D
     j = tl.arange(0, BK)
-    ids = tl.load(IDX + n * k + j, mask=j < k, other=0)
-    ids = tl.where(j == k, 1 << 30, ids)
-    k = k + 1
-    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))
-    srt = tl.sum((before & (j < k)[None, :]).to(tl.int32), 1)
+    srt, k = combine_ranks(IDX, n, k, j, True)
     acc = tl.zeros([BD], tl.float32)
     for r in range(0, k):
         slot = tl.sum(tl.where((srt == r) & (j < k), j, 0), 0)

@@ -201,6 +201,18 @@ def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, join
 
 
 @triton.jit
+def combine_ranks(IDX, n, k, j, JOIN: tl.constexpr):
+    """Token ``n``'s slots ``j`` ranked in ``ops.moe_combine``'s order, (expert id, slot) -> (ranks,
+    its pair count: ``k``, or ``k + 1`` with ``JOIN``, the shared expert's slot ranked last)."""
+    ids = tl.load(IDX + n * k + j, mask=j < k, other=0)
+    if JOIN:
+        ids = tl.where(j == k, 1 << 30, ids)
+        k = k + 1
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))
+    return tl.sum((before & (j < k)[None, :]).to(tl.int32), 1), k
+
+
+@triton.jit
 def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD: tl.constexpr, HAS_S: tl.constexpr,
                   JOIN: tl.constexpr):
     """``JOIN``: token ``n``'s pairs are ``k + 1``, the last one the shared expert's (after every
@@ -210,14 +222,8 @@ def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD:
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = d < D
     j = tl.arange(0, BK)
-    ids = tl.load(IDX + n * k + j, mask=j < k, other=0)
-    if JOIN:
-        ids = tl.where(j == k, 1 << 30, ids)
-        k = k + 1
-    # ``ops.moe_combine``'s order: slot j's rank in (expert id, slot) order
-    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))
+    srt, k = combine_ranks(IDX, n, k, j, JOIN)
     live = j < k
-    srt = tl.sum((before & live[None, :]).to(tl.int32), 1)
     rows = tl.load(RANK + n * k + j, mask=live, other=0)  # every slot's sorted row at once (k counts the joined slot)
     acc = tl.zeros([BD], tl.float32)
     # unrolled over the BK slots, so the rows' loads are in flight together (a loop over k issued them one
