@@ -227,9 +227,9 @@ def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD:
     rows = tl.load(RANK + n * k + j, mask=live, other=0)  # every slot's sorted row at once (k counts the joined slot)
     acc = tl.zeros([BD], tl.float32)
     # unrolled over the BK slots, so the rows' loads are in flight together (a loop over k issued them one
-    # after another: 4.30 -> 4.04 us a call at 256 tokens, 3.20 -> 2.36 at 64 on an H100, the same bits;
-    # bench/results/unsort_ab_h100_52fe724.json); the adds stay in rank order, and a slot past k adds
-    # nothing (``where``, not + 0.0, which would turn a -0.0 sum into +0.0)
+    # after another: 4.23 -> 4.08 us a call at 256 tokens, 3.21 -> 2.37 at 64, 3.31 -> 2.10 at 16 on an H100,
+    # the same bits; bench/unsort_rows.py, bench/results/unsort_rows_h100_5544e32.json); the adds stay in
+    # rank order, and a slot past k adds nothing (``where``, not + 0.0, which would turn a -0.0 sum into +0.0)
     for r in tl.static_range(BK):
         slot = tl.sum(tl.where((srt == r) & live, j, 0), 0)
         row = tl.sum(tl.where(j == slot, rows, 0), 0)
