@@ -7,7 +7,9 @@ input streams once per output stream, and made the flash4 step slower. Here a pr
 of rows x one chunk of ``KC`` columns of the stream width and writes all four output streams of it:
 the inputs are read once, each output stream's values go straight into that stream's partial
 accumulator (chunk ``k D / KC + c`` of the ``[M, 4 D]`` view, so ``finish_read_norm`` reads the
-partials it reads today). The candidate lives in this bench until a GPU run says it is faster.
+partials it reads today). Measured slower on an H100 (35.0 against 19.0 us at 256 rows, the best of
+five tiles; bench/results/hc_write_partials_h100_4a3d15f.json) and, chained through the model, a
+slower step; the candidate stays in this bench as the record.
 
     python -m bench.hc_write_partials --out bench/results/hc_write_partials_h100.json
 
