@@ -13,8 +13,8 @@ CARD=${CARD:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | h
 mkdir -p "$W"
 pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" "$OUT/decode.tgz"; }
 # optional first stages: the indexer / top-k forms (SELECT_S), the coefficients' launches (WIDE_S), invariant
-# group_linear read in place (GL_S), the fused mHC write candidate (HW_S) and the work between two steps'
-# graphs (GAPS_S)
+# group_linear read in place (GL_S), the fused mHC write candidate (HW_S), the indexer over e4m3 keys
+# (I8_S) and the work between two steps' graphs (GAPS_S)
 [ "${SELECT_S:-0}" != 0 ] && timeout "$SELECT_S" python3 -m bench.indexer_select --out "$W/indexer_select_${CARD}.json" \
     > "$W/indexer_select.log" 2>&1; [ "${SELECT_S:-0}" != 0 ] && grep -E "^topk|BS.: 128, .CH.: 1, .num_warps.: 4" "$W/indexer_select.log" | tail -20
 [ "${WIDE_S:-0}" != 0 ] && timeout "$WIDE_S" python3 -m bench.wide_projections --parts read_norm,router --out "$W/wide_projections_${CARD}.json" \
@@ -23,6 +23,8 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
     > "$W/group_linear_inplace.log" 2>&1; [ "${GL_S:-0}" != 0 ] && cut -c1-200 "$W/group_linear_inplace.log"
 [ "${HW_S:-0}" != 0 ] && timeout "$HW_S" python3 -m bench.hc_write_partials --out "$W/hc_write_partials_${CARD}.json" \
     > "$W/hc_write_partials.log" 2>&1; [ "${HW_S:-0}" != 0 ] && cut -c1-220 "$W/hc_write_partials.log"
+[ "${I8_S:-0}" != 0 ] && timeout "$I8_S" python3 -m bench.indexer_fp8 --out "$W/indexer_fp8_${CARD}.json" \
+    > "$W/indexer_fp8.log" 2>&1; [ "${I8_S:-0}" != 0 ] && cut -c1-220 "$W/indexer_fp8.log"
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_${CARD}.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack
