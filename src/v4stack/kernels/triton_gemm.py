@@ -108,16 +108,23 @@ def _indexer_score(q, k, w, IEEE: tl.constexpr):
 
 
 @triton.jit
+def indexer_query(Q, Wt, t, H, s_qt, s_qh, s_wt, D: tl.constexpr, BH: tl.constexpr):
+    """Query ``t``'s heads ``[BH, D]`` (zero past ``H``) and their weights, widened to fp32."""
+    h = tl.arange(0, BH)
+    d = tl.arange(0, D)
+    q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
+    return q, tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s_rt, s_yt, D: tl.constexpr,
                    BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr,
                    CH: tl.constexpr = 1):
     """A program scores ``CH`` chunks of ``BS`` keys of one query (the query and its weights loaded once)."""
     pdl_enter()
     t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BH)
     d = tl.arange(0, D)
-    q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
-    w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
+    q, w = indexer_query(Q, Wt, t, H, s_qt, s_qh, s_wt, D, BH)
     for c in range(CH):
         s = (tl.program_id(1) * CH + c) * BS + tl.arange(0, BS)
         if INDEXED:  # key rows of the pool by index: -1 (or any row outside [0, NK)) is no entry
