@@ -16,7 +16,7 @@ SMALL = dict(BM=16, KC=32, BK=16, num_warps=4, num_stages=1)
 def test_the_candidate_writes_the_streams_and_their_coefficients():
     args = H.case(13, 64, "cpu", seed=3)
     got = H.write_pre_read_norm(*args, tile=SMALL)
-    ref = H.pair(*args, tile=dict(BM=16, KC=32, BK=16, num_warps=4, num_stages=1))
+    ref = H.pair(*args, tile=SMALL)  # the pair at the same K steps
     torch.testing.assert_close(got[0].float(), ref[0].float(), atol=0, rtol=2 ** -7)  # bf16 of one fp32 sum
     c = H.compare(got, ref)
     assert c["post_max_diff"] < 1e-5 and c["comb_max_diff"] < 1e-5 and c["input_max_diff"] < 5e-2, c
