@@ -26,8 +26,8 @@ Roofline: the bytes one decode step must read, over the measured device copy ban
 - weights: every parameter except the embedding table (only ``batch`` rows of it are read) and
   the routed experts a step does not touch (expected touched: ``E (1 - (1 - k/E)^batch)``);
 - cache per request and layer: the window (``n_win`` rows), and for a CSA layer the indexer keys
-  of every closed entry plus ``min(top-k, entries)`` compressed entries, for an HCA layer every
-  closed entry.
+  of every closed entry (in the format the engine stores them: ``--index-keys``) plus
+  ``min(top-k, entries)`` compressed entries, for an HCA layer every closed entry.
 ``fraction = roofline step time / measured step time``.
 
 Compute floor: the step's matrix work (``step_flops``: two FLOPs per weight element per token for
@@ -95,7 +95,10 @@ def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype, seed: int = 
     return model.eval()
 
 
-def step_bytes(model: V4Model, cfg: ModelConfig, batch: int, ctx: int, es: int) -> dict:
+def step_bytes(model: V4Model, cfg: ModelConfig, batch: int, ctx: int, es: int, key_bytes: int | None = None) -> dict:
+    """``key_bytes``: one indexer key's bytes in the cache (default ``index_head_dim`` elements of
+    ``es`` bytes; V4's packed keys are ``ops.fp8_keys.width(index_head_dim)``)."""
+    kb = cfg.index_head_dim * es if key_bytes is None else key_bytes
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = E * (1 - (1 - k / E) ** batch)
     w = 0
@@ -111,7 +114,7 @@ def step_bytes(model: V4Model, cfg: ModelConfig, batch: int, ctx: int, es: int) 
         cache += cfg.sliding_window * cfg.head_dim * es
         if r and cfg.is_csa(r):
             ents = ctx // r
-            cache += ents * cfg.index_head_dim * es + min(cfg.index_topk, ents) * cfg.head_dim * es
+            cache += ents * kb + min(cfg.index_topk, ents) * cfg.head_dim * es
         elif r:
             cache += (ctx // r) * cfg.head_dim * es
     return {"weight_bytes": int(w), "cache_bytes_per_request": cache, "step_bytes": int(w + batch * cache),
@@ -176,12 +179,12 @@ def _sync(device: str) -> None:
 
 def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float,
                 overlap: bool = True, warmup: int = 6, rate: float | None = None, stagger: int = 0,
-                layout: str = "kernel", pdl_rows: int | None = None) -> dict:
+                layout: str = "kernel", pdl_rows: int | None = None, index_keys: str = "auto") -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
     per = -(-(ctx + stagger + steps + warmup + 8) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
                                         token_budget=max(batch, 256), max_running=batch, ops_mode=mode,
-                                        overlap=overlap))
+                                        overlap=overlap, index_keys=index_keys))
     if engine.runner.graphs is not None:  # how a graph takes its layout in (DecodeGraphs.layout_kernel)
         engine.runner.graphs.layout_kernel = layout == "kernel"
         if pdl_rows is not None:  # graphs of up to this many rows launch programmatically (DecodeGraphs.pdl_rows)
@@ -214,12 +217,15 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     host = sorted(host_order)
     times.sort()
     p50 = times[len(times) // 2]
-    sb = step_bytes(model, cfg, batch, ctx, torch.empty((), dtype=model.dtype).element_size())
+    keys = [g for g in engine.cache.spec.paged if g.kind == "index_keys"]
+    key_bytes = keys[0].width * torch.empty((), dtype=keys[0].dtype).element_size() if keys else None
+    sb = step_bytes(model, cfg, batch, ctx, torch.empty((), dtype=model.dtype).element_size(), key_bytes)
     floor = sb["step_bytes"] / bw if bw else None
     sf = step_flops(model, cfg, batch, ctx)
     compute = sf["step_flops"] / rate if rate else None
     bound = max(floor, compute) if floor and compute else None
     res = {"mode": mode, "batch": batch, "context": ctx, "overlap": overlap, "layout_in": layout,
+           "index_keys": index_keys, "index_key_bytes": key_bytes,
            "pdl_rows": engine.runner.graphs.pdl_rows if engine.runner.graphs is not None else None,
            "steps_timed": len(times),
            "step_s_p50": p50, "step_s_mean": mean, "device_wait_s_mean": wait, "host_s_mean": mean - wait,
@@ -268,6 +274,10 @@ def main(argv: list[str] | None = None) -> None:
                          "copy (a copy-engine transfer, then the feed), or kernel,copy for both (an A/B)")
     ap.add_argument("--pdl-rows", type=int, default=None,
                     help="decode graphs of up to this many rows launch programmatically (default: the engine's)")
+    ap.add_argument("--index-keys", default="auto", choices=("auto", "model", "fp8"),
+                    help="the cache's indexer keys (EngineConfig.index_keys): auto (the model dtype here: the bench's "
+                         "random model runs without V4's activation rounding), model, or fp8 (V4's packed e4m3 keys, "
+                         "132 bytes a key; without the rounding they round the keys, so the chosen entries may move)")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
@@ -290,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
                                    for ov in map(int, a.overlap.split(",")) for lay in a.layout_in.split(",")):
                     try:
                         r = bench_point(model, cfg, mode, b, ctx, a.steps, bw, a.point_budget_s, bool(ov), a.warmup,
-                                        rate, a.stagger, lay, a.pdl_rows)
+                                        rate, a.stagger, lay, a.pdl_rows, a.index_keys)
                     except Exception:  # record and go on: one failing point must not lose the rest
                         import traceback
 

@@ -117,10 +117,22 @@ def indexer_query(Q, Wt, t, H, s_qt, s_qh, s_wt, D: tl.constexpr, BH: tl.constex
 
 
 @triton.jit
+def fp8_key_tile(Kc, r, ok, s_ks, d, D: tl.constexpr):
+    """Keys ``[D, BS]`` of pool rows ``r`` in V4's packed form (``ops/fp8_keys.py``: D e4m3 codes,
+    then an exponent byte a 32 dims), as float32: each code times its block's scale ``2^(byte -
+    127)``, exact (a row not ``ok`` reads as zeros)."""
+    row = Kc + r[None, :] * s_ks
+    code = tl.load(row + d[:, None], mask=ok[None, :], other=0)
+    e = tl.load(row + D + d[:, None] // 32, mask=ok[None, :], other=127).to(tl.int32)
+    return code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s_rt, s_yt, D: tl.constexpr,
                    BH: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr,
-                   CH: tl.constexpr = 1):
-    """A program scores ``CH`` chunks of ``BS`` keys of one query (the query and its weights loaded once)."""
+                   CH: tl.constexpr = 1, FP8: tl.constexpr = False):
+    """A program scores ``CH`` chunks of ``BS`` keys of one query (the query and its weights loaded once).
+    ``FP8``: the pool holds V4's packed keys, widened exactly to the query's dtype before the same MMA."""
     pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
@@ -132,7 +144,10 @@ def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s
             ok = (r >= 0) & (r < NK)
             score = tl.full([BS], float("-inf"), tl.float32)
             if tl.sum(ok.to(tl.int32), 0) > 0:  # a chunk with no entry (a table's padding) reads no key
-                k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
+                if FP8:
+                    k = fp8_key_tile(Kc, r, ok, s_ks, d, D).to(q.dtype)
+                else:
+                    k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
                 score = tl.where(ok, _indexer_score(q, k, w, IEEE), float("-inf"))
         else:
             ok = s < S
@@ -152,7 +167,8 @@ def indexer_scores(q, w, k, rows=None, tile=None):
     shared ``[S, d]``, per row ``[T, S, d]``, or read by index from a pool ``k [N, d]`` with
     ``rows [T, S]`` (``-1``: no entry, scored ``-inf``; nothing is gathered). One arithmetic for all
     three (a row stride of 0 for shared keys; the same MMA on the same key values when indexed), so
-    a query gets the same bits whichever form its step passes."""
+    a query gets the same bits whichever form its step passes. A pool may hold V4's packed e4m3
+    keys (uint8 rows, ``ops/fp8_keys.py``): the same bits as the pool of their unpacked values."""
     import torch
 
     T, H, D = q.shape
@@ -170,7 +186,8 @@ def indexer_scores(q, w, k, rows=None, tile=None):
         opts = {k_: t[k_] for k_ in ("num_warps", "num_stages") if k_ in t}
         launch(indexer_kernel, (T, cdiv(S, t["BS"] * t["CH"])), qc, wc, kc, rc, out, S, H, kc.shape[0], qc.stride(0),
                qc.stride(1), wc.stride(0), s_kt, kc.stride(-2), s_rt, out.stride(0), D=D,
-               BH=max(16, next_pow2(H)), BS=t["BS"], IEEE=ieee, INDEXED=rows is not None, CH=t["CH"], **opts)
+               BH=max(16, next_pow2(H)), BS=t["BS"], IEEE=ieee, INDEXED=rows is not None, CH=t["CH"],
+               FP8=kc.dtype == torch.uint8, **opts)
     return out
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v4stack import ops
-from v4stack.ops import fused
+from v4stack.ops import fp8_keys, fused
 from v4stack.config import ModelConfig
 from v4stack.model.compressor import Compressor
 from v4stack.model.indexer import Indexer
@@ -252,16 +252,20 @@ class Attention(nn.Module):
         cl = b.closing.get(comp.ratio)
         if cl is not None and cl.seq.numel():
             m = comp.ratio
+            fp8 = fp8_keys.is_packed(pool)  # V4's packed indexer keys: entries in x's dtype, then packed
+            dt = x.dtype if fp8 else pool.dtype
             lookback = m if comp.overlap else 0
             if b.decode and rowwise._HOOK.get() is None:  # the pooled rows from the rings (one kernel on CUDA)
                 kv_rows, score_rows = fused.closing_rows(rings.pools[0], rings.pools[1], b.slots, cl.seq, cl.entry,
                                                          rings.R, m, lookback, comp.coff, comp.width)
-                new = comp.entries_of(kv_rows, score_rows, cl.entry, pool.dtype)
+                new = comp.entries_of(kv_rows, score_rows, cl.entry, dt)
             else:
                 ix = b.shared(("closing", rings.R, m, comp.coff, lookback), lambda: rings.rows(
                     cl.entry.unsqueeze(1) * m - lookback + torch.arange(comp.coff * m, device=pos.device), cl.seq))
                 new = comp.pool_rows(take(rings.pools[0], ix, 0.0), take(rings.pools[1], ix, float("-inf")),
-                                     cl.entry, pool.dtype)
+                                     cl.entry, dt)
+            if fp8:
+                new = fp8_keys.pack(new)
             pool.view(-1, pool.shape[-1]).index_copy_(0, cl.dest, new)
             cache.count(new)
         rings.capture(cache.snap[(kind, layer)], (0.0, float("-inf")))

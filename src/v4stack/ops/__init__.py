@@ -43,6 +43,7 @@ from v4stack.ops.mode import admit as _admit
 from v4stack.ops.mode import cuda_float_flags as _cuda_flags
 from v4stack.ops.mode import ieee_cuda_flags as _ieee_flags
 from v4stack.ops.quantized import QuantizedWeight
+from v4stack.ops import fp8_keys
 
 _call = _dispatch.call
 
@@ -130,9 +131,10 @@ def indexer_scores(q, w, k, fp: FloatSemantics | None = None, rows: torch.Tensor
     w ``[T, h]``, keys shared ``k [S, d]`` or per row ``k [T, S, d]`` -> ``[T, S]``. With ``rows``
     (int ``[T, E]``) the keys are a pool ``k [N, d]`` and query ``t`` scores the pool rows
     ``rows[t]`` (``-1``: no entry, scored ``-inf``) -> ``[T, E]``, read by index on the GPU (no
-    gathered copy); the same bits as passing the gathered keys ``k[rows]``."""
+    gathered copy); the same bits as passing the gathered keys ``k[rows]``. The pool may hold V4's
+    packed e4m3 keys (uint8 rows, ``ops/fp8_keys.py``): scored as their unpacked values."""
     if rows is not None:
-        if q.dim() != 3 or rows.dim() != 2 or rows.shape[0] != q.shape[0] or k.dim() != 2 or k.shape[1] != q.shape[2]:
+        if q.dim() != 3 or rows.dim() != 2 or rows.shape[0] != q.shape[0] or k.dim() != 2 or fp8_keys.dims(k) != q.shape[2]:
             raise ValueError(f"indexer_scores: q [T, h, d], pool [N, d] and rows [T, E] expected, got "
                              f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(rows.shape)}")
         return _gemm("indexer_scores_rows", q, q, fp, q, w, k, rows)

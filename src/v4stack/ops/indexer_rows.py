@@ -6,13 +6,14 @@ scores the pool rows ``rows[t]`` (``pool [N, d]``, ``rows [T, E]`` int, ``-1`` =
 chunking changes no bit) and run the mode's per-row-keys ``indexer_scores`` on them, so in invariant
 mode the result is bit-identical to passing the gathered keys ``pool[rows]``. The GPU kernel reads
 the rows by index instead (``v4stack.kernels.triton_gemm.indexer_scores``), nothing gathered.
+A pool of V4's packed e4m3 keys (``ops/fp8_keys.py``) is scored as its unpacked values.
 """
 
 from __future__ import annotations
 
 import torch
 
-from v4stack.ops import core, invariant
+from v4stack.ops import core, fp8_keys, invariant
 
 _BUDGET = 1 << 24  # elements of one gathered key chunk [rows, E, d]
 
@@ -40,6 +41,8 @@ def _chunked(scores, q, w, pool, rows):
         sl = slice(t0, t0 + n)
         r = rows[sl].long()
         keys = pool[r.clamp(min=0)] if pool.shape[0] else pool.new_zeros(*r.shape, pool.shape[1])
+        if fp8_keys.is_packed(keys):  # V4's packed keys: their exact values in the queries' dtype
+            keys = fp8_keys.unpack(keys, q.dtype)
         out[sl] = scores(q[sl], w[sl], keys).masked_fill(r < 0, float("-inf"))
     return out
 

@@ -29,6 +29,7 @@ from v4stack.serve.spec_step import MTPStep
 
 
 EXPERT_BACKENDS = ("local", "all_to_all", "megamoe")
+INDEX_KEY_FORMATS = ("auto", "model", "fp8")
 
 
 @dataclass
@@ -50,6 +51,13 @@ class EngineConfig:
     # decode steps overlap the host's work for the last step's tokens (serve/overlap.py); between
     # two ``step()`` calls the last launched step's tokens may then be unread (``drain()``)
     overlap: bool = False
+    # how the paged cache stores the lightning indexer's keys: "auto" as V4 does (packed e4m3,
+    # ``ops/fp8_keys.py``: exact) where the model runs V4's activation rounding, else in the model
+    # dtype; "model": always the model dtype; "fp8": always packed (lossy without the rounding)
+    index_keys: str = "auto"
+
+    def index_fp8(self, model) -> bool:
+        return self.index_keys == "fp8" or (self.index_keys == "auto" and bool(getattr(model, "act_rounding", False)))
 
     def validate(self) -> "EngineConfig":
         for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
@@ -64,6 +72,8 @@ class EngineConfig:
                              f"got {self.expert_backend!r}")
         if self.num_draft != 1:
             raise ValueError(f"engine setting 'num_draft' must be 1 (the MTP block drafts one token), got {self.num_draft}")
+        if self.index_keys not in INDEX_KEY_FORMATS:
+            raise ValueError(f"engine setting 'index_keys' must be one of {INDEX_KEY_FORMATS}, got {self.index_keys!r}")
         return self
 
 
@@ -94,7 +104,7 @@ class Engine:
         self.config = (config or EngineConfig()).validate()
         c = self.config
         self.cache = CacheManager(model.cfg, model.dtype, c.n_blocks, c.n_slots, c.n_snapshots,
-                                  device=model.embed.weight.device)
+                                  device=model.embed.weight.device, index_fp8=c.index_fp8(model))
         self.spec = MTPStep(self) if c.speculative == "mtp" else None
         self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running,
                                    draft_tokens=self.spec.draft_tokens if self.spec is not None else None)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from v4stack.atomic import atomic_write
+from v4stack.ops import fp8_keys
 from v4stack.model.state import CompressorTail, LayerState
 from v4stack.serve.cache.manager import ROOT, CacheFull, CacheManager, chain_hash
 
@@ -295,8 +296,8 @@ class DiskPrefixStore:
                 ents = c.blocks.gather(g, blocks, P // g.ratio)
                 if g.kind == "compressed_kv":
                     st.layers[g.layer].compressed_kv = ents
-                else:
-                    st.layers[g.layer].index_keys = ents
+                else:  # the step's own state holds keys in the model dtype
+                    st.layers[g.layer].index_keys = fp8_keys.unpack(ents, c.dtype) if fp8_keys.is_packed(ents) else ents
             ids = torch.tensor(tokens[S:P], device=c.blocks.storage[next(iter(c.blocks.storage))].device)
             with mode(self.ops_mode):
                 self.model.step([(ids, st)])

@@ -53,9 +53,10 @@ class RequestCache:
 
 class CacheManager:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, n_blocks: int, n_slots: int,
-                 n_snapshots: int | None = None, device="cpu", block_multiple: int = 1):
+                 n_snapshots: int | None = None, device="cpu", block_multiple: int = 1, index_fp8: bool = False):
         self.cfg = cfg
-        self.spec = CacheSpec.from_config(cfg, dtype, block_multiple)
+        self.dtype = dtype
+        self.spec = CacheSpec.from_config(cfg, dtype, block_multiple, index_fp8)
         self.B = self.spec.block_tokens
         n_layers = cfg.num_hidden_layers
         self.blocks = BlockPool(self.spec, n_blocks, device)

@@ -6,7 +6,9 @@ byte accounting all read these specs; nothing else hard-codes a layout.
 
 Groups:
 - ``compressed_kv`` (per CSA / HCA layer): ``block_tokens / ratio`` closed entries of width c;
-- ``index_keys`` (per CSA layer): ``block_tokens / m`` indexer keys of width d_I;
+- ``index_keys`` (per CSA layer): ``block_tokens / m`` indexer keys of width d_I - in the cache
+  dtype, or with ``index_fp8`` as V4's packed e4m3 rows of ``d_I + d_I / 32`` bytes
+  (``ops/fp8_keys.py``; exact for keys under V4's activation rounding);
 - ``swa_kv`` (per layer, state): the window, ``n_win`` rows;
 - ``compressor_tail`` / ``index_tail`` (per compressed layer, state): ``coff * ratio`` rows of kv
   and gate scores, fp32.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from v4stack.config import ModelConfig
+from v4stack.ops import fp8_keys
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,11 @@ class CacheSpec:
     groups: tuple[GroupSpec, ...]
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, dtype: torch.dtype, block_multiple: int = 1) -> "CacheSpec":
+    def from_config(cls, cfg: ModelConfig, dtype: torch.dtype, block_multiple: int = 1,
+                    index_fp8: bool = False) -> "CacheSpec":
         B = cfg.block_tokens * block_multiple
+        dI = cfg.index_head_dim
+        keys = (fp8_keys.width(dI), torch.uint8) if index_fp8 else (dI, dtype)
         cd = torch.float64 if dtype == torch.float64 else torch.float32
         groups = []
         for i, r in enumerate(cfg.layer_ratios):
@@ -59,7 +65,7 @@ class CacheSpec:
             groups.append(GroupSpec("compressed_kv", i, r, B // r, cfg.head_dim, dtype, True))
             groups.append(GroupSpec("compressor_tail", i, r, coff * r, coff * cfg.head_dim, cd, False))
             if csa:
-                groups.append(GroupSpec("index_keys", i, r, B // r, cfg.index_head_dim, dtype, True))
+                groups.append(GroupSpec("index_keys", i, r, B // r, *keys, True))
                 groups.append(GroupSpec("index_tail", i, r, 2 * r, 2 * cfg.index_head_dim, cd, False))
         return cls(B, tuple(groups))
 
