@@ -4,6 +4,10 @@ scoring over bf16 keys, with how far the chosen entries move.
 
     python -m bench.indexer_fp8 --out bench/results/indexer_fp8_h100.json
 
+Then (``packed_rows``) the form the engine stores: the shipped kernel over V4's packed keys
+(``ops/fp8_keys.py``: e4m3 codes, a power-of-two scale a 32 dims), against the same kernel over
+bf16 keys, at one to four chunks a program.
+
 A key ``k`` is stored as ``k8 = e4m3(k / s)`` with ``s = max|k| / 448`` (1 for a zero key), so
 ``k ~ s k8``; since ``s > 0``, ``sum_h w_h relu(q_h . s k8) = s sum_h w_h relu(q_h . k8)``, and the
 kernel scales each key's head sum once. The e4m3 bytes widen to bf16 exactly, so the MMA is the
@@ -105,6 +109,32 @@ def overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     return float(hit.float().mean())
 
 
+def packed_rows(T: int, E: int) -> list:
+    """The shipped kernel over V4's packed keys (``ops/fp8_keys.py``, the engine's
+    ``index_keys="fp8"``) against the same kernel over the bf16 keys they hold, at a few tiles
+    (``CH`` chunks a program: the query loaded once for more keys). The keys are rounded as V4's
+    activation rounding leaves them, so each packed tile must give the bf16 pool's bits."""
+    from bench.timing import time_tile
+    from v4stack.kernels.triton_gemm import INDEXER_TILE, indexer_scores
+    from v4stack.model.quant import IndexRounding
+    from v4stack.ops import fp8_keys
+
+    q, w, keys, rows = case(T, E, "cuda")
+    keys = IndexRounding()(keys)
+    packed = fp8_keys.pack(keys)
+    assert torch.equal(fp8_keys.unpack(packed, keys.dtype), keys)
+    base = indexer_scores(q, w, keys, rows)
+    out = []
+    for pool, form in ((keys, "bf16 keys"), (packed, "packed e4m3 keys")):
+        for ch in (1, 2, 4):
+            t = dict(INDEXER_TILE, CH=ch)
+            out.append(time_tile({"queries": T, "entries": E, "form": form, "tile": t,
+                                  "key_bytes": pool.numel() * pool.element_size()},
+                                 lambda t=t, pool=pool: indexer_scores(q, w, pool, rows, t), base,
+                                 "bits_equal_bf16_pool"))
+    return out
+
+
 def main(argv=None) -> None:
     from bench.runner import write_result
     from bench.timing import graph_time, time_tile
@@ -137,7 +167,9 @@ def main(argv=None) -> None:
                 r["top512_kept_vs_bf16"] = overlap(got, base, min(512, E))
                 print({k: r[k] for k in ("max_diff_vs_dequantised_fp32", "top512_kept_vs_bf16")}, flush=True)
             rows_out.append(r)
-    write_result(a.out, {"bench": "indexer_fp8", "device_name": torch.cuda.get_device_name(), "rows": rows_out})
+    packed = [r for T, E in ((256, 4096), (64, 4096)) for r in packed_rows(T, E)]
+    write_result(a.out, {"bench": "indexer_fp8", "device_name": torch.cuda.get_device_name(), "rows": rows_out,
+                         "packed_rows": packed})
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from bench.serve import copy_bandwidth, matmul_rate
 from v4stack.config import ModelConfig, preset
 from v4stack.model import V4Model
 from v4stack.model.init import is_fp32_param
+from v4stack.ops import fp8_keys
 from v4stack.serve.engine import Engine, EngineConfig
 from v4stack.serve.sampling import SamplingParams
 
@@ -153,7 +154,12 @@ def fill(engine: Engine, batch: int, ctx: int, max_tokens: int, seed: int, stagg
     g = torch.Generator().manual_seed(seed)
     cm = engine.cache
     for t in list(cm.blocks.storage.values()):
-        t.normal_()
+        if fp8_keys.is_packed(t):  # V4's packed indexer keys: random keys, packed a block at a time
+            for b in range(0, t.shape[0], 4096):
+                n = min(4096, t.shape[0] - b)
+                t[b : b + n] = fp8_keys.pack(torch.randn(n, t.shape[1], fp8_keys.dims(t), device=t.device))
+        else:
+            t.normal_()
     for ts in cm.slots.tensors.values():
         for t in ts:
             t.normal_()

@@ -69,7 +69,8 @@ def test_references_score_packed_pools_as_their_values(mode):
 
 def test_the_triton_kernel_reads_packed_keys_with_the_pools_bits():
     tg = pytest.importorskip("v4stack.kernels.triton_gemm")
-    q, w, pool, rows = _case()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter without a GPU
+    q, w, pool, rows = (t.to(dev) for t in _case())
     packed = fp8_keys.pack(pool)
     want = tg.indexer_scores(q, w, pool, rows)
     got = tg.indexer_scores(q, w, packed, rows)
