@@ -79,3 +79,21 @@ def test_the_triton_kernel_reads_packed_keys_with_the_pools_bits():
     bad = packed.clone()
     bad[rows[0, 0], 0] ^= 0x08  # one code's lowest exponent bit
     assert not torch.equal(tg.indexer_scores(q, w, bad, rows), want)
+
+
+@pytest.mark.parametrize("d", [128, 16])
+def test_the_pack_kernel_writes_the_compositions_bytes(d):
+    tr = pytest.importorskip("v4stack.kernels.triton_ring")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    keys = torch.cat((rounded_keys(40, d), torch.randn(40, d, generator=g).bfloat16() * 3)).to(dev)
+    keys[7] = 0
+    dest = torch.randperm(100, generator=g)[:80].to(dev)
+    want = torch.zeros(100, fp8_keys.width(d), dtype=torch.uint8, device=dev)
+    want[dest] = fp8_keys.pack(keys)
+    got = torch.zeros_like(want)
+    tr.pack_keys_into(keys, got, dest)
+    assert torch.equal(got, want)  # raw keys (rounding ties) and rounded ones, a zero key, scattered rows
+    assert torch.equal(fp8_keys.unpack(got[dest[:40]], keys.dtype), keys[:40])
+    other = torch.zeros_like(want)
+    tr.pack_keys_into(keys * 2, other, dest)  # control: other keys, other bytes
+    assert not torch.equal(other, want)

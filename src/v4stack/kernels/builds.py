@@ -79,6 +79,10 @@ def kernels() -> dict:
         "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
                                                    [BF, BF, BF, "*i64", BF] + [I] * 10),
                            dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True)),
+        # over V4's packed keys (uint8 rows: 128 e4m3 codes, 4 exponent bytes)
+        "indexer_scores_fp8": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
+                                                       [BF, BF, "*u8", "*i64", BF] + [I] * 10),
+                               dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True, FP8=True)),
         "topk_rows": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o", [P, "*i64", "*i64"] + [I] * 5),
                       dict(EB=4096, BITS=1, EBT=0), dict(num_warps=8)),
         # a 16k step's width (4608) on the indexer's bf16 scores: one 8192-wide block (the form before

@@ -179,6 +179,15 @@ def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype, joined=False) -
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 
 
+def pack_keys_into_ok(new, pool, dest) -> bool:
+    D = new.shape[1] if new.dim() == 2 else -1
+    return (new.is_cuda and new.dim() == 2 and new.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and new.stride(1) == 1 and D >= 16 and D & (D - 1) == 0 and pool.dtype == torch.uint8
+            and pool.is_contiguous() and pool.shape[-1] == D + -(-D // 32) and pool.device == new.device
+            and dest.dtype == torch.int64 and dest.shape == (new.shape[0],) and dest.is_contiguous()
+            and dest.device == new.device)
+
+
 def tail_write_ok(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd) -> bool:
     fl = (torch.float32, torch.bfloat16, torch.float16)
     dev = kv.device
@@ -379,6 +388,9 @@ def register_all(register) -> None:
              accepts=_with("triton", moe_unsort_combine_ok))
     register("tail_write", "triton_tail_write", _guarded("tail_write", _lazy("triton_ring", "tail_write"),
              ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
+    register("pack_keys_into", "triton_pack_keys_into", _guarded("pack_keys_into",
+             _lazy("triton_ring", "pack_keys_into"), ref("pack_keys_into_reference")), device="cuda",
+             accepts=_with("triton", pack_keys_into_ok))
     # invariant mode's wo_a: one grouped GEMM per call instead of one GEMM per group
     register("group_linear", "grouped_rows", group_linear_rows, mode="invariant", device="cuda",
              accepts=_with("triton", group_linear_ok))

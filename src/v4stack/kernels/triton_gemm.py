@@ -117,14 +117,18 @@ def indexer_query(Q, Wt, t, H, s_qt, s_qh, s_wt, D: tl.constexpr, BH: tl.constex
 
 
 @triton.jit
-def fp8_key_tile(Kc, r, ok, s_ks, d, D: tl.constexpr):
+def fp8_key_tile(Kc, r, ok, s_ks, d, D: tl.constexpr, dtype: tl.constexpr):
     """Keys ``[D, BS]`` of pool rows ``r`` in V4's packed form (``ops/fp8_keys.py``: D e4m3 codes,
-    then an exponent byte a 32 dims), as float32: each code times its block's scale ``2^(byte -
-    127)``, exact (a row not ``ok`` reads as zeros)."""
+    then an exponent byte a 32 dims), in ``dtype``: each code times its block's scale ``2^(byte -
+    127)`` - exact for a key the cache holds exactly (a row not ``ok`` reads as zeros)."""
+    NB: tl.constexpr = (D + 31) // 32
+    BLK: tl.constexpr = D // NB
     row = Kc + r[None, :] * s_ks
     code = tl.load(row + d[:, None], mask=ok[None, :], other=0)
-    e = tl.load(row + D + d[:, None] // 32, mask=ok[None, :], other=127).to(tl.int32)
-    return code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
+    e = tl.load(row + D + tl.arange(0, NB)[:, None], mask=ok[None, :], other=127)  # [NB, BS]
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [NB, BLK, r.shape[0]]), [D, r.shape[0]])
+    return (code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(dtype)
 
 
 @triton.jit
@@ -145,7 +149,7 @@ def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s
             score = tl.full([BS], float("-inf"), tl.float32)
             if tl.sum(ok.to(tl.int32), 0) > 0:  # a chunk with no entry (a table's padding) reads no key
                 if FP8:
-                    k = fp8_key_tile(Kc, r, ok, s_ks, d, D).to(q.dtype)
+                    k = fp8_key_tile(Kc, r, ok, s_ks, d, D, q.dtype)
                 else:
                     k = tl.load(Kc + r[None, :] * s_ks + d[:, None], mask=ok[None, :], other=0.0)
                 score = tl.where(ok, _indexer_score(q, k, w, IEEE), float("-inf"))

@@ -18,6 +18,13 @@ request's tail rings - for entry ``e`` of ratio ``m`` the positions ``e m - look
 coff m``, in position order, the overlapped compressor's first ``m`` rows from channels ``[0, c)``
 and the next ``m`` from ``[c, 2c)``, 0 / -inf before position 0. The composition (``Rings.rows``,
 two gathers with their fills, two concatenations) is ~12 kernels; this is one, and a copy.
+
+``pack_keys_into``: the indexer keys that close in a step, packed into V4's cache format
+(``ops/fp8_keys.py``: e4m3 codes and a power-of-two scale a 32 dims) straight into their pool rows.
+The torch composition is ~20 kernels (a few a block, the concatenation, the indexed write); this
+is one, with the composition's bytes: the same fp32 quotient for the scale, a multiply by a power of
+two for the codes and e4m3's round-to-nearest-even done in fp32 arithmetic (``_round_e4m3``), so the
+conversion after it is exact on the GPU and in the interpreter alike.
 """
 
 import triton
@@ -131,6 +138,8 @@ def builds() -> dict:
     cap = dict(POOL="*bf16", SNAP="*bf16", SLOTS="*i64", SEQ="*i64", POS="*i64", SLOT="*i64", R="i32", D="i32",
                fill="fp32", s_snap="i32")
     return {"tail_write": (tail_kernel, sig, dict(BW=1024)),
+            "pack_keys": (pack_keys_kernel, dict(X="*bf16", DEST="*i64", P="*u8", s_x="i32", s_p="i32"),
+                          dict(D=128, BLK=32)),
             "ring_capture": (capture_kernel, cap, dict(BR=16, BD=256)),
             "closing_rows": (closing_kernel, dict(PK="*fp32", PS="*fp32", SLOTS="*i64", SEQ="*i64", ENT="*i64",
                                                   OK="*fp32", OS="*fp32", R="i32", m="i32", lookback="i32", W="i32",
@@ -147,3 +156,51 @@ def builds() -> dict:
                 DQ="i32", DK="i32", QB="i32"), dict(HALF=32, BMQ=16, BD=128, TABLE=True, BARRIER=b)) for b in (True, False)},
             "rope_table": (tm.rope_table_kernel, dict(POS="*i64", FREQ="*fp64", CS="*fp32", T="i32"),
                            dict(HALF=32, BT=64))}
+
+
+@triton.jit
+def _round_e4m3(v):
+    """``|v|`` (fp32, |v| <= 448) rounded to e4m3's grid, ties to even, in fp32 - so the conversion that
+    follows is exact whatever rounding it does: one fp32 addition of ``2^(E + 20)`` (E: |v|'s exponent,
+    at least e4m3's smallest normal, -6) leaves a multiple of ``2^(E - 3)``, three mantissa bits."""
+    a = tl.abs(v)
+    E = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    big = ((E + 147) << 23).to(tl.float32, bitcast=True)
+    return (a + big) - big
+
+
+@triton.jit
+def _e4m3_byte(v):
+    """``v``'s e4m3 code (ties to even) as a byte: the magnitude's code, the sign bit set from ``v``'s
+    own (so -0.0 and a negative value that rounds to zero keep it, as a cast does)."""
+    mag = _round_e4m3(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return mag | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+
+
+@triton.jit
+def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr):
+    """Row ``n`` of ``X [N, D]`` packed (``ops/fp8_keys.py``) into pool row ``DEST[n]`` of ``P``."""
+    pdl_enter()
+    n = tl.program_id(0).to(tl.int64)
+    NB: tl.constexpr = D // BLK
+    x = tl.reshape(tl.load(X + n * s_x + tl.arange(0, D)).to(tl.float32), [NB, BLK])
+    amax = tl.max(tl.abs(x), 1)
+    # the scale's biased exponent: 2^ceil(log2(amax / 448)) read off amax / 448's bits, at least 2^-126;
+    # an all-zero block gets 1 (127)
+    b = (amax / 448.0).to(tl.int32, bitcast=True)
+    e = tl.maximum(((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32), 1)
+    e = tl.where(amax > 0, e, 127)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e), exact: a power of two
+    code = _e4m3_byte(x * inv[:, None])
+    row = P + tl.load(DEST + n) * s_p
+    tl.store(row + tl.arange(0, D), tl.reshape(code, [D]))
+    tl.store(row + D + tl.arange(0, NB), e.to(tl.uint8))
+
+
+def pack_keys_into(new, pool, dest) -> None:
+    """Keys ``new [N, D]`` (D a power of two, at least 16) packed into rows ``dest [N]`` (int64) of
+    the flattened key pool ``pool`` (uint8, ``D + D / 32`` bytes a row): ``ops.fused.pack_keys_into``."""
+    N, D = new.shape
+    if N:
+        p = pool.view(-1, pool.shape[-1])
+        launch(pack_keys_kernel, (N,), new, dest, p, new.stride(0), p.stride(0), D=D, BLK=min(32, D), num_warps=1)

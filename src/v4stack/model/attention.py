@@ -265,9 +265,11 @@ class Attention(nn.Module):
                 new = comp.pool_rows(take(rings.pools[0], ix, 0.0), take(rings.pools[1], ix, float("-inf")),
                                      cl.entry, dt)
             if fp8:
-                new = fp8_keys.pack(new)
-            pool.view(-1, pool.shape[-1]).index_copy_(0, cl.dest, new)
-            cache.count(new)
+                fused.pack_keys_into(new, pool, cl.dest)
+                cache.count(pool.view(-1, pool.shape[-1])[: new.shape[0]])  # the packed rows' bytes
+            else:
+                pool.view(-1, pool.shape[-1]).index_copy_(0, cl.dest, new)
+                cache.count(new)
         rings.capture(cache.snap[(kind, layer)], (0.0, float("-inf")))
         rings.finish()
 

@@ -77,6 +77,7 @@ from __future__ import annotations
 import torch
 
 from v4stack import ops
+from v4stack.ops import fp8_keys
 from v4stack.ops.dispatch import call, register, resolve
 
 
@@ -234,6 +235,10 @@ def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_sc
         ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
 
 
+def pack_keys_into_reference(new, pool, dest) -> None:
+    pool.view(-1, pool.shape[-1]).index_copy_(0, dest, fp8_keys.pack(new))
+
+
 def _ring_gather(pool, slots, seq, q, R: int, fill: float):
     """Rows of ``pool [S * R, D]`` holding positions ``q [n, L]`` in the rings of state slots
     ``slots[seq]`` (``R`` rows a slot, row ``q % R``), ``fill`` before position 0."""
@@ -314,6 +319,7 @@ register("router", "composite", router_reference)
 register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
+register("pack_keys_into", "torch_composite", pack_keys_into_reference)
 register("rope_into", "torch_composite", rope_into_reference)
 register("rope_pair", "composite", rope_pair_reference)
 register("rope_", "torch_composite", rope_inplace_reference)
@@ -554,6 +560,12 @@ def tail_write(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positio
     into ring row ``dest[n]`` of ``ring_kv`` / ``ring_score [S, R, W]`` (cast to their dtype)."""
     return call("tail_write", ops.get_mode(), str(kv.dtype)[6:], kv.device.type, kv, score, ape, positions, ratio,
                 ring_kv, ring_score, dest, cd)
+
+
+def pack_keys_into(new: torch.Tensor, pool: torch.Tensor, dest: torch.Tensor) -> None:
+    """Indexer keys ``new [N, d]`` packed in V4's cache format (``ops/fp8_keys.py``) into rows
+    ``dest [N]`` of the flattened uint8 key pool ``pool``, in place (one kernel on CUDA, the same bytes)."""
+    return call("pack_keys_into", ops.get_mode(), str(new.dtype)[6:], new.device.type, new, pool, dest)
 
 
 def rope_pair(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, pool: torch.Tensor,
