@@ -76,3 +76,30 @@ def test_the_engine_picks_v4s_keys_under_the_rounding():
     assert _tokens(_model(False), "fp8")[0] != plain_off
     with pytest.raises(ValueError, match="index_keys"):
         EngineConfig(index_keys="fp4").validate()
+
+
+@pytest.mark.parametrize("strategy", ["full", "none"])
+def test_a_prefix_restored_from_disk_keeps_packed_keys_exact(tmp_path, strategy):
+    """Packed key blocks go to disk and back as bytes; strategy "none" recomputes the window cone
+    from the restored blocks, unpacking the keys into the model's own state."""
+    from v4stack.serve.cache.disk import DiskPrefixStore
+    from tests.rollout.test_prefix_store import first_logits, prompt
+
+    model = _model(True)
+
+    def engine():
+        eng = Engine(model, EngineConfig(n_blocks=64, n_slots=4))
+        assert eng.cache.blocks.storage[("index_keys", 2)].dtype == torch.uint8
+        return eng
+
+    base = prompt(130)
+    full = base[:127] + prompt(5, salt=127)
+    ref_logits, ref_out, _ = first_logits(engine(), full)
+    warm = engine()
+    first_logits(warm, base[:127] + [7, 7, 7])
+    assert DiskPrefixStore(tmp_path, warm.cache, strategy, model=model).save(base[:127]) > 0
+    cold = engine()
+    info = DiskPrefixStore(tmp_path, cold.cache, strategy, model=model).restore(full)
+    assert info.hit_tokens == 112
+    logits, out, _ = first_logits(cold, full)
+    assert torch.equal(logits, ref_logits[-logits.shape[0]:]) and out == ref_out
