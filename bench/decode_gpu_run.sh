@@ -37,6 +37,16 @@ if [ "${IK_S:-0}" != 0 ]; then
   done; done
   pack
 fi
+# Nsight Compute on the indexer over bf16 and packed keys (NCU_S; one call each, CH 1 and 4)
+if [ "${NCU_S:-0}" != 0 ]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for ch in 1 4; do
+    timeout "$NCU_S" "$NCU" -k regex:indexer_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy --section LaunchStats python3 -m bench.indexer_once --ch $ch \
+      > "$W/indexer_ncu_ch${ch}_${CARD}.log" 2>&1; grep -E "Duration|Throughput|Achieved Occupancy|Registers|Stall|bits" "$W/indexer_ncu_ch${ch}_${CARD}.log" | head -30
+  done
+  pack
+fi
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_${CARD}.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack
