@@ -22,6 +22,7 @@ def kernels() -> dict:
     from v4stack.kernels import triton_layout as tlay
     from v4stack.kernels import triton_mhc as tm
     from v4stack.kernels import triton_ring as ring
+    from v4stack.kernels import triton_round as tround
     from v4stack.kernels import triton_route as route
     from v4stack.kernels import triton_rows as tr
     from v4stack.kernels import triton_select as tsel
@@ -136,6 +137,7 @@ def kernels() -> dict:
                           dict(CHUNK=tsm.TILE["CHUNK"], BLOCK=tsm.TILE["BLOCK"]), dict(num_warps=tsm.TILE["num_warps"])),
         **route.builds(),  # the MoE routing kernels (moe_*)
         **ring.builds(),  # the decode step's ring writes
+        **tround.builds(),  # the activation rounding
     }
 
 

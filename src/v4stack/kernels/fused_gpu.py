@@ -179,6 +179,12 @@ def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype, joined=False) -
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 
 
+def kv_round_ok(kv, rope_dims, block) -> bool:
+    D = kv.shape[-1] if kv.dim() else 0
+    return (kv.is_cuda and kv.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv.is_contiguous()
+            and not kv.requires_grad and 0 < rope_dims < D <= 4096 and block > 0 and block & (block - 1) == 0)
+
+
 def pack_keys_into_ok(new, pool, dest) -> bool:
     D = new.shape[1] if new.dim() == 2 else -1
     return (new.is_cuda and new.dim() == 2 and new.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -388,6 +394,8 @@ def register_all(register) -> None:
              accepts=_with("triton", moe_unsort_combine_ok))
     register("tail_write", "triton_tail_write", _guarded("tail_write", _lazy("triton_ring", "tail_write"),
              ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
+    register("kv_round", "triton_kv_round", _guarded("kv_round", _lazy("triton_round", "kv_round"),
+             ref("kv_round_reference")), device="cuda", accepts=_with("triton", kv_round_ok))
     register("pack_keys_into", "triton_pack_keys_into", _guarded("pack_keys_into",
              _lazy("triton_ring", "pack_keys_into"), ref("pack_keys_into_reference")), device="cuda",
              accepts=_with("triton", pack_keys_into_ok))

@@ -23,7 +23,7 @@ two gathers with their fills, two concatenations) is ~12 kernels; this is one, a
 (``ops/fp8_keys.py``: e4m3 codes and a power-of-two scale a 32 dims) straight into their pool rows.
 The torch composition is ~20 kernels (a few a block, the concatenation, the indexed write); this
 is one, with the composition's bytes: the same fp32 quotient for the scale, a multiply by a power of
-two for the codes and e4m3's round-to-nearest-even done in fp32 arithmetic (``_round_e4m3``), so the
+two for the codes and e4m3's round-to-nearest-even done in fp32 arithmetic (``triton_round``), so the
 conversion after it is exact on the GPU and in the interpreter alike.
 """
 
@@ -32,6 +32,7 @@ import triton.language as tl
 
 from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch, next_pow2
+from v4stack.kernels.triton_round import e4m3_byte
 
 
 @triton.jit
@@ -159,25 +160,6 @@ def builds() -> dict:
 
 
 @triton.jit
-def _round_e4m3(v):
-    """``|v|`` (fp32, |v| <= 448) rounded to e4m3's grid, ties to even, in fp32 - so the conversion that
-    follows is exact whatever rounding it does: one fp32 addition of ``2^(E + 20)`` (E: |v|'s exponent,
-    at least e4m3's smallest normal, -6) leaves a multiple of ``2^(E - 3)``, three mantissa bits."""
-    a = tl.abs(v)
-    E = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    big = ((E + 147) << 23).to(tl.float32, bitcast=True)
-    return (a + big) - big
-
-
-@triton.jit
-def _e4m3_byte(v):
-    """``v``'s e4m3 code (ties to even) as a byte: the magnitude's code, the sign bit set from ``v``'s
-    own (so -0.0 and a negative value that rounds to zero keep it, as a cast does)."""
-    mag = _round_e4m3(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return mag | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-
-
-@triton.jit
 def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr):
     """Row ``n`` of ``X [N, D]`` packed (``ops/fp8_keys.py``) into pool row ``DEST[n]`` of ``P``."""
     pdl_enter()
@@ -187,11 +169,11 @@ def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr):
     amax = tl.max(tl.abs(x), 1)
     # the scale's biased exponent: 2^ceil(log2(amax / 448)) read off amax / 448's bits, at least 2^-126;
     # an all-zero block gets 1 (127)
-    b = (amax / 448.0).to(tl.int32, bitcast=True)
+    b = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
     e = tl.maximum(((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32), 1)
     e = tl.where(amax > 0, e, 127)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e), exact: a power of two
-    code = _e4m3_byte(x * inv[:, None])
+    code = e4m3_byte(x * inv[:, None])
     row = P + tl.load(DEST + n) * s_p
     tl.store(row + tl.arange(0, D), tl.reshape(code, [D]))
     tl.store(row + D + tl.arange(0, NB), e.to(tl.uint8))

@@ -125,16 +125,15 @@ class Attention(nn.Module):
             if inplace else None
         # a decode step rotates its window rows straight into the ring (``_paged``), and a serving
         # decode step its queries in the same call (``fused.rope_pair``)
-        direct = (isinstance(segments, PagedStep) and segments.batch.decode and self.kv_rounding is None
-                  and rowwise._HOOK.get() is None)
+        direct = isinstance(segments, PagedStep) and segments.batch.decode and rowwise._HOOK.get() is None
         pair = inplace and direct
         if not pair:
             q = self.rotary.apply_(q, positions, table=tab) if inplace else self.rotary.apply(q, positions)
         kv = self.kv_norm(self.wkv(x) if xp is None else xp[1])
+        if self.kv_rounding is not None:  # the non-RoPE dims only: the same bits before the rotation as after it
+            kv = self.kv_rounding(kv)
         if not direct:
             kv = self.rotary.apply(kv, positions)
-        if self.kv_rounding is not None:
-            kv = self.kv_rounding(kv)
         if isinstance(segments, PagedStep):
             o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab, q_eps=q_eps, xp=xp,
                             q_roped=not pair)

@@ -27,16 +27,14 @@ import re
 
 import torch
 
+from v4stack.ops import fused
 from v4stack.ops.quantized import (
-    FP4_MAX,
-    FP8_MAX,
     FormatError,
     QuantizedWeight,
-    pow2_ceil,
+    fp4_round,
+    fp8_round,  # noqa: F401  (the rounding's composition, re-exported where it was defined)
     quantize_fp4,
     quantize_fp8,
-    round_e2m1,
-    round_e4m3,
 )
 
 KV_BLOCK = 64
@@ -70,34 +68,6 @@ def quantize_weight(name: str, w: torch.Tensor) -> QuantizedWeight | None:
 # ---- activation rounding ---------------------------------------------------------------------
 
 
-def _blockwise(x: torch.Tensor, block: int, fn) -> torch.Tensor:
-    """Apply ``fn`` to each ``block``-wide slice of the last dim (the last may be narrower)."""
-    D = x.shape[-1]
-    if D <= block:
-        return fn(x)
-    return torch.cat([fn(x[..., i : i + block]) for i in range(0, D, block)], dim=-1)
-
-
-def fp8_round(x: torch.Tensor, block: int = KV_BLOCK) -> torch.Tensor:
-    """Quantise-dequantise to e4m3 with a power-of-two scale per ``block`` along the last dim."""
-
-    def one(b):
-        scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_MAX)
-        return round_e4m3(b / scale) * scale
-
-    return _blockwise(x, block, one)
-
-
-def fp4_round(x: torch.Tensor, block: int = INDEX_BLOCK) -> torch.Tensor:
-    """Quantise-dequantise to e2m1 with a power-of-two scale per ``block`` along the last dim."""
-
-    def one(b):
-        scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0 ** -126) / FP4_MAX)
-        return round_e2m1(b / scale) * scale
-
-    return _blockwise(x, block, one)
-
-
 _HADAMARD: dict = {}
 
 
@@ -122,8 +92,7 @@ class KVRounding:
         self.rope_dims, self.block = rope_dims, block
 
     def __call__(self, kv: torch.Tensor) -> torch.Tensor:
-        r = self.rope_dims
-        return torch.cat((fp8_round(kv[..., :-r], self.block), kv[..., -r:]), dim=-1)
+        return fused.kv_round(kv, self.rope_dims, self.block)  # one kernel on CUDA
 
 
 class IndexRounding:

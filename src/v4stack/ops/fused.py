@@ -77,7 +77,7 @@ from __future__ import annotations
 import torch
 
 from v4stack import ops
-from v4stack.ops import fp8_keys
+from v4stack.ops import fp8_keys, quantized
 from v4stack.ops.dispatch import call, register, resolve
 
 
@@ -235,6 +235,11 @@ def tail_write_reference(kv, score, ape, positions, ratio: int, ring_kv, ring_sc
         ring.view(-1, ring.shape[-1]).index_copy_(0, dest, new.to(ring.dtype))
 
 
+def kv_round_reference(kv, rope_dims: int, block: int):
+    r = rope_dims
+    return torch.cat((quantized.fp8_round(kv[..., :-r], block), kv[..., -r:]), dim=-1)
+
+
 def pack_keys_into_reference(new, pool, dest) -> None:
     pool.view(-1, pool.shape[-1]).index_copy_(0, dest, fp8_keys.pack(new))
 
@@ -320,6 +325,7 @@ register("moe_route", "torch_composite", moe_route_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
 register("pack_keys_into", "torch_composite", pack_keys_into_reference)
+register("kv_round", "torch_composite", kv_round_reference)
 register("rope_into", "torch_composite", rope_into_reference)
 register("rope_pair", "composite", rope_pair_reference)
 register("rope_", "torch_composite", rope_inplace_reference)
@@ -560,6 +566,13 @@ def tail_write(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positio
     into ring row ``dest[n]`` of ``ring_kv`` / ``ring_score [S, R, W]`` (cast to their dtype)."""
     return call("tail_write", ops.get_mode(), str(kv.dtype)[6:], kv.device.type, kv, score, ape, positions, ratio,
                 ring_kv, ring_score, dest, cd)
+
+
+def kv_round(kv: torch.Tensor, rope_dims: int, block: int) -> torch.Tensor:
+    """V4's activation rounding of KV rows ``kv [..., D]``: the first ``D - rope_dims`` dims rounded
+    to e4m3 on a power-of-two scale a ``block`` dims (``quantized.fp8_round``), the RoPE dims as they
+    are; a new tensor (one kernel on CUDA, the same bits)."""
+    return call("kv_round", ops.get_mode(), str(kv.dtype)[6:], kv.device.type, kv, rope_dims, block)
 
 
 def pack_keys_into(new: torch.Tensor, pool: torch.Tensor, dest: torch.Tensor) -> None:

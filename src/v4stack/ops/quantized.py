@@ -74,6 +74,37 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return lut[e2m1_codes(x)]
 
 
+# ---- activation rounding (V4's quantisation-aware activations; model/quant.py installs it) ----------
+
+
+def _blockwise(x: torch.Tensor, block: int, fn) -> torch.Tensor:
+    """Apply ``fn`` to each ``block``-wide slice of the last dim (the last may be narrower)."""
+    D = x.shape[-1]
+    if D <= block:
+        return fn(x)
+    return torch.cat([fn(x[..., i : i + block]) for i in range(0, D, block)], dim=-1)
+
+
+def fp8_round(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Quantise-dequantise to e4m3 with a power-of-two scale per ``block`` along the last dim."""
+
+    def one(b):
+        scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_MAX)
+        return round_e4m3(b / scale) * scale
+
+    return _blockwise(x, block, one)
+
+
+def fp4_round(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Quantise-dequantise to e2m1 with a power-of-two scale per ``block`` along the last dim."""
+
+    def one(b):
+        scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0 ** -126) / FP4_MAX)
+        return round_e2m1(b / scale) * scale
+
+    return _blockwise(x, block, one)
+
+
 # ---- weight encode / decode ------------------------------------------------------------------
 
 

@@ -1,0 +1,87 @@
+"""The activation rounding V4 runs at inference (``model/quant.py``), as kernels (Triton).
+
+``kv_round``: a KV row's non-RoPE dims rounded to e4m3 on a power-of-two scale a 64 dims (the last
+block narrower), the RoPE dims passed through - ``ops.quantized.fp8_round``'s composition is ~7
+kernels a block (8 blocks at V4's width) and a concatenation; this is one, with its bits: the
+block's amax, the clamp and the division by 448 in the row's dtype (``div_rn``, then rounded to the
+dtype as a half-precision tensor op rounds it), the power of two read off the quotient's bits, and
+e4m3's round-to-nearest-even done in fp32 arithmetic (``round_e4m3``), so no conversion rounds.
+"""
+
+import triton
+import triton.language as tl
+
+from v4stack.kernels.gdc import pdl_enter
+from v4stack.kernels.launch import launch, next_pow2
+
+
+@triton.jit
+def round_e4m3(v):
+    """``|v|`` (fp32, |v| <= 448) rounded to e4m3's grid, ties to even, in fp32 - so the conversion that
+    follows is exact whatever rounding it does: one fp32 addition of ``2^(E + 20)`` (E: |v|'s exponent,
+    at least e4m3's smallest normal, -6) leaves a multiple of ``2^(E - 3)``, three mantissa bits."""
+    a = tl.abs(v)
+    E = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    big = ((E + 147) << 23).to(tl.float32, bitcast=True)
+    return (a + big) - big
+
+
+@triton.jit
+def e4m3_byte(v):
+    """``v``'s e4m3 code (ties to even) as a byte: the magnitude's code, the sign bit set from ``v``'s
+    own (so -0.0 and a negative value that rounds to zero keep it, as a cast does)."""
+    mag = round_e4m3(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return mag | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+
+
+@triton.jit
+def pow2_ceil_exp(q):
+    """The biased exponent of the smallest power of two >= ``q`` (fp32, > 0), at least 1."""
+    b = q.to(tl.int32, bitcast=True)
+    return tl.maximum(((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32), 1)
+
+
+@triton.jit
+def kv_round_kernel(X, Y, s_x, s_y, NOPE, D, lo, BLK: tl.constexpr, NB: tl.constexpr):
+    """Row ``n`` of ``X [N, D]``: dims below ``NOPE`` rounded in blocks of BLK (NB blocks cover them),
+    the rest copied, into row ``n`` of ``Y``."""
+    pdl_enter()
+    n = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NB)[:, None] * BLK + tl.arange(0, BLK)[None, :]  # [NB, BLK]
+    x = tl.load(X + n * s_x + i, mask=i < D, other=0.0)
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    nope = i < NOPE
+    amax = tl.max(tl.where(nope, tl.abs(xf), 0.0), 1)
+    amax = tl.maximum(amax, lo)  # clamp(min=1e-4): ``lo`` is 1e-4 in the row's dtype
+    q = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(dt).to(tl.float32)
+    e = pow2_ceil_exp(q)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    r = round_e4m3(xf * inv[:, None])  # |.|, then the sign bit of x (a negation would be 0 - r: -0.0 lost)
+    sign = xf.to(tl.int32, bitcast=True) & -2147483648
+    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * s[:, None]
+    tl.store(Y + n * s_y + i, tl.where(nope, r.to(dt), x), mask=i < D)
+
+
+def kv_round(kv, rope_dims: int, block: int):
+    """``ops.fused.kv_round`` on CUDA: rows ``kv [..., D]`` (contiguous) -> a new tensor."""
+    import torch
+
+    D = kv.shape[-1]
+    x = kv.reshape(-1, D)
+    y = torch.empty_like(x)
+    nope = D - rope_dims
+    if x.shape[0]:
+        blk = block if nope > block else next_pow2(nope)  # a narrower row is one block
+        lo = float(torch.tensor(1e-4, dtype=kv.dtype))
+        launch(kv_round_kernel, (x.shape[0],), x, y, x.stride(0), y.stride(0), nope, D, lo, BLK=blk,
+               NB=next_pow2(-(-D // blk)), num_warps=2)
+    return y.view(kv.shape)
+
+
+def builds() -> dict:
+    """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check (a
+    V4-Flash KV row: 448 non-RoPE dims in blocks of 64, 64 RoPE dims)."""
+    sig = dict(X="*bf16", Y="*bf16", s_x="i32", s_y="i32", NOPE="i32", D="i32", lo="fp32")
+    return {"kv_round": (kv_round_kernel, sig, dict(BLK=64, NB=8))}
