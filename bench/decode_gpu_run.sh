@@ -30,9 +30,10 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
 # keys' kernel test on the device
 if [ "${IK_S:-0}" != 0 ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/ops/test_fp8_keys.py > "$W/fp8_keys_tests.log" 2>&1; tail -2 "$W/fp8_keys_tests.log"
-  for i in 1 2; do for k in model fp8; do
+  for i in 1 2; do for k in model fp8 rounded; do
+    extra="--index-keys $k"; [ $k = rounded ] && extra="--act-rounding"  # V4's rounding: packed keys, rounded KV
     timeout "$IK_S" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast --batches 256 --contexts 16384 \
-      --steps 32 --point-budget-s 4 --index-keys $k --out "$W/serve_index_keys_${k}_${CARD}_$i.json" > "$W/serve_index_keys_${k}_$i.log" 2>&1
+      --steps 32 --point-budget-s 4 $extra --out "$W/serve_index_keys_${k}_${CARD}_$i.json" > "$W/serve_index_keys_${k}_$i.log" 2>&1
     echo "== $k $i"; grep -E "^flash" "$W/serve_index_keys_${k}_$i.log" | cut -c1-250
   done; done
   pack

@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the cache's indexer keys (EngineConfig.index_keys): auto (the model dtype here: the bench's "
                          "random model runs without V4's activation rounding), model, or fp8 (V4's packed e4m3 keys, "
                          "132 bytes a key; without the rounding they round the keys, so the chosen entries may move)")
+    ap.add_argument("--act-rounding", action="store_true",
+                    help="the model runs V4's activation rounding (model/quant.py: FP8 KV rows and entries, Hadamard + FP4 "
+                         "indexer queries and keys), as a released checkpoint loads; --index-keys auto then packs the keys")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)
@@ -296,7 +299,12 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         dt = torch.bfloat16 if a.device == "cuda" else torch.float32
         models[name] = (cfg, random_model(cfg, a.device, dt))
+        if a.act_rounding:
+            from v4stack.model.quant import set_act_rounding
+
+            set_act_rounding(models[name][1], True)
         payload["configs"][name] = {**CONFIGS[name], "hidden_size": cfg.hidden_size, "dtype": str(dt)[6:],
+                                    "act_rounding": a.act_rounding,
                                     "params": sum(p.numel() for p in models[name][1].parameters()),
                                     "build_s": time.perf_counter() - t0}
     for mode in a.modes.split(","):  # every config's fast points first: they are the cheap ones
