@@ -36,3 +36,17 @@ def test_kv_round_kernel_has_the_compositions_bits(D, rope, block, dtype):
     assert torch.equal(got[..., -rope:], x[..., -rope:])  # the RoPE dims untouched
     other = min(block, D - rope) // 2
     assert not torch.equal(tr.kv_round(x, rope, other), want)  # control: other blocks, other bits
+
+
+@pytest.mark.parametrize("D,block", [(128, 32), (16, 32), (96, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp4_round_kernel_has_the_compositions_bits(D, block, dtype):
+    x = rows(40, D, dtype)
+    x[6, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]) * 2.0 ** -3  # every e2m1 tie ...
+    x[6, 8] = 6.0 * 2.0 ** -3 * 2  # ... on the block's scale (amax 1.5: 2^-2 after / 6 rounds up)
+    x[7, :4] = torch.tensor([-0.2, 0.2, -7.0, 7.0])  # to -0.0 / 0.0 and past the saturation
+    x = x.to(DEV)
+    want = fused.fp4_round_reference(x, block)
+    got = tr.fp4_round(x, block)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    assert not torch.equal(tr.fp4_round(x, min(block, D) // 2), want)  # control: other blocks, other bits

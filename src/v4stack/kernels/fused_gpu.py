@@ -185,6 +185,12 @@ def kv_round_ok(kv, rope_dims, block) -> bool:
             and not kv.requires_grad and 0 < rope_dims < D <= 4096 and block > 0 and block & (block - 1) == 0)
 
 
+def fp4_round_ok(x, block) -> bool:
+    D = x.shape[-1] if x.dim() else 0
+    return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous()
+            and not x.requires_grad and 0 < D <= 4096 and block > 0 and block & (block - 1) == 0)
+
+
 def pack_keys_into_ok(new, pool, dest) -> bool:
     D = new.shape[1] if new.dim() == 2 else -1
     return (new.is_cuda and new.dim() == 2 and new.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -396,6 +402,8 @@ def register_all(register) -> None:
              ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
     register("kv_round", "triton_kv_round", _guarded("kv_round", _lazy("triton_round", "kv_round"),
              ref("kv_round_reference")), device="cuda", accepts=_with("triton", kv_round_ok))
+    register("fp4_round", "triton_fp4_round", _guarded("fp4_round", _lazy("triton_round", "fp4_round"),
+             ref("fp4_round_reference")), device="cuda", accepts=_with("triton", fp4_round_ok))
     register("pack_keys_into", "triton_pack_keys_into", _guarded("pack_keys_into",
              _lazy("triton_ring", "pack_keys_into"), ref("pack_keys_into_reference")), device="cuda",
              accepts=_with("triton", pack_keys_into_ok))

@@ -6,6 +6,10 @@ kernels a block (8 blocks at V4's width) and a concatenation; this is one, with 
 block's amax, the clamp and the division by 448 in the row's dtype (``div_rn``, then rounded to the
 dtype as a half-precision tensor op rounds it), the power of two read off the quotient's bits, and
 e4m3's round-to-nearest-even done in fp32 arithmetic (``round_e4m3``), so no conversion rounds.
+
+``fp4_round``: the same for the indexer's queries and keys after their Hadamard rotation - e2m1 on a
+power-of-two scale a 32 dims (``quantized.fp4_round``, whose nearest-code search is ~15 kernels a
+block), ties to even and the saturation at 6 as there.
 """
 
 import triton
@@ -35,6 +39,29 @@ def e4m3_byte(v):
 
 
 @triton.jit
+def round_e2m1(a):
+    """``a`` (fp32, >= 0) rounded to e2m1's magnitudes (0, 0.5 ... 4, 6), ties to even, saturating at 6:
+    one fp32 addition of ``2^(E + 22)`` (E: a's exponent, at least 0) leaves a multiple of ``2^(E - 1)``."""
+    E = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 0)
+    big = ((E + 149) << 23).to(tl.float32, bitcast=True)
+    return tl.minimum((a + big) - big, 6.0)
+
+
+@triton.jit
+def to_dtype_grid(q, dt: tl.constexpr):
+    """fp32 ``q`` rounded (to nearest, ties to even) to the half dtype ``dt`` and widened back, as a
+    tensor op of that dtype rounds its result; bf16 in integer arithmetic (a cast in Triton's
+    interpreter truncates)."""
+    if dt == tl.bfloat16:
+        b = q.to(tl.int32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif dt == tl.float16:
+        return q.to(tl.float16).to(tl.float32)
+    else:
+        return q
+
+
+@triton.jit
 def pow2_ceil_exp(q):
     """The biased exponent of the smallest power of two >= ``q`` (fp32, > 0), at least 1."""
     b = q.to(tl.int32, bitcast=True)
@@ -42,9 +69,9 @@ def pow2_ceil_exp(q):
 
 
 @triton.jit
-def kv_round_kernel(X, Y, s_x, s_y, NOPE, D, lo, BLK: tl.constexpr, NB: tl.constexpr):
-    """Row ``n`` of ``X [N, D]``: dims below ``NOPE`` rounded in blocks of BLK (NB blocks cover them),
-    the rest copied, into row ``n`` of ``Y``."""
+def round_rows_kernel(X, Y, s_x, s_y, NOPE, D, lo, BLK: tl.constexpr, NB: tl.constexpr, FP4: tl.constexpr):
+    """Row ``n`` of ``X [N, D]``: dims below ``NOPE`` rounded in blocks of BLK (NB blocks cover them) to
+    e4m3 (``FP4``: e2m1), the rest copied, into row ``n`` of ``Y``."""
     pdl_enter()
     n = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NB)[:, None] * BLK + tl.arange(0, BLK)[None, :]  # [NB, BLK]
@@ -53,35 +80,47 @@ def kv_round_kernel(X, Y, s_x, s_y, NOPE, D, lo, BLK: tl.constexpr, NB: tl.const
     xf = x.to(tl.float32)
     nope = i < NOPE
     amax = tl.max(tl.where(nope, tl.abs(xf), 0.0), 1)
-    amax = tl.maximum(amax, lo)  # clamp(min=1e-4): ``lo`` is 1e-4 in the row's dtype
-    q = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(dt).to(tl.float32)
+    amax = tl.maximum(amax, lo)  # the clamp: ``lo`` in the row's dtype
+    q = to_dtype_grid(tl.div_rn(amax, tl.full(amax.shape, 6.0 if FP4 else 448.0, tl.float32)), dt)
     e = pow2_ceil_exp(q)
     s = (e << 23).to(tl.float32, bitcast=True)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    r = round_e4m3(xf * inv[:, None])  # |.|, then the sign bit of x (a negation would be 0 - r: -0.0 lost)
+    if FP4:
+        r = round_e2m1(tl.abs(xf * inv[:, None]))
+    else:
+        r = round_e4m3(xf * inv[:, None])  # |.|, then the sign bit of x (a negation would be 0 - r: -0.0 lost)
     sign = xf.to(tl.int32, bitcast=True) & -2147483648
     r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * s[:, None]
     tl.store(Y + n * s_y + i, tl.where(nope, r.to(dt), x), mask=i < D)
 
 
-def kv_round(kv, rope_dims: int, block: int):
-    """``ops.fused.kv_round`` on CUDA: rows ``kv [..., D]`` (contiguous) -> a new tensor."""
+def _round_rows(x, nope: int, block: int, fp4: bool):
     import torch
 
-    D = kv.shape[-1]
-    x = kv.reshape(-1, D)
-    y = torch.empty_like(x)
-    nope = D - rope_dims
-    if x.shape[0]:
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    y = torch.empty_like(rows)
+    if rows.shape[0]:
         blk = block if nope > block else next_pow2(nope)  # a narrower row is one block
-        lo = float(torch.tensor(1e-4, dtype=kv.dtype))
-        launch(kv_round_kernel, (x.shape[0],), x, y, x.stride(0), y.stride(0), nope, D, lo, BLK=blk,
-               NB=next_pow2(-(-D // blk)), num_warps=2)
-    return y.view(kv.shape)
+        lo = float(torch.tensor(6.0 * 2.0 ** -126 if fp4 else 1e-4, dtype=x.dtype))
+        launch(round_rows_kernel, (rows.shape[0],), rows, y, rows.stride(0), y.stride(0), nope, D, lo, BLK=blk,
+               NB=next_pow2(-(-D // blk)), FP4=fp4, num_warps=2)
+    return y.view(x.shape)
+
+
+def kv_round(kv, rope_dims: int, block: int):
+    """``ops.fused.kv_round`` on CUDA: rows ``kv [..., D]`` (contiguous) -> a new tensor."""
+    return _round_rows(kv, kv.shape[-1] - rope_dims, block, False)
+
+
+def fp4_round(x, block: int):
+    """``ops.fused.fp4_round`` on CUDA: rows ``x [..., D]`` (contiguous) -> a new tensor."""
+    return _round_rows(x, x.shape[-1], block, True)
 
 
 def builds() -> dict:
     """name -> (jit function, signature, constexprs) for the ahead-of-time Hopper build check (a
     V4-Flash KV row: 448 non-RoPE dims in blocks of 64, 64 RoPE dims)."""
     sig = dict(X="*bf16", Y="*bf16", s_x="i32", s_y="i32", NOPE="i32", D="i32", lo="fp32")
-    return {"kv_round": (kv_round_kernel, sig, dict(BLK=64, NB=8))}
+    return {"kv_round": (round_rows_kernel, sig, dict(BLK=64, NB=8, FP4=False)),
+            "fp4_round": (round_rows_kernel, sig, dict(BLK=32, NB=4, FP4=True))}

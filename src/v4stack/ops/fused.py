@@ -240,6 +240,10 @@ def kv_round_reference(kv, rope_dims: int, block: int):
     return torch.cat((quantized.fp8_round(kv[..., :-r], block), kv[..., -r:]), dim=-1)
 
 
+def fp4_round_reference(x, block: int):
+    return quantized.fp4_round(x, block)
+
+
 def pack_keys_into_reference(new, pool, dest) -> None:
     pool.view(-1, pool.shape[-1]).index_copy_(0, dest, fp8_keys.pack(new))
 
@@ -326,6 +330,7 @@ register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
 register("pack_keys_into", "torch_composite", pack_keys_into_reference)
 register("kv_round", "torch_composite", kv_round_reference)
+register("fp4_round", "torch_composite", fp4_round_reference)
 register("rope_into", "torch_composite", rope_into_reference)
 register("rope_pair", "composite", rope_pair_reference)
 register("rope_", "torch_composite", rope_inplace_reference)
@@ -573,6 +578,12 @@ def kv_round(kv: torch.Tensor, rope_dims: int, block: int) -> torch.Tensor:
     to e4m3 on a power-of-two scale a ``block`` dims (``quantized.fp8_round``), the RoPE dims as they
     are; a new tensor (one kernel on CUDA, the same bits)."""
     return call("kv_round", ops.get_mode(), str(kv.dtype)[6:], kv.device.type, kv, rope_dims, block)
+
+
+def fp4_round(x: torch.Tensor, block: int) -> torch.Tensor:
+    """V4's FP4 activation rounding of rows ``x [..., D]`` (``quantized.fp4_round``: e2m1 on a
+    power-of-two scale a ``block`` dims); a new tensor (one kernel on CUDA, the same bits)."""
+    return call("fp4_round", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, block)
 
 
 def pack_keys_into(new: torch.Tensor, pool: torch.Tensor, dest: torch.Tensor) -> None:

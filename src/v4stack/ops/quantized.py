@@ -32,6 +32,17 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_DOWN = (True, False, True, False, True, False, True)
 FORMATS = ("fp8", "fp4")
+_CONST: dict = {}
+
+
+def _const(values: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, made once: a copy from the host is not allowed while a
+    CUDA graph is being captured, and the rounding runs inside captured decode steps."""
+    key = (values, dtype, str(device))
+    t = _CONST.get(key)
+    if t is None:
+        t = _CONST[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
 
 
 class FormatError(ValueError):
@@ -60,7 +71,7 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 code (0..15) of each value (ties to even, saturating at +-6), int64."""
     a = x.abs().clamp(max=FP4_MAX)
-    mids = torch.tensor(_E2M1_MIDS, dtype=a.dtype, device=a.device)
+    mids = _const(_E2M1_MIDS, a.dtype, a.device)
     mag = torch.bucketize(a, mids, right=True)  # a tie lands above its midpoint ...
     for i, down in enumerate(_E2M1_TIE_DOWN):
         if down:  # ... and goes back down where the lower neighbour has the even code
@@ -70,7 +81,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e2m1 value (ties to even), saturating at +-6; same dtype out."""
-    lut = torch.tensor(E2M1_VALUES, dtype=x.dtype, device=x.device)
+    lut = _const(E2M1_VALUES, x.dtype, x.device)
     return lut[e2m1_codes(x)]
 
 
