@@ -109,6 +109,68 @@ def overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     return float(hit.float().mean())
 
 
+@triton.jit
+def packed_form_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_ks, s_rt, s_yt, D: tl.constexpr,
+                       BH: tl.constexpr, BS: tl.constexpr, FORM: tl.constexpr):
+    """Other ways to widen V4's packed keys (``ops/fp8_keys.py``) in the indexer, one program a (query,
+    BS entries): FORM 0, the codes loaded as ``[blocks, 32, BS]`` and scaled there (the scale broadcast
+    along a dim, the product reshaped); 1, the codes widened to bf16 and each block's exponent added to
+    the bits' exponent field (exact, no fp32 tile); 2, one MMA a 32-dim block chained into the
+    accumulator (the query loaded a block at a time)."""
+    pdl_enter()
+    NB: tl.constexpr = D // 32
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
+    ok = (r >= 0) & (r < NK)
+    j = tl.arange(0, 32)
+    b = tl.arange(0, NB)
+    h = tl.arange(0, BH)
+    score = tl.full([BS], float("-inf"), tl.float32)
+    if tl.sum(ok.to(tl.int32), 0) > 0:
+        w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
+        if FORM == 2:
+            acc = tl.zeros([BH, BS], tl.float32)
+            for bb in tl.static_range(NB):
+                qb = tl.load(Q + t * s_qt + h[:, None] * s_qh + (bb * 32 + j)[None, :], mask=(h < H)[:, None], other=0.0)
+                cb = tl.load(Kc + r[None, :] * s_ks + bb * 32 + j[:, None], mask=ok[None, :], other=0)
+                eb = tl.load(Kc + r * s_ks + D + bb, mask=ok, other=127)
+                sc = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                kb = (cb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[None, :]).to(qb.dtype)
+                acc = tl.dot(qb, kb, acc)
+            score = tl.where(ok, tl.sum(tl.maximum(acc, 0.0) * w[:, None], 0), float("-inf"))
+        else:
+            d = tl.arange(0, D)
+            q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
+            code = tl.load(Kc + r[None, None, :] * s_ks + (b[:, None, None] * 32 + j[None, :, None]),
+                           mask=ok[None, None, :], other=0)
+            e = tl.load(Kc + r[None, :] * s_ks + D + b[:, None], mask=ok[None, :], other=127)
+            if FORM == 0:
+                sc = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                k = (code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None, :]).to(q.dtype)
+            else:
+                bits = code.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True)
+                add = ((e.to(tl.int32) - 127) << 7).to(tl.int16)
+                bits = tl.where((bits & 0x7FFF) != 0, bits + add[:, None, :], bits)
+                k = bits.to(tl.bfloat16, bitcast=True)
+            k = tl.reshape(k, [D, BS])
+            score = tl.where(ok, _indexer_score(q, k, w, False), float("-inf"))
+    tl.store(Y + t * s_yt + s, score, mask=s < S)
+
+
+def scores_packed_form(q, w, packed, rows, form: int, BS: int = 128, num_warps: int = 4):
+    """``packed_form_kernel``'s scores (fp32; -inf where ``rows`` is no entry)."""
+    T, H, D = q.shape
+    S = rows.shape[1]
+    out = torch.empty(T, S, dtype=torch.float32, device=q.device)
+    if T and S:
+        qc, wc, rc = q.contiguous(), w.contiguous(), rows.contiguous()
+        launch(packed_form_kernel, (T, cdiv(S, BS)), qc, wc, packed, rc, out, S, H, packed.shape[0], qc.stride(0),
+               qc.stride(1), wc.stride(0), packed.stride(0), rc.stride(0), out.stride(0), D=D,
+               BH=max(16, next_pow2(H)), BS=BS, FORM=form, num_warps=num_warps, num_stages=3)
+    return out
+
+
 def packed_rows(T: int, E: int) -> list:
     """The shipped kernel over V4's packed keys (``ops/fp8_keys.py``, the engine's
     ``index_keys="fp8"``) against the same kernel over the bf16 keys they hold, at a few tiles
@@ -132,6 +194,11 @@ def packed_rows(T: int, E: int) -> list:
                                   "key_bytes": pool.numel() * pool.element_size()},
                                  lambda t=t, pool=pool: indexer_scores(q, w, pool, rows, t), base,
                                  "bits_equal_bf16_pool"))
+    for form in (0, 1, 2):  # the candidates' widenings of the packed keys
+        out.append(time_tile({"queries": T, "entries": E, "form": f"packed e4m3 keys, candidate form {form}",
+                              "key_bytes": packed.numel()},
+                             lambda form=form: scores_packed_form(q, w, packed, rows, form), base.float(),
+                             "bits_equal_bf16_pool"))
     return out
 
 
