@@ -382,31 +382,14 @@ def register_all(register) -> None:
              accepts=_with("triton", C.hc_read))
     register("hc_write", "triton_hc_write", _lazy("triton_rows", "hc_write", "row_mix"), mode="fast", device="cuda",
              accepts=_with("triton", C.hc_write))
-    register("swiglu_act", "triton_swiglu_act", _guarded("swiglu_act", _lazy("triton_mhc", "swiglu_act"),
-             ref("swiglu_act_reference")), device="cuda", accepts=_with("triton", swiglu_act_ok))
-    register("hc_head_pre", "triton_hc_head_pre", _guarded("hc_head_pre", _lazy("triton_mhc", "hc_head_pre"),
-             ref("hc_head_pre_reference")), device="cuda", accepts=_with("triton", hc_head_pre_ok))
-    register("hc_read_norm", "triton_hc_read_norm", _guarded("hc_read_norm",
-             _lazy("triton_rows", "hc_read_norm"), ref("hc_read_norm_reference")), device="cuda",
-             accepts=_with("triton", hc_read_norm_ok))
-    register("rope", "triton_rope", _guarded("rope", _lazy("triton_mhc", "rope"), ref("rope_reference")),
-             device="cuda", accepts=_with("triton", rope_ok))
-    register("moe_gate", "triton_moe_gate", _guarded("moe_gate", _lazy("triton_route", "moe_gate"),
-             ref("moe_gate_reference")), device="cuda", accepts=_with("triton", moe_gate_ok))
-    register("moe_route", "triton_moe_route", _guarded("moe_route", _lazy("triton_route", "moe_route"),
-             ref("moe_route_reference")), device="cuda", accepts=_with("triton", moe_route_ok))
-    register("moe_unsort_combine", "triton_moe_unsort_combine", _guarded("moe_unsort_combine",
-             _lazy("triton_route", "moe_unsort_combine"), ref("moe_unsort_combine_reference")), device="cuda",
-             accepts=_with("triton", moe_unsort_combine_ok))
-    register("tail_write", "triton_tail_write", _guarded("tail_write", _lazy("triton_ring", "tail_write"),
-             ref("tail_write_reference")), device="cuda", accepts=_with("triton", tail_write_ok))
-    register("kv_round", "triton_kv_round", _guarded("kv_round", _lazy("triton_round", "kv_round"),
-             ref("kv_round_reference")), device="cuda", accepts=_with("triton", kv_round_ok))
-    register("fp4_round", "triton_fp4_round", _guarded("fp4_round", _lazy("triton_round", "fp4_round"),
-             ref("fp4_round_reference")), device="cuda", accepts=_with("triton", fp4_round_ok))
-    register("pack_keys_into", "triton_pack_keys_into", _guarded("pack_keys_into",
-             _lazy("triton_ring", "pack_keys_into"), ref("pack_keys_into_reference")), device="cuda",
-             accepts=_with("triton", pack_keys_into_ok))
+    # each: its Triton kernel (module, function of the op's name), its accepts check ``<op>_ok``, and
+    # ``ops.fused.<op>_reference`` for the rest of the process should the kernel not build
+    for op, module in (("swiglu_act", "triton_mhc"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
+                       ("rope", "triton_mhc"), ("moe_gate", "triton_route"), ("moe_route", "triton_route"),
+                       ("moe_unsort_combine", "triton_route"), ("tail_write", "triton_ring"),
+                       ("kv_round", "triton_round"), ("fp4_round", "triton_round"), ("pack_keys_into", "triton_ring")):
+        register(op, f"triton_{op}", _guarded(op, _lazy(module, op), ref(f"{op}_reference")), device="cuda",
+                 accepts=_with("triton", globals()[f"{op}_ok"]))
     # invariant mode's wo_a: one grouped GEMM per call instead of one GEMM per group
     register("group_linear", "grouped_rows", group_linear_rows, mode="invariant", device="cuda",
              accepts=_with("triton", group_linear_ok))
