@@ -30,8 +30,8 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
 # keys' kernel test on the device
 if [ "${IK_S:-0}" != 0 ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/ops/test_fp8_keys.py > "$W/fp8_keys_tests.log" 2>&1; tail -2 "$W/fp8_keys_tests.log"
-  for i in 1 2; do for k in model fp8 rounded; do
-    extra="--index-keys $k"; [ $k = rounded ] && extra="--act-rounding"  # V4's rounding: packed keys, rounded KV
+  for i in 1 2; do for k in model fp8 rounded rounded_fp8; do
+    extra="--index-keys $k"; [ $k = rounded ] && extra="--act-rounding"; [ $k = rounded_fp8 ] && extra="--act-rounding --index-keys fp8"
     timeout "$IK_S" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast --batches 256 --contexts 16384 \
       --steps 32 --point-budget-s 4 $extra --out "$W/serve_index_keys_${k}_${CARD}_$i.json" > "$W/serve_index_keys_${k}_$i.log" 2>&1
     echo "== $k $i"; grep -E "^flash" "$W/serve_index_keys_${k}_$i.log" | cut -c1-250

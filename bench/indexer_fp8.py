@@ -116,7 +116,8 @@ def packed_form_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_ks, s_r
     BS entries): FORM 0, the codes loaded as ``[blocks, 32, BS]`` and scaled there (the scale broadcast
     along a dim, the product reshaped); 1, the codes widened to bf16 and each block's exponent added to
     the bits' exponent field (exact, no fp32 tile); 2, one MMA a 32-dim block chained into the
-    accumulator (the query loaded a block at a time)."""
+    accumulator (the query loaded a block at a time), the block's keys scaled in fp32; 3, the same
+    scaled in the half dtype; 4, the same with the exponent added to the bf16 bits."""
     pdl_enter()
     NB: tl.constexpr = D // 32
     t = tl.program_id(0).to(tl.int64)
@@ -129,14 +130,22 @@ def packed_form_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_ks, s_r
     score = tl.full([BS], float("-inf"), tl.float32)
     if tl.sum(ok.to(tl.int32), 0) > 0:
         w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
-        if FORM == 2:
+        if FORM >= 2:
             acc = tl.zeros([BH, BS], tl.float32)
             for bb in tl.static_range(NB):
                 qb = tl.load(Q + t * s_qt + h[:, None] * s_qh + (bb * 32 + j)[None, :], mask=(h < H)[:, None], other=0.0)
                 cb = tl.load(Kc + r[None, :] * s_ks + bb * 32 + j[:, None], mask=ok[None, :], other=0)
                 eb = tl.load(Kc + r * s_ks + D + bb, mask=ok, other=127)
-                sc = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                kb = (cb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[None, :]).to(qb.dtype)
+                if FORM == 2:  # the product in fp32
+                    sc = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                    kb = (cb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[None, :]).to(qb.dtype)
+                elif FORM == 3:  # in the query's half dtype (exact: a power of two)
+                    sc = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(qb.dtype)
+                    kb = cb.to(tl.float8e4nv, bitcast=True).to(qb.dtype) * sc[None, :]
+                else:  # the exponent added to the bf16 bits
+                    bits = cb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True)
+                    add = ((eb.to(tl.int32) - 127) << 7).to(tl.int16)
+                    kb = tl.where((bits & 0x7FFF) != 0, bits + add[None, :], bits).to(tl.bfloat16, bitcast=True)
                 acc = tl.dot(qb, kb, acc)
             score = tl.where(ok, tl.sum(tl.maximum(acc, 0.0) * w[:, None], 0), float("-inf"))
         else:
@@ -194,7 +203,7 @@ def packed_rows(T: int, E: int) -> list:
                                   "key_bytes": pool.numel() * pool.element_size()},
                                  lambda t=t, pool=pool: indexer_scores(q, w, pool, rows, t), base,
                                  "bits_equal_bf16_pool"))
-    for form in (0, 1, 2):  # the candidates' widenings of the packed keys
+    for form in (0, 1, 2, 3, 4):  # the candidates' widenings of the packed keys
         out.append(time_tile({"queries": T, "entries": E, "form": f"packed e4m3 keys, candidate form {form}",
                               "key_bytes": packed.numel()},
                              lambda form=form: scores_packed_form(q, w, packed, rows, form), base.float(),

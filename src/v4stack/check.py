@@ -69,7 +69,7 @@ class Serving:
         longest = max(sum(len(c) for c in r.chunks) for r in reqs)
         per = -(-(longest + 1) // model.cfg.block_tokens)
         self.cm = CacheManager(model.cfg, model.dtype, n_blocks=slots * per, n_slots=slots, n_snapshots=0,
-                               device=model.embed.weight.device, index_fp8=bool(getattr(model, "act_rounding", False)))
+                               device=model.embed.weight.device)
         self.runner = ModelRunner(model, self.cm)
 
     def new(self, r: Request):
