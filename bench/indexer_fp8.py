@@ -193,7 +193,7 @@ def packed_rows(T: int, E: int) -> list:
     q, w, keys, rows = case(T, E, "cuda")
     keys = IndexRounding()(keys)
     packed = fp8_keys.pack(keys)
-    assert torch.equal(fp8_keys.unpack(packed, keys.dtype), keys)
+    assert torch.equal(fp8_keys.unpack(packed, keys.dtype, keys.shape[-1]), keys)
     base = indexer_scores(q, w, keys, rows)
     out = []
     for pool, form in ((keys, "bf16 keys"), (packed, "packed e4m3 keys")):

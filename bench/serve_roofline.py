@@ -157,7 +157,7 @@ def fill(engine: Engine, batch: int, ctx: int, max_tokens: int, seed: int, stagg
         if fp8_keys.is_packed(t):  # V4's packed indexer keys: random keys, packed a block at a time
             for b in range(0, t.shape[0], 4096):
                 n = min(4096, t.shape[0] - b)
-                t[b : b + n] = fp8_keys.pack(torch.randn(n, t.shape[1], fp8_keys.dims(t), device=t.device))
+                t[b : b + n] = fp8_keys.pack(torch.randn(n, t.shape[1], engine.model.cfg.index_head_dim, device=t.device))
         else:
             t.normal_()
     for ts in cm.slots.tensors.values():

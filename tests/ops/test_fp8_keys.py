@@ -29,17 +29,19 @@ def rounded_keys(n: int, d: int, dtype=torch.bfloat16) -> torch.Tensor:
 def test_rounded_keys_pack_exactly(d, dtype):
     k = rounded_keys(300, d, dtype)
     p = fp8_keys.pack(k)
-    assert p.dtype == torch.uint8 and p.shape == (300, fp8_keys.width(d)) and fp8_keys.dims(p) == d
-    assert torch.equal(fp8_keys.unpack(p, dtype), k)
+    assert p.dtype == torch.uint8 and p.shape == (300, fp8_keys.width(d)) and fp8_keys.holds(p, d)
+    assert torch.equal(fp8_keys.unpack(p, dtype, d), k)
+    assert not p[:, d + fp8_keys.blocks(d):].any()  # the alignment's bytes are zeros
     # control: keys that did not pass the rounding keep more bits than e4m3 holds
     raw = torch.randn(300, d, generator=g).to(dtype)
-    assert not torch.equal(fp8_keys.unpack(fp8_keys.pack(raw), dtype), raw)
+    assert not torch.equal(fp8_keys.unpack(fp8_keys.pack(raw), dtype, d), raw)
 
 
-def test_v4_width_is_the_reports_132_bytes():
-    assert fp8_keys.width(128) == 132
+def test_v4_width_is_the_reports_132_bytes_aligned_to_16():
+    assert fp8_keys.width(128) == 144 and 128 + fp8_keys.blocks(128) == 132
     for d in range(1, 300):
-        assert fp8_keys.dims(torch.empty(0, fp8_keys.width(d), dtype=torch.uint8)) == d
+        w = fp8_keys.width(d)
+        assert w % 16 == 0 and d + fp8_keys.blocks(d) <= w < d + fp8_keys.blocks(d) + 16
 
 
 def _case(T=5, H=8, d=32, N=90, E=300, dtype=torch.bfloat16):
@@ -61,7 +63,7 @@ def test_references_score_packed_pools_as_their_values(mode):
         got = ops.indexer_scores(q, w, packed, rows=rows)
         assert torch.equal(got, want)
         bad = packed.clone()
-        bad[rows[0, 0], -1] += 1  # one block's scale doubled
+        bad[rows[0, 0], 32] += 1  # its block's scale doubled (the exponent byte after 32 codes)
         assert not torch.equal(ops.indexer_scores(q, w, bad, rows=rows), want)
     with pytest.raises(ValueError, match="pool"):
         ops.indexer_scores(q, w, packed[:, :-1], rows=rows)  # a row of no key width's bytes
@@ -93,7 +95,7 @@ def test_the_pack_kernel_writes_the_compositions_bytes(d):
     got = torch.zeros_like(want)
     tr.pack_keys_into(keys, got, dest)
     assert torch.equal(got, want)  # raw keys (rounding ties) and rounded ones, a zero key, scattered rows
-    assert torch.equal(fp8_keys.unpack(got[dest[:40]], keys.dtype), keys[:40])
+    assert torch.equal(fp8_keys.unpack(got[dest[:40]], keys.dtype, d), keys[:40])
     other = torch.zeros_like(want)
     tr.pack_keys_into(keys * 2, other, dest)  # control: other keys, other bytes
     assert not torch.equal(other, want)

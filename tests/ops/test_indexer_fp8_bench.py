@@ -56,10 +56,10 @@ def test_the_packed_key_candidates_score_the_keys_values(form):
     rows[2, 5] = -1
     packed = fp8_keys.pack(keys)
     got = X.scores_packed_form(q, w, packed, rows, form, BS=16)
-    want = X.reference(q, w, fp8_keys.unpack(packed, torch.float32), torch.ones(packed.shape[0]), rows)
+    want = X.reference(q, w, fp8_keys.unpack(packed, torch.float32, 64), torch.ones(packed.shape[0]), rows)
     assert torch.isinf(got[2, 5]) and got[2, 5] < 0
     ok = torch.isfinite(want)
     torch.testing.assert_close(got[ok], want[ok], rtol=1e-2, atol=1e-2)
     bad = packed.clone()
-    bad[:, -1] += 1  # control: every key's last block scaled by two
+    bad[:, 64 + fp8_keys.blocks(64) - 1] += 1  # control: every key's last block scaled by two
     assert not torch.allclose(X.scores_packed_form(q, w, bad, rows, form, BS=16)[ok], got[ok])

@@ -1,7 +1,7 @@
 """The indexer keys in V4's cache format (``EngineConfig.index_keys="fp8"``, ``ops/fp8_keys.py``).
 
 Where the model runs V4's activation rounding, packed e4m3 rows (132 bytes a key at V4's width;
-here the tiny preset's 17 against 64 in float32) hold the keys exactly, and serving stays exact: in
+here the tiny preset's 32 against 64 in float32) hold the keys exactly, and serving stays exact: in
 invariant mode every logit equals the model's own incremental path (which keeps its keys unpacked),
 the engine's tokens and log-probabilities equal those of an engine that stores the keys in the model
 dtype, and a prefix restored from disk is exact. Inverse controls: packing keys the model did not
@@ -45,7 +45,7 @@ def test_packed_keys_serve_the_models_own_logits(monkeypatch):
 
     monkeypatch.setattr(CacheManager, "__init__", packed)
     assert _differing(_model(True)) == 0
-    assert seen[-1] == (17, torch.uint8)
+    assert seen[-1] == (32, torch.uint8)
     # control: the same packing of keys the model never rounded loses bits the scores see
     assert _differing(_model(False)) > 0
 
@@ -68,7 +68,7 @@ def test_the_engine_serves_v4s_keys_exactly_under_the_rounding():
     plain, per_plain = _tokens(model, "model")
     assert packed == plain
     csa = sum(1 for r in CFG.layer_ratios if r and CFG.is_csa(r))
-    assert per_packed["index_keys"] == csa * 17 / 4 and per_plain["index_keys"] == csa * 16 * 4 / 4
+    assert per_packed["index_keys"] == csa * 32 / 4 and per_plain["index_keys"] == csa * 16 * 4 / 4
     # control: without the rounding "fp8" rounds the keys, and the log-probabilities move
     assert _tokens(_model(False), "fp8")[0] != _tokens(_model(False), "model")[0]
     assert EngineConfig().index_keys == "model"

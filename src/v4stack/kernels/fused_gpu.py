@@ -195,7 +195,7 @@ def pack_keys_into_ok(new, pool, dest) -> bool:
     D = new.shape[1] if new.dim() == 2 else -1
     return (new.is_cuda and new.dim() == 2 and new.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and new.stride(1) == 1 and D >= 16 and D & (D - 1) == 0 and pool.dtype == torch.uint8
-            and pool.is_contiguous() and pool.shape[-1] == D + -(-D // 32) and pool.device == new.device
+            and pool.is_contiguous() and pool.shape[-1] == -(-(D + -(-D // 32)) // 16) * 16 and pool.device == new.device
             and dest.dtype == torch.int64 and dest.shape == (new.shape[0],) and dest.is_contiguous()
             and dest.device == new.device)
 

@@ -140,7 +140,7 @@ def builds() -> dict:
                fill="fp32", s_snap="i32")
     return {"tail_write": (tail_kernel, sig, dict(BW=1024)),
             "pack_keys": (pack_keys_kernel, dict(X="*bf16", DEST="*i64", P="*u8", s_x="i32", s_p="i32"),
-                          dict(D=128, BLK=32)),
+                          dict(D=128, BLK=32, PAD=16)),
             "ring_capture": (capture_kernel, cap, dict(BR=16, BD=256)),
             "closing_rows": (closing_kernel, dict(PK="*fp32", PS="*fp32", SLOTS="*i64", SEQ="*i64", ENT="*i64",
                                                   OK="*fp32", OS="*fp32", R="i32", m="i32", lookback="i32", W="i32",
@@ -160,7 +160,7 @@ def builds() -> dict:
 
 
 @triton.jit
-def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr):
+def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr, PAD: tl.constexpr):
     """Row ``n`` of ``X [N, D]`` packed (``ops/fp8_keys.py``) into pool row ``DEST[n]`` of ``P``."""
     pdl_enter()
     n = tl.program_id(0).to(tl.int64)
@@ -177,12 +177,15 @@ def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr):
     row = P + tl.load(DEST + n) * s_p
     tl.store(row + tl.arange(0, D), tl.reshape(code, [D]))
     tl.store(row + D + tl.arange(0, NB), e.to(tl.uint8))
+    z = tl.arange(0, PAD)  # the alignment's bytes: zeros (PAD a power of two covering them)
+    tl.store(row + D + NB + z, tl.zeros([PAD], tl.uint8), mask=D + NB + z < s_p)
 
 
 def pack_keys_into(new, pool, dest) -> None:
     """Keys ``new [N, D]`` (D a power of two, at least 16) packed into rows ``dest [N]`` (int64) of
-    the flattened key pool ``pool`` (uint8, ``D + D / 32`` bytes a row): ``ops.fused.pack_keys_into``."""
+    the flattened key pool ``pool`` (uint8, ``ops.fp8_keys.width(D)`` bytes a row): ``ops.fused.pack_keys_into``."""
     N, D = new.shape
     if N:
         p = pool.view(-1, pool.shape[-1])
-        launch(pack_keys_kernel, (N,), new, dest, p, new.stride(0), p.stride(0), D=D, BLK=min(32, D), num_warps=1)
+        launch(pack_keys_kernel, (N,), new, dest, p, new.stride(0), p.stride(0), D=D, BLK=min(32, D),
+               PAD=next_pow2(max(1, p.shape[-1] - D - -(-D // 32))), num_warps=1)

@@ -134,7 +134,7 @@ def indexer_scores(q, w, k, fp: FloatSemantics | None = None, rows: torch.Tensor
     gathered copy); the same bits as passing the gathered keys ``k[rows]``. The pool may hold V4's
     packed e4m3 keys (uint8 rows, ``ops/fp8_keys.py``): scored as their unpacked values."""
     if rows is not None:
-        if q.dim() != 3 or rows.dim() != 2 or rows.shape[0] != q.shape[0] or k.dim() != 2 or fp8_keys.dims(k) != q.shape[2]:
+        if q.dim() != 3 or rows.dim() != 2 or rows.shape[0] != q.shape[0] or k.dim() != 2 or not fp8_keys.holds(k, q.shape[2]):
             raise ValueError(f"indexer_scores: q [T, h, d], pool [N, d] and rows [T, E] expected, got "
                              f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(rows.shape)}")
         return _gemm("indexer_scores_rows", q, q, fp, q, w, k, rows)

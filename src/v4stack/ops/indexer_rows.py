@@ -42,7 +42,7 @@ def _chunked(scores, q, w, pool, rows):
         r = rows[sl].long()
         keys = pool[r.clamp(min=0)] if pool.shape[0] else pool.new_zeros(*r.shape, pool.shape[1])
         if fp8_keys.is_packed(keys):  # V4's packed keys: their exact values in the queries' dtype
-            keys = fp8_keys.unpack(keys, q.dtype)
+            keys = fp8_keys.unpack(keys, q.dtype, q.shape[-1])
         out[sl] = scores(q[sl], w[sl], keys).masked_fill(r < 0, float("-inf"))
     return out
 

@@ -297,7 +297,8 @@ class DiskPrefixStore:
                 if g.kind == "compressed_kv":
                     st.layers[g.layer].compressed_kv = ents
                 else:  # the step's own state holds keys in the model dtype
-                    st.layers[g.layer].index_keys = fp8_keys.unpack(ents, c.dtype) if fp8_keys.is_packed(ents) else ents
+                    st.layers[g.layer].index_keys = (fp8_keys.unpack(ents, c.dtype, c.cfg.index_head_dim)
+                                                      if fp8_keys.is_packed(ents) else ents)
             ids = torch.tensor(tokens[S:P], device=c.blocks.storage[next(iter(c.blocks.storage))].device)
             with mode(self.ops_mode):
                 self.model.step([(ids, st)])
