@@ -26,12 +26,14 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
 [ "${I8_S:-0}" != 0 ] && timeout "$I8_S" python3 -m bench.indexer_fp8 --out "$W/indexer_fp8_${CARD}.json" \
     > "$W/indexer_fp8.log" 2>&1; [ "${I8_S:-0}" != 0 ] && cut -c1-220 "$W/indexer_fp8.log"
 # V4's packed indexer keys against the model dtype's in the step (IK_S a run; flash4 fast batch 256 16k, two
-# interleaved rounds; the bench's model has no activation rounding, so "fp8" rounds its keys) and the packed
+# interleaved rounds; the bench's model has no activation rounding, so "fp8" rounds its keys; "rounded": the model
+# under V4's rounding with bf16 keys, "rounded_fp8" with packed keys, its default) and the packed
 # keys' kernel test on the device
 if [ "${IK_S:-0}" != 0 ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/ops/test_fp8_keys.py > "$W/fp8_keys_tests.log" 2>&1; tail -2 "$W/fp8_keys_tests.log"
   for i in 1 2; do for k in model fp8 rounded rounded_fp8; do
-    extra="--index-keys $k"; [ $k = rounded ] && extra="--act-rounding"; [ $k = rounded_fp8 ] && extra="--act-rounding --index-keys fp8"
+    extra="--index-keys $k"; [ $k = rounded ] && extra="--act-rounding --index-keys model"
+    [ $k = rounded_fp8 ] && extra="--act-rounding --index-keys fp8"
     timeout "$IK_S" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast --batches 256 --contexts 16384 \
       --steps 32 --point-budget-s 4 $extra --out "$W/serve_index_keys_${k}_${CARD}_$i.json" > "$W/serve_index_keys_${k}_$i.log" 2>&1
     echo "== $k $i"; grep -E "^flash" "$W/serve_index_keys_${k}_$i.log" | cut -c1-250

@@ -6,7 +6,9 @@ scoring over bf16 keys, with how far the chosen entries move.
 
 Then (``packed_rows``) the form the engine stores: the shipped kernel over V4's packed keys
 (``ops/fp8_keys.py``: e4m3 codes, a power-of-two scale a 32 dims), against the same kernel over
-bf16 keys, at one to four chunks a program.
+bf16 keys, at one to four chunks a program. (Five other widenings of the packed keys - the codes
+scaled as ``[blocks, 32, entries]``, the exponent added to the bf16 bits, one MMA a 32-dim block
+chained - were measured slower at 6d0e8fd, ``indexer_fp8_h100_6d0e8fd.json``; code at that commit.)
 
 A key ``k`` is stored as ``k8 = e4m3(k / s)`` with ``s = max|k| / 448`` (1 for a zero key), so
 ``k ~ s k8``; since ``s > 0``, ``sum_h w_h relu(q_h . s k8) = s sum_h w_h relu(q_h . k8)``, and the
@@ -19,9 +21,10 @@ Each row: device time per call under a CUDA graph (``bench.timing.graph_time``) 
 bf16 scoring and of the candidate at a few launch shapes, ``queries`` x ``entries`` (64 heads of
 128, each query's entries contiguous in the pool, as a request's closed entries are), the largest
 score difference against the fp32 scores of the dequantised keys, and how many of the top-512
-entries of the bf16 keys' scores the candidate's top-512 keeps. The candidate lives in this bench
-until a GPU run says it is faster and its choice is close enough; storing the keys so is the cache
-format change the README's serving section describes.
+entries of the bf16 keys' scores the candidate's top-512 keeps. On an H100 it was no faster than the
+bf16 scoring (111 against 109 us at 256 x 4096, ``indexer_fp8_h100_92e840f.json``), and a scale a key
+cannot hold V4's rounded keys exactly, so the engine stores the packed form above instead; the
+candidate stays as the record.
 """
 
 from __future__ import annotations
@@ -109,77 +112,6 @@ def overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     return float(hit.float().mean())
 
 
-@triton.jit
-def packed_form_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_ks, s_rt, s_yt, D: tl.constexpr,
-                       BH: tl.constexpr, BS: tl.constexpr, FORM: tl.constexpr):
-    """Other ways to widen V4's packed keys (``ops/fp8_keys.py``) in the indexer, one program a (query,
-    BS entries): FORM 0, the codes loaded as ``[blocks, 32, BS]`` and scaled there (the scale broadcast
-    along a dim, the product reshaped); 1, the codes widened to bf16 and each block's exponent added to
-    the bits' exponent field (exact, no fp32 tile); 2, one MMA a 32-dim block chained into the
-    accumulator (the query loaded a block at a time), the block's keys scaled in fp32; 3, the same
-    scaled in the half dtype; 4, the same with the exponent added to the bf16 bits."""
-    pdl_enter()
-    NB: tl.constexpr = D // 32
-    t = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1) * BS + tl.arange(0, BS)
-    r = tl.load(Rows + t * s_rt + s, mask=s < S, other=-1).to(tl.int64)
-    ok = (r >= 0) & (r < NK)
-    j = tl.arange(0, 32)
-    b = tl.arange(0, NB)
-    h = tl.arange(0, BH)
-    score = tl.full([BS], float("-inf"), tl.float32)
-    if tl.sum(ok.to(tl.int32), 0) > 0:
-        w = tl.load(Wt + t * s_wt + h, mask=h < H, other=0.0).to(tl.float32)
-        if FORM >= 2:
-            acc = tl.zeros([BH, BS], tl.float32)
-            for bb in tl.static_range(NB):
-                qb = tl.load(Q + t * s_qt + h[:, None] * s_qh + (bb * 32 + j)[None, :], mask=(h < H)[:, None], other=0.0)
-                cb = tl.load(Kc + r[None, :] * s_ks + bb * 32 + j[:, None], mask=ok[None, :], other=0)
-                eb = tl.load(Kc + r * s_ks + D + bb, mask=ok, other=127)
-                if FORM == 2:  # the product in fp32
-                    sc = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                    kb = (cb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[None, :]).to(qb.dtype)
-                elif FORM == 3:  # in the query's half dtype (exact: a power of two)
-                    sc = (eb.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(qb.dtype)
-                    kb = cb.to(tl.float8e4nv, bitcast=True).to(qb.dtype) * sc[None, :]
-                else:  # the exponent added to the bf16 bits
-                    bits = cb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True)
-                    add = ((eb.to(tl.int32) - 127) << 7).to(tl.int16)
-                    kb = tl.where((bits & 0x7FFF) != 0, bits + add[None, :], bits).to(tl.bfloat16, bitcast=True)
-                acc = tl.dot(qb, kb, acc)
-            score = tl.where(ok, tl.sum(tl.maximum(acc, 0.0) * w[:, None], 0), float("-inf"))
-        else:
-            d = tl.arange(0, D)
-            q = tl.load(Q + t * s_qt + h[:, None] * s_qh + d[None, :], mask=(h < H)[:, None], other=0.0)
-            code = tl.load(Kc + r[None, None, :] * s_ks + (b[:, None, None] * 32 + j[None, :, None]),
-                           mask=ok[None, None, :], other=0)
-            e = tl.load(Kc + r[None, :] * s_ks + D + b[:, None], mask=ok[None, :], other=127)
-            if FORM == 0:
-                sc = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                k = (code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None, :]).to(q.dtype)
-            else:
-                bits = code.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True)
-                add = ((e.to(tl.int32) - 127) << 7).to(tl.int16)
-                bits = tl.where((bits & 0x7FFF) != 0, bits + add[:, None, :], bits)
-                k = bits.to(tl.bfloat16, bitcast=True)
-            k = tl.reshape(k, [D, BS])
-            score = tl.where(ok, _indexer_score(q, k, w, False), float("-inf"))
-    tl.store(Y + t * s_yt + s, score, mask=s < S)
-
-
-def scores_packed_form(q, w, packed, rows, form: int, BS: int = 128, num_warps: int = 4):
-    """``packed_form_kernel``'s scores (fp32; -inf where ``rows`` is no entry)."""
-    T, H, D = q.shape
-    S = rows.shape[1]
-    out = torch.empty(T, S, dtype=torch.float32, device=q.device)
-    if T and S:
-        qc, wc, rc = q.contiguous(), w.contiguous(), rows.contiguous()
-        launch(packed_form_kernel, (T, cdiv(S, BS)), qc, wc, packed, rc, out, S, H, packed.shape[0], qc.stride(0),
-               qc.stride(1), wc.stride(0), packed.stride(0), rc.stride(0), out.stride(0), D=D,
-               BH=max(16, next_pow2(H)), BS=BS, FORM=form, num_warps=num_warps, num_stages=3)
-    return out
-
-
 def packed_rows(T: int, E: int) -> list:
     """The shipped kernel over V4's packed keys (``ops/fp8_keys.py``, the engine's
     ``index_keys="fp8"``) against the same kernel over the bf16 keys they hold, at a few tiles
@@ -203,11 +135,6 @@ def packed_rows(T: int, E: int) -> list:
                                   "key_bytes": pool.numel() * pool.element_size()},
                                  lambda t=t, pool=pool: indexer_scores(q, w, pool, rows, t), base,
                                  "bits_equal_bf16_pool"))
-    for form in (0, 1, 2, 3, 4):  # the candidates' widenings of the packed keys
-        out.append(time_tile({"queries": T, "entries": E, "form": f"packed e4m3 keys, candidate form {form}",
-                              "key_bytes": packed.numel()},
-                             lambda form=form: scores_packed_form(q, w, packed, rows, form), base.float(),
-                             "bits_equal_bf16_pool"))
     return out
 
 

@@ -185,7 +185,7 @@ def _sync(device: str) -> None:
 
 def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: float | None, budget_s: float,
                 overlap: bool = True, warmup: int = 6, rate: float | None = None, stagger: int = 0,
-                layout: str = "kernel", pdl_rows: int | None = None, index_keys: str = "model") -> dict:
+                layout: str = "kernel", pdl_rows: int | None = None, index_keys: str = "auto") -> dict:
     B, dev = cfg.block_tokens, model.embed.weight.device.type
     per = -(-(ctx + stagger + steps + warmup + 8) // B) + 1
     engine = Engine(model, EngineConfig(n_blocks=batch * per, n_slots=batch, n_snapshots=batch,
@@ -280,13 +280,13 @@ def main(argv: list[str] | None = None) -> None:
                          "copy (a copy-engine transfer, then the feed), or kernel,copy for both (an A/B)")
     ap.add_argument("--pdl-rows", type=int, default=None,
                     help="decode graphs of up to this many rows launch programmatically (default: the engine's)")
-    ap.add_argument("--index-keys", default="model", choices=("model", "fp8"),
-                    help="the cache's indexer keys (EngineConfig.index_keys): model (the model dtype) or fp8 (V4's "
-                         "packed e4m3 keys, 132 bytes a key; without --act-rounding they round the keys, so the chosen "
-                         "entries may move)")
+    ap.add_argument("--index-keys", default="auto", choices=("auto", "model", "fp8"),
+                    help="the cache's indexer keys (EngineConfig.index_keys): auto (V4's packed keys with "
+                         "--act-rounding, else the model dtype), model, or fp8 (V4's packed e4m3 keys, 144 bytes a key; "
+                         "without --act-rounding they round the keys, so the chosen entries may move)")
     ap.add_argument("--act-rounding", action="store_true",
                     help="the model runs V4's activation rounding (model/quant.py: FP8 KV rows and entries, Hadamard + FP4 "
-                         "indexer queries and keys), as a released checkpoint loads")
+                         "indexer queries and keys), as a released checkpoint loads; --index-keys auto then packs the keys")
     ap.add_argument("--out", default="bench/results/serve_engine_h200.json")
     a = ap.parse_args(argv)
     bw = copy_bandwidth(a.device)

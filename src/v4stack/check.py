@@ -64,12 +64,14 @@ class Serving:
 
     def __init__(self, model, reqs: list[Request], slots: int):
         from v4stack.serve.cache import CacheManager
+        from v4stack.serve.engine import EngineConfig
         from v4stack.serve.model_runner import ModelRunner
 
         longest = max(sum(len(c) for c in r.chunks) for r in reqs)
         per = -(-(longest + 1) // model.cfg.block_tokens)
         self.cm = CacheManager(model.cfg, model.dtype, n_blocks=slots * per, n_slots=slots, n_snapshots=0,
-                               device=model.embed.weight.device)
+                               device=model.embed.weight.device,  # the engine's default cache format
+                               index_fp8=EngineConfig().index_fp8(model))
         self.runner = ModelRunner(model, self.cm)
 
     def new(self, r: Request):

@@ -44,22 +44,3 @@ def test_overlap_counts_the_kept_entries():
     assert X.overlap(a, a, 2) == 1.0
     assert X.overlap(a, torch.tensor([[5.0, 1.0, 3.0, 2.0, 4.0]]), 2) == 0.5
 
-
-@pytest.mark.parametrize("form", [0, 1, 2])
-def test_the_packed_key_candidates_score_the_keys_values(form):
-    from v4stack.model.quant import IndexRounding
-    from v4stack.ops import fp8_keys
-
-    q, w, keys, rows = X.case(3, 40, "cpu", H=8, D=64, seed=4)
-    keys = IndexRounding()(keys) * 1024
-    rows = rows.clone()
-    rows[2, 5] = -1
-    packed = fp8_keys.pack(keys)
-    got = X.scores_packed_form(q, w, packed, rows, form, BS=16)
-    want = X.reference(q, w, fp8_keys.unpack(packed, torch.float32, 64), torch.ones(packed.shape[0]), rows)
-    assert torch.isinf(got[2, 5]) and got[2, 5] < 0
-    ok = torch.isfinite(want)
-    torch.testing.assert_close(got[ok], want[ok], rtol=1e-2, atol=1e-2)
-    bad = packed.clone()
-    bad[:, 64 + fp8_keys.blocks(64) - 1] += 1  # control: every key's last block scaled by two
-    assert not torch.allclose(X.scores_packed_form(q, w, bad, rows, form, BS=16)[ok], got[ok])

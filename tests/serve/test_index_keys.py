@@ -1,6 +1,6 @@
-"""The indexer keys in V4's cache format (``EngineConfig.index_keys="fp8"``, ``ops/fp8_keys.py``).
+"""The indexer keys in V4's cache format (``EngineConfig.index_keys``, ``ops/fp8_keys.py``).
 
-Where the model runs V4's activation rounding, packed e4m3 rows (132 bytes a key at V4's width;
+Where the model runs V4's activation rounding, the engine stores packed e4m3 rows (144 bytes a key at V4's width;
 here the tiny preset's 32 against 64 in float32) hold the keys exactly, and serving stays exact: in
 invariant mode every logit equals the model's own incremental path (which keeps its keys unpacked),
 the engine's tokens and log-probabilities equal those of an engine that stores the keys in the model
@@ -39,14 +39,15 @@ def test_packed_keys_serve_the_models_own_logits(monkeypatch):
     seen = []
     init = CacheManager.__init__
 
-    def packed(self, *a, **kw):  # the check's serving path, its cache storing V4's keys
-        init(self, *a, **{**kw, "index_fp8": True})
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
         seen.append({g.kind: (g.width, g.dtype) for g in self.spec.paged}["index_keys"])
 
-    monkeypatch.setattr(CacheManager, "__init__", packed)
+    monkeypatch.setattr(CacheManager, "__init__", spy)
     assert _differing(_model(True)) == 0
-    assert seen[-1] == (32, torch.uint8)
+    assert seen[-1] == (32, torch.uint8)  # the check's serving path stored V4's keys, as the engine does
     # control: the same packing of keys the model never rounded loses bits the scores see
+    monkeypatch.setattr(CacheManager, "__init__", lambda self, *a, **kw: spy(self, *a, **{**kw, "index_fp8": True}))
     assert _differing(_model(False)) > 0
 
 
@@ -62,16 +63,18 @@ def _tokens(model, index_keys: str):
 
 
 @torch.no_grad()
-def test_the_engine_serves_v4s_keys_exactly_under_the_rounding():
+def test_the_engine_picks_v4s_keys_under_the_rounding():
     model = _model(True)
-    packed, per_packed = _tokens(model, "fp8")
+    packed, per_packed = _tokens(model, "auto")
     plain, per_plain = _tokens(model, "model")
     assert packed == plain
     csa = sum(1 for r in CFG.layer_ratios if r and CFG.is_csa(r))
     assert per_packed["index_keys"] == csa * 32 / 4 and per_plain["index_keys"] == csa * 16 * 4 / 4
-    # control: without the rounding "fp8" rounds the keys, and the log-probabilities move
-    assert _tokens(_model(False), "fp8")[0] != _tokens(_model(False), "model")[0]
-    assert EngineConfig().index_keys == "model"
+    # without the rounding "auto" keeps the model dtype; control: "fp8" there rounds the keys, and
+    # the log-probabilities move
+    plain_off, per_off = _tokens(_model(False), "auto")
+    assert per_off["index_keys"] == per_plain["index_keys"]
+    assert _tokens(_model(False), "fp8")[0] != plain_off
     with pytest.raises(ValueError, match="index_keys"):
         EngineConfig(index_keys="fp4").validate()
 
@@ -86,7 +89,7 @@ def test_a_prefix_restored_from_disk_keeps_packed_keys_exact(tmp_path, strategy)
     model = _model(True)
 
     def engine():
-        eng = Engine(model, EngineConfig(n_blocks=64, n_slots=4, index_keys="fp8"))
+        eng = Engine(model, EngineConfig(n_blocks=64, n_slots=4))
         assert eng.cache.blocks.storage[("index_keys", 2)].dtype == torch.uint8
         return eng
 

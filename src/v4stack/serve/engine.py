@@ -29,7 +29,7 @@ from v4stack.serve.spec_step import MTPStep
 
 
 EXPERT_BACKENDS = ("local", "all_to_all", "megamoe")
-INDEX_KEY_FORMATS = ("model", "fp8")
+INDEX_KEY_FORMATS = ("auto", "model", "fp8")
 
 
 @dataclass
@@ -51,12 +51,14 @@ class EngineConfig:
     # decode steps overlap the host's work for the last step's tokens (serve/overlap.py); between
     # two ``step()`` calls the last launched step's tokens may then be unread (``drain()``)
     overlap: bool = False
-    # how the paged cache stores the lightning indexer's keys: "model", in the model dtype; "fp8", as
-    # V4 does (``ops/fp8_keys.py``: 132 bytes a key at V4's width against 256 in bf16; exact under V4's
-    # activation rounding, which ``load_model`` turns on for released checkpoints, lossy without it).
-    # The indexer kernel over packed keys is slower today (bench/indexer_fp8.py), so the smaller
-    # cache is the choice to make
-    index_keys: str = "model"
+    # how the paged cache stores the lightning indexer's keys: "auto", as V4 does (``ops/fp8_keys.py``:
+    # 144 bytes a key at V4's width against 256 in bf16, exact) where the model runs V4's activation
+    # rounding (``load_model`` turns it on for released checkpoints), else in the model dtype; "model":
+    # always the model dtype; "fp8": always packed (without the rounding it rounds the keys)
+    index_keys: str = "auto"
+
+    def index_fp8(self, model) -> bool:
+        return self.index_keys == "fp8" or (self.index_keys == "auto" and bool(getattr(model, "act_rounding", False)))
 
     def validate(self) -> "EngineConfig":
         for name in ("n_blocks", "n_slots", "token_budget", "max_running"):
@@ -103,7 +105,7 @@ class Engine:
         self.config = (config or EngineConfig()).validate()
         c = self.config
         self.cache = CacheManager(model.cfg, model.dtype, c.n_blocks, c.n_slots, c.n_snapshots,
-                                  device=model.embed.weight.device, index_fp8=c.index_keys == "fp8")
+                                  device=model.embed.weight.device, index_fp8=c.index_fp8(model))
         self.spec = MTPStep(self) if c.speculative == "mtp" else None
         self.scheduler = Scheduler(self.cache, c.token_budget, c.max_running,
                                    draft_tokens=self.spec.draft_tokens if self.spec is not None else None)
