@@ -99,3 +99,17 @@ def test_the_pack_kernel_writes_the_compositions_bytes(d):
     other = torch.zeros_like(want)
     tr.pack_keys_into(keys * 2, other, dest)  # control: other keys, other bytes
     assert not torch.equal(other, want)
+
+
+def test_aligned_rows_keep_the_indexer_kernel_in_its_registers():
+    """The packed rows are padded to a multiple of 16 bytes so the decode launch's key stride is:
+    built for sm_90a as that launch runs, the indexer over packed keys takes the bf16 kernel's
+    registers and does not spill; control: with 132-byte rows (no aligned stride) it spills."""
+    pytest.importorskip("triton")
+    from tests.ops.hopper import registers
+
+    got = registers(("indexer_scores_decode", "indexer_scores_fp8", "indexer_scores_fp8_132"))
+    assert got["indexer_scores_fp8"]["spill_bytes"] == 0
+    assert got["indexer_scores_fp8"]["registers"] <= got["indexer_scores_decode"]["registers"] + 8
+    assert got["indexer_scores_fp8_132"]["spill_bytes"] > 0
+    assert fp8_keys.width(128) % 16 == 0

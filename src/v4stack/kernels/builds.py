@@ -80,10 +80,15 @@ def kernels() -> dict:
         "indexer_scores": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
                                                    [BF, BF, BF, "*i64", BF] + [I] * 10),
                            dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True)),
-        # over V4's packed keys (uint8 rows: 128 e4m3 codes, 4 exponent bytes)
-        "indexer_scores_fp8": (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
-                                                       [BF, BF, "*u8", "*i64", BF] + [I] * 10),
-                               dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True, FP8=True)),
+        # the decode step's launch as it runs: the pointers and the strides divisible by 16 (with a bf16
+        # pool's 256-byte rows, and with V4's packed keys in 144-byte rows; at 132 bytes the key stride is not)
+        **{name: (tg.indexer_kernel, _sig("Q Wt Kc Rows Y S H NK s_qt s_qh s_wt s_kt s_ks s_rt s_yt",
+                                          [BF, P, key, "*i64", P] + [I] * 10),
+                  dict(D=128, BH=64, BS=128, CH=1, IEEE=False, INDEXED=True, FP8=key == "*u8"),
+                  dict(num_warps=4, num_stages=3, divisible=("Q", "Wt", "Kc", "Rows", "Y", "s_qt", "s_qh", "s_rt",
+                                                             "s_yt") + (("s_ks",) if aligned else ())))
+           for name, key, aligned in (("indexer_scores_decode", BF, True), ("indexer_scores_fp8", "*u8", True),
+                                      ("indexer_scores_fp8_132", "*u8", False))},
         "topk_rows": (tsel.topk_rows_kernel, _sig("S ROWS OUT E k s_s s_r s_o", [P, "*i64", "*i64"] + [I] * 5),
                       dict(EB=4096, BITS=1, EBT=0), dict(num_warps=8)),
         # a 16k step's width (4608) on the indexer's bf16 scores: one 8192-wide block (the form before
@@ -149,9 +154,12 @@ def build(name: str, arch: int = 90):
 
     fn, sig, cx, *opts = kernels()[name]
     sig = {**sig, **{k: "constexpr" for k in cx}}
-    opts = opts[0] if opts else {}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", arch, 32),
-                          options=opts)
+    opts = dict(opts[0]) if opts else {}
+    # arguments a real launch has divisible by 16 (Triton specialises on it: aligned, vector loads)
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in opts.pop("divisible", ())}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def registers(name: str, arch: int = 90) -> dict:
