@@ -57,6 +57,11 @@ pack
     --set 'compress_ratios=[0,0,4,128]' --set n_routed_experts=8 --set num_nextn_predict_layers=0 --prompts 8 \
     --phases invariant,fast,mixed_rope --out "$W/model_invariance_flash4_${CARD}.json" > "$W/model_check.log" 2>&1
 grep -iE "differ|steps|error" "$W/model_check.log" 2>/dev/null | tail -8
+# the same check with the model under V4's activation rounding (rounded KV, packed indexer keys) (RCHECK_S)
+[ "${RCHECK_S:-0}" != 0 ] && timeout "$RCHECK_S" python3 -m bench.model_check --preset flash --set num_hidden_layers=4 \
+    --set 'compress_ratios=[0,0,4,128]' --set n_routed_experts=8 --set num_nextn_predict_layers=0 --prompts 8 \
+    --act-rounding --phases invariant,fast --out "$W/model_invariance_rounded_flash4_${CARD}.json" > "$W/model_check_rounded.log" 2>&1
+[ "${RCHECK_S:-0}" != 0 ] && grep -iE "differ|steps|error" "$W/model_check_rounded.log" | tail -4
 pack
 [ "${SERVE_S:-120}" != 0 ] && timeout "${SERVE_S:-120}" python3 -m bench.serve_roofline --device cuda --configs ${CONFIGS:-flash4,flash8} --batches ${BATCHES:-1,16,64,256} \
     --steps ${STEPS:-8} --point-budget-s 4 --out "$W/serve_engine_${CARD}.json" > "$W/serve_roofline.log" 2>&1

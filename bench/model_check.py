@@ -105,15 +105,22 @@ def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
     p.add_argument("--decode-steps", type=int, default=12, help="decode steps timed per mode (after 2 left out)")
     p.add_argument("--phases", default="decode,invariant,fast", help="comma list, run in this order")
     p.add_argument("--bisect-budget-s", type=float, default=150.0)
+    p.add_argument("--act-rounding", action="store_true",
+                   help="the model runs V4's activation rounding (model/quant.py), as a released checkpoint loads: the "
+                        "serving path then keeps its indexer keys packed (EngineConfig.index_keys auto)")
     p.add_argument("--out", default="bench/results/model_invariance_tiny_h200.json")
     a = p.parse_args(argv)
     over = {k: json.loads(v) for k, v in (x.split("=", 1) for x in a.set)}
     dev_name = torch.cuda.get_device_name() if torch.device(a.device).type == "cuda" else "cpu"
     rep: dict = {"seconds": {}}
     payload = {**(meta or {}), "bench": "model_invariance", "preset": a.preset, "overrides": over, "dtype": a.dtype,
-               "device_name": dev_name, "prompts": a.prompts, "results": rep}
+               "device_name": dev_name, "prompts": a.prompts, "act_rounding": a.act_rounding, "results": rep}
     t0 = time.time()
     model = check.build_model(a.preset, a.dtype, a.device, 0, over)
+    if a.act_rounding:
+        from v4stack.model.quant import set_act_rounding
+
+        set_act_rounding(model, True)
     if a.device.startswith("cuda"):
         torch.cuda.synchronize()
     rep["seconds"]["build"] = round(time.time() - t0, 1)
