@@ -265,7 +265,7 @@ class Attention(nn.Module):
                                      cl.entry, dt)
             if fp8:
                 fused.pack_keys_into(new, pool, cl.dest)
-                cache.count(pool.view(-1, pool.shape[-1])[: new.shape[0]])  # the packed rows' bytes
+                cache.count(pool.view(-1, pool.shape[-1])[: new.shape[0]])  # as many bytes as the rows written
             else:
                 pool.view(-1, pool.shape[-1]).index_copy_(0, cl.dest, new)
                 cache.count(new)

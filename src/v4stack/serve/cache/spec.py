@@ -7,8 +7,8 @@ byte accounting all read these specs; nothing else hard-codes a layout.
 Groups:
 - ``compressed_kv`` (per CSA / HCA layer): ``block_tokens / ratio`` closed entries of width c;
 - ``index_keys`` (per CSA layer): ``block_tokens / m`` indexer keys of width d_I - in the cache
-  dtype, or with ``index_fp8`` as V4's packed e4m3 rows of ``d_I + d_I / 32`` bytes
-  (``ops/fp8_keys.py``; exact for keys under V4's activation rounding);
+  dtype, or with ``index_fp8`` as V4's packed e4m3 rows of ``fp8_keys.width(d_I)`` bytes (144 at
+  V4's width; ``ops/fp8_keys.py``, exact for keys under V4's activation rounding);
 - ``swa_kv`` (per layer, state): the window, ``n_win`` rows;
 - ``compressor_tail`` / ``index_tail`` (per compressed layer, state): ``coff * ratio`` rows of kv
   and gate scores, fp32.
