@@ -104,3 +104,17 @@ def test_a_prefix_restored_from_disk_keeps_packed_keys_exact(tmp_path, strategy)
     assert info.hit_tokens == 112
     logits, out, _ = first_logits(cold, full)
     assert torch.equal(logits, ref_logits[-logits.shape[0]:]) and out == ref_out
+
+
+def test_the_serve_command_takes_the_key_format(monkeypatch):
+    from typer.testing import CliRunner
+
+    from v4stack import cli
+    from v4stack.serve import server
+
+    got = []
+    monkeypatch.setattr(server, "serve", lambda cfg, model, name, host, port, ecfg, **kw: got.append(ecfg))
+    res = CliRunner().invoke(cli.app, ["serve", "--preset", "tiny", "--index-keys", "fp8"])
+    assert res.exit_code == 0 and got[-1].index_keys == "fp8"
+    res = CliRunner().invoke(cli.app, ["serve", "--preset", "tiny", "--index-keys", "fp4"])
+    assert res.exit_code == 2 and "index_keys" in res.output and len(got) == 1  # refused before serving

@@ -40,6 +40,9 @@ def serve_command(
     overlap: Optional[bool] = typer.Option(None, "--overlap/--no-overlap",
                                            help="Launch each decode step before reading the last one's tokens "
                                                 "(default: on with --device cuda)."),
+    index_keys: str = typer.Option("auto", help="The cache's indexer keys: auto (V4's packed e4m3 keys where the model "
+                                                "runs V4's activation rounding, as a released checkpoint does; else the "
+                                                "model dtype), model, or fp8 (packed always; rounds unrounded keys)."),
 ):
     """Start the OpenAI-compatible HTTP server (completions, chat, tools, SSE, /metrics)."""
     from pathlib import Path
@@ -58,7 +61,7 @@ def serve_command(
     name = served_name or (Path(model).name if model else f"v4stack-{preset}")
     ecfg = EngineConfig(n_blocks=n_blocks, n_slots=n_slots, token_budget=token_budget,
                         max_running=n_slots, ops_mode=ops_mode, eos_token_id=eos_token_id,
-                        overlap=device.startswith("cuda") if overlap is None else overlap)
+                        overlap=device.startswith("cuda") if overlap is None else overlap, index_keys=index_keys)
     opts = ServerOptions(api_key=api_key, allowed_origins=_csv(allowed_origins), allowed_methods=_csv(allowed_methods),
                          allowed_headers=_csv(allowed_headers), allow_credentials=allow_credentials,
                          max_body_bytes=max_body_bytes, max_stops=max_stops, max_stop_chars=max_stop_chars,
