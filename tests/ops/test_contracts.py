@@ -153,3 +153,11 @@ def test_indexer_chunks_need_their_own_stride():
     bad = dataclasses.replace(good, name="indexer_chunks_bad_stride",
                               accesses=tuple(a for a in good.accesses if a.tensor != "Y") + (y,))
     assert any(f["property"] == "disjoint" for f in prove.prove(bad))
+
+
+def test_a_packed_key_row_without_room_for_its_exponents_is_rejected():
+    # V4's packed indexer keys: D codes then ceil(D / 32) exponent bytes a row; a contract that
+    # promises only the codes' D bytes lets the exponent loads run past the row
+    failures = prove.prove(specs.indexer(BS=128, name="indexer_fp8_short", fp8=True, min_width=128))
+    assert any(f["access"] == "load Pool_exponents" for f in failures)
+    assert prove.prove(specs.indexer(BS=128, name="indexer_fp8_ok", fp8=True)) == []

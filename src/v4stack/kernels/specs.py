@@ -149,27 +149,39 @@ def sparse_attention(D=512, BH=16, CH=64, checked=True, name="sparse_attention")
     )
 
 
-def indexer(D=128, BH=64, BS=64, CH=1, name="indexer") -> Spec:
+def indexer(D=128, BH=64, BS=64, CH=1, name="indexer", fp8=False, min_width=None) -> Spec:
     """Indexer scores: program (t, ps) scores chunks c < CH of keys (ps*CH + c)*BS.. for query t over all heads; keys are
     shared [S, D], per row [T, S, D] (the larger index space of the two), or pool rows [NK, D]
-    read by index (``rows [T, S]``, any value; a row is read only when ``0 <= row < NK``)."""
+    read by index (``rows [T, S]``, any value; a row is read only when ``0 <= row < NK``). ``fp8``:
+    the pool holds V4's packed keys, rows of ``W`` bytes (at least the D codes and their ceil(D / 32)
+    exponent bytes; ``min_width`` another bound, to show a short row is caught): a row's codes at
+    [0, D), its block ``nb``'s exponent at D + nb."""
     import z3
+
+    NB = -(-D // 32)
+    least = D + NB if min_width is None else min_width
 
     def s_(n):
         return (n.ps * CH + n.c) * BS + n.s
 
+    def in_pool(n):
+        return z3.And(n.row >= 0, n.row < n.NK)
+
+    pool = (Access("Pool", "load", lambda n: (n.row, n.d), lambda n: (n.NK, D), in_pool),) if not fp8 else (
+        Access("Pool_codes", "load", lambda n: (n.row, n.d), lambda n: (n.NK, n.W), in_pool),
+        Access("Pool_exponents", "load", lambda n: (n.row, D + n.nb), lambda n: (n.NK, n.W), in_pool))
     return Spec(
-        name=name, dims=("T", "H", "S", "NK"), requires=lambda n: [n.H <= BH], zero_ok=("NK",),
+        name=name, dims=("T", "H", "S", "NK") + (("W",) if fp8 else ()),
+        requires=lambda n: [n.H <= BH] + ([n.W >= least] if fp8 else []), zero_ok=("NK",),
         grid=lambda n: {"t": n.T, "ps": cdiv(n.S, BS * CH)},
-        lanes=lambda n: {"h": BH, "s": BS, "d": D, "c": CH},
+        lanes=lambda n: {"h": BH, "s": BS, "d": D, "c": CH, "nb": NB},
         data=lambda n: {"row": (IDX_MIN, IDX_MAX)},
         accesses=(
             Access("Q", "load", lambda n: (n.t, n.h, n.d), lambda n: (n.T, n.H, D), lambda n: n.h < n.H),
             Access("W", "load", lambda n: (n.t, n.h), lambda n: (n.T, n.H), lambda n: n.h < n.H),
             Access("K", "load", lambda n: (n.t, s_(n), n.d), lambda n: (n.T, n.S, D), lambda n: s_(n) < n.S),
             Access("Rows", "load", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S),
-            Access("Pool", "load", lambda n: (n.row, n.d), lambda n: (n.NK, D),
-                   lambda n: z3.And(n.row >= 0, n.row < n.NK)),
+            *pool,
             Access("Y", "store", lambda n: (n.t, s_(n)), lambda n: (n.T, n.S), lambda n: s_(n) < n.S,
                    lanes=("s", "c")),
         ),
@@ -205,6 +217,8 @@ def row_mix(name: str, BJ=8, BD=1024) -> Spec:
 ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer_bs64": lambda: indexer(name="indexer_bs64"),
        # the half-precision launch's tile (triton_gemm.INDEXER_TILE: 128 keys, one chunk)
        "indexer_bs128": lambda: indexer(BS=128, name="indexer_bs128"),
+       # the same over V4's packed keys (FP8: ops/fp8_keys.py rows)
+       "indexer_fp8_bs128": lambda: indexer(BS=128, name="indexer_fp8_bs128", fp8=True),
        "row_mix": lambda: row_mix("row_mix"), "rms_norm": specs_more.rms_norm, "softmax_row": specs_more.softmax_row,
        "sparse_attention_split": specs_more.sparse_attention_split}
 
@@ -281,7 +295,7 @@ GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F
           "hc_mix": _active("HC_TILES", "HC_HALF_TILES", "HC_TILES_GRAPH", "HC_HALF_TILES_GRAPH"),
           "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION,
-          "indexer": ["indexer_bs64", "indexer_bs128"]}
+          "indexer": ["indexer_bs64", "indexer_bs128", "indexer_fp8_bs128"]}
 
 
 PROOFS = Path(__file__).with_name("proofs.json")
