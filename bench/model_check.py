@@ -116,11 +116,7 @@ def main(argv: list[str] | None = None, meta: dict | None = None) -> dict:
     payload = {**(meta or {}), "bench": "model_invariance", "preset": a.preset, "overrides": over, "dtype": a.dtype,
                "device_name": dev_name, "prompts": a.prompts, "act_rounding": a.act_rounding, "results": rep}
     t0 = time.time()
-    model = check.build_model(a.preset, a.dtype, a.device, 0, over)
-    if a.act_rounding:
-        from v4stack.model.quant import set_act_rounding
-
-        set_act_rounding(model, True)
+    model = check.build_model(a.preset, a.dtype, a.device, 0, over, a.act_rounding)
     if a.device.startswith("cuda"):
         torch.cuda.synchronize()
     rep["seconds"]["build"] = round(time.time() - t0, 1)

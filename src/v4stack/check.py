@@ -174,11 +174,12 @@ def compare(ref: dict[int, list], got: dict[int, list]) -> dict:
 
 
 def build_model(preset: str = "tiny", dtype: str = "float32", device: str = "cpu", seed: int = 0,
-                overrides: dict | None = None):
+                overrides: dict | None = None, act_rounding: bool = False):
     """The check's model: random weights from ``seed``. On a GPU the model is built there and its
     weights drawn by the device's generator (the CPU's float64 draws of a V4-Flash-wide model take
     tens of seconds, its copy to the GPU more). ``overrides``: config fields replacing the
-    preset's (e.g. fewer layers at Flash widths)."""
+    preset's (e.g. fewer layers at Flash widths). ``act_rounding``: V4's activation rounding on, as
+    a released checkpoint loads (the serving path then keeps its indexer keys packed)."""
     import torch
 
     from v4stack.config import ModelConfig
@@ -197,13 +198,18 @@ def build_model(preset: str = "tiny", dtype: str = "float32", device: str = "cpu
         with torch.device(device):
             model = V4Model(cfg, seed=None)
         init_weights(model, seed, device=device)
-    return model.cast(getattr(torch, dtype)).eval()
+    model = model.cast(getattr(torch, dtype)).eval()
+    if act_rounding:
+        from v4stack.model.quant import set_act_rounding
+
+        set_act_rounding(model, True)
+    return model
 
 
 def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invariant", seed: int = 0,
                      batch_sizes: tuple[int, ...] = (3, 8, 32), dtype: str = "float32",
                      max_prompt: int = 24, decode: int = 4, device: str = "cpu", overrides: dict | None = None,
-                     model=None) -> dict:
+                     model=None, act_rounding: bool = False) -> dict:
     """Run ``prompts`` requests alone and batched under ops mode ``mode``; compare bitwise.
     ``overrides``: config fields replacing the preset's (e.g. fewer layers at Flash widths);
     ``model``: one built by ``build_model`` (so several modes share one build; ``preset``,
@@ -226,7 +232,7 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
     t0 = time.perf_counter()
     secs = {}
     if model is None:
-        model = build_model(preset, dtype, device, seed, overrides)
+        model = build_model(preset, dtype, device, seed, overrides, act_rounding)
         secs["build"] = time.perf_counter() - t0
     device, dtype = model.embed.weight.device, str(model.dtype).replace("torch.", "")
     reqs = make_requests(prompts, seed, model.cfg.vocab_size, max_prompt, decode)
@@ -259,6 +265,7 @@ def check_invariance(preset: str = "tiny", prompts: int = 32, mode: str = "invar
     total = {k: sum(r[k] for r in runs) for k in ("steps", "steps_differ", "rows_differ")}
     return {
         "preset": preset, "mode": mode, "dtype": dtype, "prompts": prompts, "seed": seed,
+        "act_rounding": bool(getattr(model, "act_rounding", False)),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "seconds": secs,
         "steps_per_request": [len(r.chunks) for r in reqs],
@@ -293,6 +300,9 @@ def invariance_command(
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float64."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print the full JSON report."),
+    act_rounding: bool = typer.Option(False, "--act-rounding",
+                                      help="V4's activation rounding on, as a released checkpoint runs (rounded KV, "
+                                           "packed indexer keys in the serving cache)."),
 ):
     """Run prompts alone and in shuffled batches; compare logits bitwise at every step.
 
@@ -300,7 +310,7 @@ def invariance_command(
     invariant mode if any step differs, a repeat is not bit-identical, or chunking changes a row.
     """
     try:
-        rep = check_invariance(preset, prompts, mode, seed=seed, dtype=dtype, device=device)
+        rep = check_invariance(preset, prompts, mode, seed=seed, dtype=dtype, device=device, act_rounding=act_rounding)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

@@ -118,3 +118,18 @@ def test_the_serve_command_takes_the_key_format(monkeypatch):
     assert res.exit_code == 0 and got[-1].index_keys == "fp8"
     res = CliRunner().invoke(cli.app, ["serve", "--preset", "tiny", "--index-keys", "fp4"])
     assert res.exit_code == 2 and "index_keys" in res.output and len(got) == 1  # refused before serving
+
+
+def test_the_invariance_check_runs_v4s_precision():
+    """``v4stack check invariance --act-rounding``: the model under V4's rounding, its serving path
+    on packed keys, bit-invariant; control: fast mode differs."""
+    import json
+
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(check.app, ["invariance", "--prompts", "4", "--act-rounding", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["act_rounding"] is True and rep["invariant"] is True and rep["steps_compared"] > 0
+    fast = check.check_invariance(prompts=4, mode="fast", act_rounding=True)
+    assert fast["steps_differ"] > 0
