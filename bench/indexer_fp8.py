@@ -147,8 +147,6 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench/results/indexer_fp8_h100.json")
     a = ap.parse_args(argv)
     rows_out = []
-    # sm_90a builds (Triton's ptxas): 220 / 250 registers at BS 128 / 64 with 4 warps, 255 and 8 bytes of
-    # spill at 128 with 8 warps (BS 256 with 8 warps spills 416 bytes: left out)
     tiles = [TILE, dict(TILE, BS=64), dict(TILE, num_warps=8)]
     for T, E in ((256, 4096), (64, 4096), (256, 1024)):
         q, w, keys, rows = case(T, E, "cuda")

@@ -51,7 +51,7 @@ from v4stack.config import ModelConfig, preset
 from v4stack.model import V4Model
 from v4stack.model.init import is_fp32_param
 from v4stack.ops import fp8_keys
-from v4stack.serve.engine import Engine, EngineConfig
+from v4stack.serve.engine import INDEX_KEY_FORMATS, Engine, EngineConfig
 from v4stack.serve.sampling import SamplingParams
 
 CONFIGS = {
@@ -224,7 +224,7 @@ def bench_point(model, cfg, mode: str, batch: int, ctx: int, steps: int, bw: flo
     times.sort()
     p50 = times[len(times) // 2]
     keys = [g for g in engine.cache.spec.paged if g.kind == "index_keys"]
-    key_bytes = keys[0].width * torch.empty((), dtype=keys[0].dtype).element_size() if keys else None
+    key_bytes = keys[0].bytes // keys[0].rows if keys else None
     sb = step_bytes(model, cfg, batch, ctx, torch.empty((), dtype=model.dtype).element_size(), key_bytes)
     floor = sb["step_bytes"] / bw if bw else None
     sf = step_flops(model, cfg, batch, ctx)
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                          "copy (a copy-engine transfer, then the feed), or kernel,copy for both (an A/B)")
     ap.add_argument("--pdl-rows", type=int, default=None,
                     help="decode graphs of up to this many rows launch programmatically (default: the engine's)")
-    ap.add_argument("--index-keys", default="auto", choices=("auto", "model", "fp8"),
+    ap.add_argument("--index-keys", default="auto", choices=INDEX_KEY_FORMATS,
                     help="the cache's indexer keys (EngineConfig.index_keys): auto (V4's packed keys with "
                          "--act-rounding, else the model dtype), model, or fp8 (V4's packed e4m3 keys, 144 bytes a key; "
                          "without --act-rounding they round the keys, so the chosen entries may move)")

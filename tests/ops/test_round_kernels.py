@@ -20,8 +20,9 @@ def rows(n: int, D: int, dtype) -> torch.Tensor:
     x[1, :: 3] = -0.0
     x[2] = 2.0 ** -20  # below the clamp's 1e-4
     x[3, 0] = 448 * 2.0 ** 3 * (1 + 2.0 ** -9)  # amax / 448 just above a power of two
-    x[4] = torch.arange(D, dtype=torch.float64) % 16 * 0.5 + 8.25  # e4m3 ties at scale 2^-? ...
-    x[5, :] = 17.0  # 17 / 2^k: a tie between two e4m3 values
+    # on the scale 2^-4 (amax 15.75): 8.5 -> 136, halfway between e4m3's 128 and 144, 9.5 -> 152, ...: ties
+    x[4] = torch.arange(D, dtype=torch.float64) % 16 * 0.5 + 8.25
+    x[5, :] = 17.0  # on the scale 2^-4: 272, halfway between 256 and 288
     return x.to(dtype)
 
 

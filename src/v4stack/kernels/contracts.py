@@ -78,8 +78,10 @@ def indexer_scores(q, w, k) -> bool:
 def indexer_scores_rows(q, w, pool, rows) -> bool:
     """Half or fp32 key pools of the queries' dtype, or V4's packed e4m3 keys (uint8 rows of D codes,
     D / 32 exponent bytes and zeros to a multiple of 16: ``ops/fp8_keys.py``) for half queries."""
+    from v4stack.ops.fp8_keys import width  # here: the ops package imports this module while it loads
+
     D = q.shape[-1]
-    packed = pool.dtype == torch.uint8 and pool.shape[-1] == -(-(D + -(-D // 32)) // 16) * 16 and q.dtype in HALF
+    packed = pool.dtype == torch.uint8 and pool.shape[-1] == width(D) and q.dtype in HALF
     return ((pool.dtype == q.dtype or packed) and q.dtype in FLOATS and w.is_cuda and pool.is_cuda and rows.is_cuda
             and not rows.is_floating_point() and pool.stride(-1) == 1 and _pow2(D) and 16 <= D <= 256
             and q.shape[1] <= 128)

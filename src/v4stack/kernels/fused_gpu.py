@@ -179,23 +179,23 @@ def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype, joined=False) -
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 
 
-def kv_round_ok(kv, rope_dims, block) -> bool:
-    D = kv.shape[-1] if kv.dim() else 0
-    return (kv.is_cuda and kv.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv.is_contiguous()
-            and not kv.requires_grad and 0 < rope_dims < D <= 4096 and block > 0 and block & (block - 1) == 0)
-
-
 def fp4_round_ok(x, block) -> bool:
     D = x.shape[-1] if x.dim() else 0
     return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous()
             and not x.requires_grad and 0 < D <= 4096 and block > 0 and block & (block - 1) == 0)
 
 
+def kv_round_ok(kv, rope_dims, block) -> bool:
+    return fp4_round_ok(kv, block) and 0 < rope_dims < kv.shape[-1]
+
+
 def pack_keys_into_ok(new, pool, dest) -> bool:
+    from v4stack.ops.fp8_keys import width  # here: the ops package imports this module while it loads
+
     D = new.shape[1] if new.dim() == 2 else -1
     return (new.is_cuda and new.dim() == 2 and new.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and new.stride(1) == 1 and D >= 16 and D & (D - 1) == 0 and pool.dtype == torch.uint8
-            and pool.is_contiguous() and pool.shape[-1] == -(-(D + -(-D // 32)) // 16) * 16 and pool.device == new.device
+            and pool.is_contiguous() and pool.shape[-1] == width(D) and pool.device == new.device
             and dest.dtype == torch.int64 and dest.shape == (new.shape[0],) and dest.is_contiguous()
             and dest.device == new.device)
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import launch, next_pow2
-from v4stack.kernels.triton_round import e4m3_byte
+from v4stack.kernels.triton_round import e4m3_byte, pow2_ceil_exp
 
 
 @triton.jit
@@ -167,11 +167,8 @@ def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr, P
     NB: tl.constexpr = D // BLK
     x = tl.reshape(tl.load(X + n * s_x + tl.arange(0, D)).to(tl.float32), [NB, BLK])
     amax = tl.max(tl.abs(x), 1)
-    # the scale's biased exponent: 2^ceil(log2(amax / 448)) read off amax / 448's bits, at least 2^-126;
-    # an all-zero block gets 1 (127)
-    b = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
-    e = tl.maximum(((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32), 1)
-    e = tl.where(amax > 0, e, 127)
+    # the scale's biased exponent: 2^ceil(log2(amax / 448)), at least 2^-126; an all-zero block gets 1 (127)
+    e = tl.where(amax > 0, pow2_ceil_exp(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))), 127)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 2^(127 - e), exact: a power of two
     code = e4m3_byte(x * inv[:, None])
     row = P + tl.load(DEST + n) * s_p

@@ -94,6 +94,9 @@ def round_rows_kernel(X, Y, s_x, s_y, NOPE, D, lo, BLK: tl.constexpr, NB: tl.con
     tl.store(Y + n * s_y + i, tl.where(nope, r.to(dt), x), mask=i < D)
 
 
+_LO: dict = {}  # (format, dtype) -> the clamp's floor as the dtype holds it (made once: no host op a call)
+
+
 def _round_rows(x, nope: int, block: int, fp4: bool):
     import torch
 
@@ -102,7 +105,9 @@ def _round_rows(x, nope: int, block: int, fp4: bool):
     y = torch.empty_like(rows)
     if rows.shape[0]:
         blk = block if nope > block else next_pow2(nope)  # a narrower row is one block
-        lo = float(torch.tensor(6.0 * 2.0 ** -126 if fp4 else 1e-4, dtype=x.dtype))
+        lo = _LO.get((fp4, x.dtype))
+        if lo is None:
+            lo = _LO[fp4, x.dtype] = float(torch.tensor(6.0 * 2.0 ** -126 if fp4 else 1e-4, dtype=x.dtype))
         launch(round_rows_kernel, (rows.shape[0],), rows, y, rows.stride(0), y.stride(0), nope, D, lo, BLK=blk,
                NB=next_pow2(-(-D // blk)), FP4=fp4, num_warps=2)
     return y.view(x.shape)
