@@ -179,6 +179,49 @@ def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype, joined=False) -
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 
 
+def grouped_swiglu_ok(x, w, offsets, gate, limit, weight, out_dtype) -> bool:
+    """Where ``ops.grouped_linear`` of ``(x, w, offsets)`` runs the project's grouped GEMM (whose tiles
+    can store the activation) and ``swiglu_act``'s kernel takes ``gate`` and that output."""
+    from v4stack import ops
+    from v4stack.ops.dispatch import resolve
+
+    if not (x.is_cuda and x.dim() == 2 and w.dim() == 3 and gate.dim() == 2 and gate.dtype == x.dtype
+            and gate.shape == (x.shape[0], w.shape[1]) and gate.stride(1) == 1
+            and swiglu_act_ok(gate, gate, limit, weight, out_dtype)):
+        return False
+    return resolve("grouped_linear", ops.get_mode(), str(w.dtype)[6:], "cuda", x, w, offsets).name \
+        == "triton_grouped_gemm"
+
+
+def rms_norm_pair_ok(a, wa, b, wb, eps) -> bool:
+    """Two row sets of one token count whose norms the project's row kernel would run."""
+    from v4stack import ops
+    from v4stack.ops.dispatch import resolve
+
+    m, fmt = ops.get_mode(), str(a.dtype)[6:]
+    return (a.is_cuda and a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[0] and a.dtype == b.dtype
+            and a.stride(1) == 1 and b.stride(1) == 1 and b.device == a.device
+            and wa is not None and wb is not None and wa.shape == a.shape[1:] and wb.shape == b.shape[1:]
+            and resolve("rms_norm", m, fmt, "cuda", a, wa, eps).name == "triton_rms_norm"
+            and resolve("rms_norm", m, fmt, "cuda", b, wb, eps).name == "triton_rms_norm")
+
+
+def moe_hc_write_ok(x, out, rank, indices, joined, post, comb) -> bool:
+    """The composition's two ops would run ``moe_unsort_combine``'s kernel and ``hc_write``'s (whose
+    arithmetic the fused kernel runs)."""
+    from v4stack import ops
+    from v4stack.ops.dispatch import resolve
+
+    if not (x.is_cuda and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and out.device == x.device and indices.dim() == 2 and indices.shape[0] == x.shape[0] and out.dim() == 2
+            and out.shape[1] == x.shape[2] and moe_unsort_combine_ok(out, rank, indices, None, x.dtype, joined)):
+        return False
+    fmt, m = str(x.dtype)[6:], ops.get_mode()
+    return (resolve("moe_unsort_combine", m, str(out.dtype)[6:], "cuda", out, rank, indices, None, x.dtype,
+                    joined).name == "triton_moe_unsort_combine"
+            and resolve("hc_write", m, fmt, "cuda", x, out[: x.shape[0]], post, comb).name == "triton_hc_write")
+
+
 def fp4_round_ok(x, block) -> bool:
     D = x.shape[-1] if x.dim() else 0
     return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous()
@@ -384,6 +427,13 @@ def register_all(register) -> None:
              accepts=_with("triton", C.hc_write))
     # each: its Triton kernel (module, function of the op's name), its accepts check ``<op>_ok``, and
     # ``ops.fused.<op>_reference`` for the rest of the process should the kernel not build
+    register("grouped_swiglu", "triton_grouped_swiglu", _guarded("grouped_swiglu",
+             _lazy("triton_grouped", "grouped_swiglu", "gemm_grouped_swiglu"), ref("grouped_swiglu_reference")),
+             device="cuda", accepts=_with("triton", grouped_swiglu_ok))
+    register("rms_norm_pair", "triton_rms_norm_pair", _guarded("rms_norm_pair", _lazy("triton_rows", "rms_norm_pair"),
+             ref("rms_norm_pair_reference")), device="cuda", accepts=_with("triton", rms_norm_pair_ok))
+    register("moe_hc_write", "triton_moe_hc_write", _guarded("moe_hc_write", _lazy("triton_route", "moe_hc_write"),
+             ref("moe_hc_write_reference")), mode="fast", device="cuda", accepts=_with("triton", moe_hc_write_ok))
     for op, module in (("swiglu_act", "triton_mhc"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
                        ("rope", "triton_mhc"), ("moe_gate", "triton_route"), ("moe_route", "triton_route"),
                        ("moe_unsort_combine", "triton_route"), ("tail_write", "triton_ring"),

@@ -28,6 +28,7 @@ from triton.language.extra import libdevice
 
 from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import _INTERPRET, launch, next_pow2
+from v4stack.kernels.triton_rows import write_streams
 from v4stack.kernels.triton_slices import _add_in_order
 
 
@@ -221,6 +222,16 @@ def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD:
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = d < D
+    acc = combine_row(O, RANK, IDX, n, d, dm, k, s_o, BK, BD, JOIN)
+    if HAS_S:
+        acc = acc + tl.load(S + n * s_s + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(Y + n * s_y + d, acc.to(Y.dtype.element_ty, fp_downcast_rounding="rtne"), mask=dm)
+
+
+@triton.jit
+def combine_row(O, RANK, IDX, n, d, dm, k, s_o, BK: tl.constexpr, BD: tl.constexpr, JOIN: tl.constexpr):
+    """Token ``n``'s sorted rows ``O[RANK[n k + j]]`` over columns ``d`` summed in fp32 in the
+    combine's order (``unsort_kernel``'s sum, also ``moe_hc_write_kernel``'s)."""
     j = tl.arange(0, BK)
     srt, k = combine_ranks(IDX, n, k, j, JOIN)
     live = j < k
@@ -235,9 +246,38 @@ def unsort_kernel(O, RANK, IDX, S, Y, k, D, s_o, s_s, s_y, BK: tl.constexpr, BD:
         row = tl.sum(tl.where(j == slot, rows, 0), 0)
         v = tl.load(O + row * s_o + d, mask=dm & (r < k), other=0.0).to(tl.float32)
         acc = tl.where(r < k, acc + v, acc)
-    if HAS_S:
-        acc = acc + tl.load(S + n * s_s + d, mask=dm, other=0.0).to(tl.float32)
-    tl.store(Y + n * s_y + d, acc.to(Y.dtype.element_ty, fp_downcast_rounding="rtne"), mask=dm)
+    return acc
+
+
+@triton.jit
+def moe_hc_write_kernel(O, RANK, IDX, X, Post, Comb, Y, k, n, D, s_o, s_xn, s_xj, s_pn, s_cn, s_cj, s_yn, s_yk,
+                        BK: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr, JOIN: tl.constexpr):
+    """Token ``t``'s combined expert rows over columns ``d`` (``combine_row``), rounded to the
+    streams' dtype as ``unsort_kernel`` stores them, then ``hc_write``'s new streams from them
+    (``triton_rows.write_streams``): the two kernels' bits, the combined row never stored."""
+    pdl_enter()
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = d < D
+    acc = combine_row(O, RANK, IDX, t, d, dm, k, s_o, BK, BD, JOIN)
+    o = acc.to(X.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+    write_streams(X, o, Post, Comb, Y, t, d, n, D, s_xn, s_xj, s_pn, s_cn, s_cj, s_yn, s_yk, NB)
+
+
+def moe_hc_write(x, out, rank, indices, joined, post, comb):
+    """``ops.fused.moe_hc_write`` in fast mode: ``hc_write(x, moe_unsort_combine(out, rank, indices,
+    None, x.dtype, joined), post, comb)`` in one launch (the two kernels' grid: a token and 1024
+    columns a program)."""
+    T, k = indices.shape
+    N, n, D = x.shape
+    xc, pc, cc = x.contiguous(), post.contiguous(), comb.contiguous()
+    y = torch.empty(N, n, D, dtype=x.dtype, device=x.device)
+    if N and D:
+        bd = min(1024, next_pow2(D))
+        launch(moe_hc_write_kernel, (N, -(-D // bd)), out, rank, indices, xc, pc, cc, y, k, n, D, out.stride(0),
+               xc.stride(0), xc.stride(1), pc.stride(0), cc.stride(0), cc.stride(1), y.stride(0), y.stride(1),
+               BK=max(2, next_pow2(k + joined)), BD=bd, NB=max(2, next_pow2(n)), JOIN=joined, num_warps=4)
+    return y
 
 
 def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, shared, out_dtype,

@@ -167,7 +167,24 @@ def moe_combine(y, idx):
 @triton.jit
 def rms_norm_kernel(X, W, Y, N, Nf, s_x, s_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     pdl_enter()
+    _rms_row(X, W, Y, tl.program_id(0).to(tl.int64), N, Nf, s_x, s_y, eps, HAS_W, BLOCK)
+
+
+@triton.jit
+def rms_norm_pair_kernel(XA, WA, YA, NA, NAf, s_xa, s_ya, XB, WB, YB, NB, NBf, s_xb, s_yb, eps, BA: tl.constexpr,
+                         BB: tl.constexpr):
+    """Two weighted RMS norms of a token's rows in one launch: program ``(r, 0)`` norms row ``r`` of
+    ``XA``, ``(r, 1)`` of ``XB``, each as ``rms_norm_kernel`` with its own block (the same bits)."""
+    pdl_enter()
     r = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rms_row(XA, WA, YA, r, NA, NAf, s_xa, s_ya, eps, True, BA)
+    else:
+        _rms_row(XB, WB, YB, r, NB, NBf, s_xb, s_yb, eps, True, BB)
+
+
+@triton.jit
+def _rms_row(X, W, Y, r, N, Nf, s_x, s_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for c in range(0, N, BLOCK):
@@ -194,6 +211,20 @@ def rms_norm(x, weight, eps):
         launch(rms_norm_kernel, (x2.shape[0],), x2, w, y, N, float(N), x2.stride(0), y.stride(0), float(eps),
                HAS_W=weight is not None, BLOCK=min(ROW_BLOCK, next_pow2(N)))
     return y.view(x.shape)
+
+
+def rms_norm_pair(a, wa, b, wb, eps):
+    """``(rms_norm(a, wa, eps), rms_norm(b, wb, eps))`` for two ``[T, N]`` row sets with unit
+    column strides (``fused.rms_norm_pair``): one launch, each norm's bits."""
+    T = a.shape[0]
+    ya = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    yb = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    if T:
+        NA, NB = a.shape[1], b.shape[1]
+        launch(rms_norm_pair_kernel, (T, 2), a, wa.contiguous(), ya, NA, float(NA), a.stride(0), ya.stride(0), b,
+               wb.contiguous(), yb, NB, float(NB), b.stride(0), yb.stride(0), float(eps),
+               BA=min(ROW_BLOCK, next_pow2(NA)), BB=min(ROW_BLOCK, next_pow2(NB)))
+    return ya, yb
 
 
 @triton.jit
@@ -296,10 +327,17 @@ def hc_write_kernel(X, Out, Post, Comb, Y, n, D, s_xn, s_xj, s_on, s_pn, s_cn, s
     pdl_enter()
     r = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
+    o = tl.load(Out + r * s_on + d, mask=d < D, other=0.0).to(tl.float32)
+    write_streams(X, o, Post, Comb, Y, r, d, n, D, s_xn, s_xj, s_pn, s_cn, s_cj, s_yn, s_yk, NB)
+
+
+@triton.jit
+def write_streams(X, o, Post, Comb, Y, r, d, n, D, s_xn, s_xj, s_pn, s_cn, s_cj, s_yn, s_yk, NB: tl.constexpr):
+    """Row ``r``'s new streams over columns ``d`` from its sublayer output ``o`` (fp32): ``hc_write``'s
+    arithmetic (also run by ``triton_route.moe_hc_write_kernel``)."""
     j = tl.arange(0, NB)
     m2 = (j < n)[:, None] & (d < D)[None, :]
     x = tl.load(X + r * s_xn + j[:, None] * s_xj + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    o = tl.load(Out + r * s_on + d, mask=d < D, other=0.0).to(tl.float32)
     for k in range(0, n):
         c = tl.load(Comb + r * s_cn + j * s_cj + k, mask=j < n, other=0.0).to(tl.float32)
         pk = tl.load(Post + r * s_pn + k).to(tl.float32)

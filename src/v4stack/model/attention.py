@@ -114,7 +114,11 @@ class Attention(nn.Module):
         inplace = isinstance(segments, PagedStep) and not torch.is_grad_enabled() and rowwise._HOOK.get() is None
         # and runs the projections of x as one GEMM where they are packed
         xp = packed.run(self, self.x_linears(), x) if inplace else None
-        qr = self.q_norm(self.wq_a(x) if xp is None else xp[0])
+        kv = None
+        if xp is not None and self.q_norm.eps == self.kv_norm.eps:  # both norms of the packed projections at once
+            qr, kv = fused.rms_norm_pair(xp[0], self.q_norm.weight, xp[1], self.kv_norm.weight, self.q_norm.eps)
+        else:
+            qr = self.q_norm(self.wq_a(x) if xp is None else xp[0])
         q = self.wq_b(qr).view(N, H, c)
         # and where the attention kernel normalises the queries it loads, hands them over raw
         q_eps = self.eps if inplace and fused.normalises_queries(q) else None
@@ -129,7 +133,8 @@ class Attention(nn.Module):
         pair = inplace and direct
         if not pair:
             q = self.rotary.apply_(q, positions, table=tab) if inplace else self.rotary.apply(q, positions)
-        kv = self.kv_norm(self.wkv(x) if xp is None else xp[1])
+        if kv is None:
+            kv = self.kv_norm(self.wkv(x) if xp is None else xp[1])
         if self.kv_rounding is not None:  # the non-RoPE dims only: the same bits before the rotation as after it
             kv = self.kv_rounding(kv)
         if not direct:

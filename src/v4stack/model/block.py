@@ -10,6 +10,7 @@ from v4stack.model.attention import Attention, Segment
 from v4stack.model.mhc import coefficients_read_norm, hc_coefficients, hc_parameters, hc_write, read_norm
 from v4stack.model.moe import MoE
 from v4stack.model import rowwise
+from v4stack.ops.fused import moe_hc_write
 from v4stack.model.norm import RMSNorm
 
 
@@ -32,6 +33,9 @@ class Block(nn.Module):
         h, post, comb = self._sublayer_input(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
         x = hc_write(x, self.attn(h, positions, segments, self.layer_id), post, comb)
         h, post, comb = self._sublayer_input(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
+        parts = self.ffn.uncombined(h, token_ids)  # the experts' rows combined inside the write (same bits)
+        if parts is not None:
+            return moe_hc_write(x, *parts, True, post, comb)
         return hc_write(x, self.ffn(h, token_ids), post, comb)
 
     def _sublayer_input(self, x, fn, base, scale, norm):

@@ -27,7 +27,7 @@ from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import moe_route, moe_unsort_combine, router, swiglu_act
+from v4stack.ops.fused import grouped_swiglu, moe_route, moe_unsort_combine, router, swiglu_act
 
 
 class Expert(nn.Module):
@@ -127,13 +127,19 @@ class LocalGrouped:
         the same grouped GEMMs instead, as expert ``E`` (the last of ``stacked_weights(True)``) in
         one more slot of every token with routing weight 1 - the combine adds it last, as it adds
         ``shared`` (ascending expert id), and times 1 is exact."""
+        out, rank = self.sorted_out(moe, x, weights, indices, shared_joins)
+        return moe_unsort_combine(out, rank, indices, shared, out_dtype, shared_joins)
+
+    def sorted_out(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                   shared_joins: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' outputs of every (token, slot) pair sorted by expert ``[T k, d]`` (already
+        times the routing weights) and each pair's row in them ``[T k]`` - what ``run`` combines."""
         w1, w2, w3 = moe.stacked_weights(True) if shared_joins else moe.stacked_weights()
         # by expert, then pair id (token * k + slot); joined: one more slot a token, expert E, weight 1
         offsets, order, rank, tok, ws = moe_route(indices, weights, moe.n_experts, shared_joins)
         rows = x[tok].to(w1.dtype)
-        act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
-                         ws, w2.dtype)
-        return moe_unsort_combine(ops.grouped_linear(act, w2, offsets), rank, indices, shared, out_dtype, shared_joins)
+        act = grouped_swiglu(rows, w3, offsets, ops.grouped_linear(rows, w1, offsets), moe.limit, ws, w2.dtype)
+        return ops.grouped_linear(act, w2, offsets), rank
 
 
 class MoE(nn.Module):
@@ -159,6 +165,18 @@ class MoE(nn.Module):
     def _rows(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, token_ids)
         return self.combine(x, idx, w)
+
+    def uncombined(self, x: torch.Tensor, token_ids: torch.Tensor):
+        """``forward`` short of its last step where the local grouped backend runs the shared expert
+        joined and no hook splits the rows: ``(out, rank, indices)``, the experts' sorted outputs
+        that ``fused.moe_unsort_combine(out, rank, indices, None, x.dtype, True)`` turns into
+        ``forward``'s result (the caller may combine them inside its next kernel:
+        ``fused.moe_hc_write``); None elsewhere."""
+        if rowwise.hooked() or not isinstance(self.backend, LocalGrouped) or not self._shared_joins():
+            return None
+        idx, w = self.gate(x, token_ids)
+        out, rank = self.backend.sorted_out(self, x, w, idx, shared_joins=True)
+        return out, rank, idx
 
     def combine(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Routed experts through the backend, then the shared expert (in the compute dtype)."""

@@ -20,6 +20,14 @@
   and the read in one launch).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
   (times the routing weight) between their GEMMs, one kernel on CUDA.
+- ``grouped_swiglu(x, w, offsets, gate, limit, weight, out_dtype)``: the up projection's grouped
+  GEMM and ``swiglu_act`` of ``gate`` and its output (on CUDA, where the project's grouped GEMM
+  serves: the activation stored by the GEMM's tiles, one launch and the same bits).
+- ``rms_norm_pair(a, wa, b, wb, eps)``: two weighted RMS norms (a layer's query and KV
+  projections') in one launch on CUDA, each norm's bits.
+- ``moe_hc_write(x, out, rank, indices, joined, post, comb)``: ``hc_write`` of the MoE sublayer's
+  output made from the experts' sorted outputs by ``moe_unsort_combine`` (fast mode on CUDA: the
+  combine inside the write's kernel, never stored).
 - ``rope(x, positions, freqs, inverse)``: the interleaved rotation of ``x``'s last ``2 *
   len(freqs)`` channels by ``positions * freqs`` (``model/rope.py``).
 - ``moe_gate(logits, bias, table, token_ids, k, scale)``: the router after its projection:
@@ -119,6 +127,18 @@ def swiglu_act_reference(gate, up, limit: float, weight, out_dtype):
     if weight is not None:
         act = act * weight.to(cd).unsqueeze(-1)
     return act.to(out_dtype)
+
+
+def grouped_swiglu_reference(x, w, offsets, gate, limit: float, weight, out_dtype):
+    return swiglu_act(gate, ops.grouped_linear(x, w, offsets), limit, weight, out_dtype)
+
+
+def rms_norm_pair_reference(a, wa, b, wb, eps: float):
+    return ops.rms_norm(a, wa, eps), ops.rms_norm(b, wb, eps)
+
+
+def moe_hc_write_reference(x, out, rank, indices, joined: bool, post, comb):
+    return ops.hc_write(x, moe_unsort_combine(out, rank, indices, None, x.dtype, joined), post, comb)
 
 
 def hc_head_pre_reference(x, fn, scale, base, eps: float, norm_eps: float):
@@ -338,6 +358,9 @@ register("rope_table", "torch_composite", rope_table_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
+register("grouped_swiglu", "composite", grouped_swiglu_reference)
+register("moe_hc_write", "composite", moe_hc_write_reference)
+register("rms_norm_pair", "composite", rms_norm_pair_reference)
 register("hc_read_norm", "torch_composite", hc_read_norm_reference)
 register("hc_pre_read_norm", "composite", hc_pre_read_norm_reference)
 register("hc_head_pre", "torch_composite", hc_head_pre_reference)
@@ -447,6 +470,29 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch
     returned in ``out_dtype`` (the next GEMM's); ``limit`` 0 disables the clamps."""
     return call("swiglu_act", ops.get_mode(), str(gate.dtype)[6:], gate.device.type, gate, up, limit, weight,
                 out_dtype)
+
+
+def grouped_swiglu(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gate: torch.Tensor, limit: float,
+                   weight: torch.Tensor | None, out_dtype):
+    """``swiglu_act(gate, ops.grouped_linear(x, w, offsets), limit, weight, out_dtype)``: the experts'
+    up projection with the activation (on CUDA where the project's grouped GEMM serves, its tiles
+    store the activation: one launch, the same bits)."""
+    return call("grouped_swiglu", ops.get_mode(), str(w.dtype)[6:], x.device.type, x, w, offsets, gate, limit, weight,
+                out_dtype)
+
+
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float):
+    """``(ops.rms_norm(a, wa, eps), ops.rms_norm(b, wb, eps))`` (one launch on CUDA, the same bits)."""
+    return call("rms_norm_pair", ops.get_mode(), str(a.dtype)[6:], a.device.type, a, wa, b, wb, eps)
+
+
+def moe_hc_write(x: torch.Tensor, out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, joined: bool,
+                 post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``ops.hc_write(x, moe_unsort_combine(out, rank, indices, None, x.dtype, joined), post, comb)``:
+    the MoE sublayer's mHC write from its experts' sorted outputs ``out`` (fast mode on CUDA: one
+    kernel, the combined rows never stored; the same bits)."""
+    return call("moe_hc_write", ops.get_mode(), str(x.dtype)[6:], x.device.type, x, out, rank, indices, joined, post,
+                comb)
 
 
 def hc_head_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
