@@ -26,11 +26,13 @@ from bench.timing import graph_time
 
 # (name, groups, M, N, K): flash widths at batch 256
 SHAPES = [("wq_b", 1, 256, 32768, 1024), ("wo_a", 8, 256, 1024, 4096), ("wo_b", 1, 256, 4096, 8192),
-          ("head", 1, 256, 129280, 4096), ("wq_b b64", 1, 64, 32768, 1024), ("wo_b b64", 1, 64, 4096, 8192)]
+          ("head", 1, 256, 129280, 4096), ("wq_b b64", 1, 64, 32768, 1024), ("wo_b b64", 1, 64, 4096, 8192),
+          # a layer's packed projections of its input (``Attention.x_linears``): window, CSA and HCA layers
+          ("x proj", 1, 256, 1536, 4096), ("x proj csa", 1, 256, 4160, 4096), ("x proj hca", 1, 256, 2560, 4096)]
 TILES = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4), dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
          dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4), dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4),
          dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3)]
-SPLITS = (1, 2, 4)
+SPLITS = (1, 2, 4, 8)
 
 
 @triton.jit
@@ -95,10 +97,14 @@ def splitk(x, w, S: int, t: dict, p=None, y=None):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     out = []
+    pick = set(filter(None, a.shapes.split(",")))
     for name, G, M, N, K in SHAPES:
+        if pick and name not in pick:
+            continue
         x = torch.randn(G, M, K, device="cuda").bfloat16()
         w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).bfloat16()
         exact = torch.einsum("gmk,gnk->gmn", x.double(), w.double())
