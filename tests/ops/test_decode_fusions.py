@@ -124,3 +124,16 @@ def test_on_the_gpu_the_fused_ends_serve_with_the_same_bits():
         assert "triton_rms_norm_pair" in counters()["rms_norm_pair"]
         assert torch.equal(ya, ops.rms_norm(xp[:, :1024], wa, 1e-6))
         assert torch.equal(yb, ops.rms_norm(xp[:, 1024:1536], wb, 1e-6))
+
+
+def test_the_activation_epilogue_keeps_two_programs_an_sm():
+    """Built for sm_90a as the decode launch runs it (64 x 128 tile, two programs of 128 threads an
+    SM), the up projection storing the activation does not spill and its registers still let two
+    programs share an SM's 64K (the plain tile's build for comparison: it needs far fewer)."""
+    from tests.ops.hopper import registers
+
+    got = registers(("grouped_gemm_bf16_tma_decode", "grouped_swiglu_bf16_tma"))
+    act, plain = got["grouped_swiglu_bf16_tma"], got["grouped_gemm_bf16_tma_decode"]
+    assert act["spill_bytes"] == 0 and plain["spill_bytes"] == 0
+    assert 2 * 128 * (-(-act["registers"] // 8) * 8) <= 65536
+    assert plain["registers"] < act["registers"]
