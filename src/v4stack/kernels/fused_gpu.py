@@ -179,20 +179,6 @@ def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype, joined=False) -
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 
 
-def grouped_swiglu_ok(x, w, offsets, gate, limit, weight, out_dtype) -> bool:
-    """Where ``ops.grouped_linear`` of ``(x, w, offsets)`` runs the project's grouped GEMM (whose tiles
-    can store the activation) and ``swiglu_act``'s kernel takes ``gate`` and that output."""
-    from v4stack import ops
-    from v4stack.ops.dispatch import resolve
-
-    if not (x.is_cuda and x.dim() == 2 and w.dim() == 3 and gate.dim() == 2 and gate.dtype == x.dtype
-            and gate.shape == (x.shape[0], w.shape[1]) and gate.stride(1) == 1
-            and swiglu_act_ok(gate, gate, limit, weight, out_dtype)):
-        return False
-    return resolve("grouped_linear", ops.get_mode(), str(w.dtype)[6:], "cuda", x, w, offsets).name \
-        == "triton_grouped_gemm"
-
-
 def rms_norm_pair_ok(a, wa, b, wb, eps) -> bool:
     """Two row sets of one token count whose norms the project's row kernel would run."""
     from v4stack import ops
@@ -427,9 +413,6 @@ def register_all(register) -> None:
              accepts=_with("triton", C.hc_write))
     # each: its Triton kernel (module, function of the op's name), its accepts check ``<op>_ok``, and
     # ``ops.fused.<op>_reference`` for the rest of the process should the kernel not build
-    register("grouped_swiglu", "triton_grouped_swiglu", _guarded("grouped_swiglu",
-             _lazy("triton_grouped", "grouped_swiglu", "gemm_grouped_swiglu"), ref("grouped_swiglu_reference")),
-             device="cuda", accepts=_with("triton", grouped_swiglu_ok))
     register("rms_norm_pair", "triton_rms_norm_pair", _guarded("rms_norm_pair", _lazy("triton_rows", "rms_norm_pair"),
              ref("rms_norm_pair_reference")), device="cuda", accepts=_with("triton", rms_norm_pair_ok))
     register("moe_hc_write", "triton_moe_hc_write", _guarded("moe_hc_write", _lazy("triton_route", "moe_hc_write"),

@@ -269,10 +269,6 @@ for _table, _cands in tiles.CANDIDATES.items():  # every candidate tile: any of 
         if _f:
             ALL.setdefault(_f, (lambda t, f: lambda: specs_more.slices_finish(t.get("fr", 4), 32, f.endswith("_rms"),
                                                                                name=f))(_t, _f))
-for _t in tiles.GROUPED_CANDIDATES:  # the same tiles storing SwiGLU's activation (``grouped_swiglu``)
-    _n = tile_spec("GROUPED_TILES", _t) + "_act"
-    ALL.setdefault(_n, (lambda t, n: lambda: specs_more.grouped_table(t["BM"], t["BN"], t["BK"], name=n,
-                                                                      tma=t.get("tma", False), act=True))(_t, _n))
 _ATTENTION = ["sparse_attention", "sparse_attention_split"]
 for _bh in attention_tiles.block_heads():  # every launch shape of the sparse attention's candidates
     if _bh != 16:
@@ -296,8 +292,6 @@ GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F
           # the grouped GEMM's TMA tiles run the fallback tile where TMA's terms do not hold
           "gemm_grouped": sorted({*_active("GROUPED_TILES", "GROUPED_TILES_GRAPH"),
                                   tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),
-          "gemm_grouped_swiglu": sorted({n + "_act" for n in (*_active("GROUPED_TILES", "GROUPED_TILES_GRAPH"),
-                                                               tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK))}),
           "hc_mix": _active("HC_TILES", "HC_HALF_TILES", "HC_TILES_GRAPH", "HC_HALF_TILES_GRAPH"),
           "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION,

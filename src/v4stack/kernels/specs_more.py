@@ -80,7 +80,7 @@ def sparse_attention_split(D=512, BH=16, CH=64) -> Spec:
     )
 
 
-def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False, act=False) -> Spec:
+def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False) -> Spec:
     """The grouped GEMM with its tile table in the kernel. Program (p, pn) finds expert ``e`` and
     its tile ``j`` within the expert: data that follow from the tile prefix sum (``0 <= j <
     ceil(n_e / BM)``), with the expert's row range ``[lo, hi)`` from the offsets (the contract:
@@ -93,10 +93,7 @@ def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False,
     unit here; X and W are read by TMA boxes, which the hardware clips to the tensor (a box row past
     the expert's end reads the next expert's row or, past T, zeros: the load's mask is the tensor's
     bounds), W as one ``[E * N, K]`` matrix from row ``e * N + n * BN``; stores are masked as in
-    the table kernel.
-
-    ``act``: the tiles store SwiGLU's activation (``grouped_swiglu``): each also loads the gate
-    output ``G [T, N]`` where it stores and the rows' routing weights ``WT [T]``."""
+    the table kernel."""
     import z3
 
     def row(n):
@@ -132,9 +129,7 @@ def grouped_table(BM=64, BN=128, BK=64, EB=256, name="grouped_table", tma=False,
                    lambda n: z3.And(n.e * n.N + col(n) < n.E * n.N, kidx(n) < n.K)),
             Access("Y", "store", lambda n: (row(n), col(n)), lambda n: (n.T, n.N),
                    lambda n: z3.And(row(n) < n.hi, col(n) < n.N), lanes=("i", "jc")),
-        ) + ((Access("G", "load", lambda n: (row(n), col(n)), lambda n: (n.T, n.N),
-                     lambda n: z3.And(row(n) < n.hi, col(n) < n.N)),
-              Access("WT", "load", lambda n: (row(n),), lambda n: (n.T,), lambda n: row(n) < n.hi)) if act else ()),
+        ),
         divides=(("ceil(n/BM) <= n//BM + 1 (n > 0)",
                   lambda n: z3.Implies(n.n1 > 0, cdiv(n.n1, BM) <= n.n1 / BM + 1)),
                  ("n1//BM + n2//BM <= (n1+n2)//BM", lambda n: n.n1 / BM + n.n2 / BM <= (n.n1 + n.n2) / BM)),

@@ -19,13 +19,11 @@ from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, launch, next_pow2
 from v4stack.kernels.tiles import GRAPH_ROWS, GROUPED_FALLBACK, GROUPED_TILES, GROUPED_TILES_GRAPH, pick_call
 from v4stack.kernels.triton_gemm import _mm_tile
-from v4stack.kernels.triton_grouped_tma import store_tile
 
 
 @triton.jit
-def grouped_table_kernel(X, W, Y, Off, E, N, K, s_xm, s_we, s_wn, s_ym, G, WT, s_g, limit, EB: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                         ACT: tl.constexpr = False, CLAMP: tl.constexpr = False, HAS_W: tl.constexpr = False):
+def grouped_table_kernel(X, W, Y, Off, E, N, K, s_xm, s_we, s_wn, s_ym, EB: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     pdl_enter()
     p = tl.program_id(0)
     e = tl.arange(0, EB)
@@ -43,14 +41,13 @@ def grouped_table_kernel(X, W, Y, Off, E, N, K, s_xm, s_we, s_wn, s_ym, G, WT, s
         rmask = rows < r1
         acc, cols = _mm_tile(X, W + mine.to(tl.int64) * s_we, rows, rmask, tl.program_id(1) * BN, s_xm, s_wn, N, K,
                              BN, BK, IEEE, BM)
-        store_tile(Y, rows, cols, rmask, N, s_ym, acc, G, WT, s_g, limit, ACT, CLAMP, HAS_W)
+        tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=rmask[:, None] & (cols < N)[None, :])
 
 
-def grouped_linear(x, w, offsets, tile=None, act=None, out_dtype=None):
+def grouped_linear(x, w, offsets, tile=None):
     """``ops.grouped_linear`` on CUDA: one launch, the tile table computed by each program (the
-    persistent TMA kernel, ``triton_grouped_tma``, where the tile asks for it and its terms hold).
-    ``act``: ``(gate, limit, weight)``, the output SwiGLU's activation of ``gate`` and the product,
-    in ``out_dtype`` (``grouped_swiglu``)."""
+    persistent TMA kernel, ``triton_grouped_tma``, where the tile asks for it and its terms hold)."""
     import torch
 
     T, K = x.shape
@@ -59,7 +56,7 @@ def grouped_linear(x, w, offsets, tile=None, act=None, out_dtype=None):
     # decode steps - by their own table): every tile gives a row the same bits
     t = tile or pick_call(GROUPED_TILES, GROUPED_TILES_GRAPH, cdiv(T, E), x.is_cuda, T,
                           GRAPH_ROWS.get("GROUPED_TILES_GRAPH", 0))
-    y = torch.empty(T, N, dtype=x.dtype if out_dtype is None else out_dtype, device=x.device)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
     off = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
@@ -69,20 +66,11 @@ def grouped_linear(x, w, offsets, tile=None, act=None, out_dtype=None):
         from v4stack.kernels import triton_grouped_tma as tma
 
         if tma.usable(xc, wc):
-            return tma.grouped_linear_tma(xc, wc, off, y, t, act)
+            return tma.grouped_linear_tma(xc, wc, off, y, t)
         t = GROUPED_FALLBACK  # its rows' bits are the TMA tiles' (the sweep checks)
     bm = t["BM"]
     grid = (min(E, T) + T // bm, cdiv(N, t["BN"]))
-    g, limit, wt = act if act is not None else (y, 0.0, None)
     launch(grouped_table_kernel, grid, xc, wc, y, off, E, N, K, xc.stride(0), wc.stride(0), wc.stride(1), y.stride(0),
-           g, wt if wt is not None else g, g.stride(0), float(limit), EB=max(16, next_pow2(E)), BM=bm, BN=t["BN"],
-           BK=t["BK"], IEEE=x.dtype == torch.float32, ACT=act is not None, CLAMP=limit > 0, HAS_W=wt is not None,
+           EB=max(16, next_pow2(E)), BM=bm, BN=t["BN"], BK=t["BK"], IEEE=x.dtype == torch.float32,
            num_warps=t["num_warps"], num_stages=t["num_stages"])
     return y
-
-
-def grouped_swiglu(x, w, offsets, gate, limit, weight, out_dtype):
-    """``ops.fused.grouped_swiglu`` on CUDA: the up projection's grouped GEMM whose tiles store SwiGLU's
-    activation of ``gate`` (the gate projection's output) and themselves, times ``weight``, in
-    ``out_dtype`` - the bits of ``swiglu_act(gate, grouped_linear(x, w, offsets), ...)`` in one launch."""
-    return grouped_linear(x, w, offsets, act=(gate.contiguous(), limit, weight), out_dtype=out_dtype)

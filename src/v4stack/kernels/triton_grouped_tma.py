@@ -28,33 +28,12 @@ import triton.language as tl
 
 from v4stack.kernels.gdc import pdl_enter
 from v4stack.kernels.launch import cdiv, next_pow2
-from v4stack.kernels.triton_mhc import swiglu
 
 
 @triton.jit
-def store_tile(Y, rows, cols, rmask, N, s_ym, acc, G, WT, s_g, limit, ACT: tl.constexpr, CLAMP: tl.constexpr,
-               HAS_W: tl.constexpr):
-    """A grouped tile's output: ``acc`` in Y's dtype, or with ``ACT`` SwiGLU's activation of the gate
-    GEMM's output ``G`` (same rows and columns) and this tile (the up GEMM's), rounded first to G's
-    dtype as the up GEMM would store it, times the rows' routing weights ``WT`` (``HAS_W``) - the
-    bits ``swiglu_act_kernel`` gives from the two stored outputs."""
-    m = rmask[:, None] & (cols < N)[None, :]
-    if ACT:
-        u = acc.to(G.dtype.element_ty).to(tl.float32)
-        g = tl.load(G + rows[:, None] * s_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        a = swiglu(g, u, limit, CLAMP)
-        if HAS_W:
-            a = a * tl.load(WT + rows, mask=rmask, other=0.0)[:, None]
-        tl.store(Y + rows[:, None] * s_ym + cols[None, :], a.to(Y.dtype.element_ty), mask=m)
-    else:
-        tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def grouped_tma_kernel(x_desc, w_desc, Y, Off, E, N, K, s_ym, G, WT, s_g, limit, EB: tl.constexpr, BM: tl.constexpr,
+def grouped_tma_kernel(x_desc, w_desc, Y, Off, E, N, K, s_ym, EB: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BK: tl.constexpr, NUM_SMS: tl.constexpr,
-                       FLAT: tl.constexpr, ACT: tl.constexpr = False, CLAMP: tl.constexpr = False,
-                       HAS_W: tl.constexpr = False):
+                       FLAT: tl.constexpr):
     pdl_enter()
     e = tl.arange(0, EB)
     lo = tl.load(Off + e, mask=e < E, other=0).to(tl.int32)
@@ -80,7 +59,8 @@ def grouped_tma_kernel(x_desc, w_desc, Y, Off, E, N, K, s_ym, G, WT, s_g, limit,
             acc = tl.dot(a, b.T, acc)
         rows = (r0 + tl.arange(0, BM)).to(tl.int64)
         cols = pn * BN + tl.arange(0, BN)
-        store_tile(Y, rows, cols, rows < r1, N, s_ym, acc, G, WT, s_g, limit, ACT, CLAMP, HAS_W)
+        tl.store(Y + rows[:, None] * s_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rows < r1)[:, None] & (cols < N)[None, :])
 
 
 def usable(x, w) -> bool:
@@ -91,11 +71,10 @@ def usable(x, w) -> bool:
             and w.data_ptr() % 16 == 0 and x.stride(1) == 1 and x.stride(0) == x.shape[1])
 
 
-def grouped_linear_tma(x, w, off, y, t, act=None):
+def grouped_linear_tma(x, w, off, y, t):
     """``y[rows of e] = x[rows of e] @ w[e].T`` for contiguous ``x [T, K]``, ``w [E, N, K]``, int64
     ``off [E + 1]`` (rising from 0 to T) and ``y [T, N]``; ``t`` the tile (BM, BN, BK, warps,
-    stages, FLAT, occ). ``act``: ``(gate [T, N], limit, weight [T] or None)`` - y is then SwiGLU's
-    activation of ``gate`` and the product (``store_tile``)."""
+    stages, FLAT, occ)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from v4stack.kernels.triton_tma import num_sms
@@ -107,11 +86,9 @@ def grouped_linear_tma(x, w, off, y, t, act=None):
     wd = TensorDescriptor.from_tensor(w.view(E * N, K), [bn, bk])
     nsm = num_sms() * t.get("occ", 1)
     grid = (min(nsm, (min(E, T) + T // bm) * cdiv(N, bn)),)
-    g, limit, wt = act if act is not None else (y, 0.0, None)
-    grouped_tma_kernel[grid](xd, wd, y, off, E, N, K, y.stride(0), g, wt if wt is not None else g, g.stride(0),
-                             float(limit), EB=max(16, next_pow2(E)), BM=bm, BN=bn, BK=bk,
-                             NUM_SMS=nsm, FLAT=t.get("FLAT", False), ACT=act is not None, CLAMP=limit > 0,
-                             HAS_W=wt is not None, num_warps=t["num_warps"], num_stages=t["num_stages"])
+    grouped_tma_kernel[grid](xd, wd, y, off, E, N, K, y.stride(0), EB=max(16, next_pow2(E)), BM=bm, BN=bn, BK=bk,
+                             NUM_SMS=nsm, FLAT=t.get("FLAT", False), num_warps=t["num_warps"],
+                             num_stages=t["num_stages"])
     return y
 
 

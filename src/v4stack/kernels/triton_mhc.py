@@ -422,16 +422,6 @@ def rope_pair(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, freqs:
 
 
 @triton.jit
-def swiglu(g, u, limit, CLAMP: tl.constexpr):
-    """SwiGLU's activation of fp32 ``g`` / ``u`` (``swiglu_act_kernel``'s, also the grouped GEMM's
-    epilogue in ``triton_grouped_tma.store_tile``): the same arithmetic wherever it runs."""
-    if CLAMP:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    return tl.div_rn(g, 1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
 def swiglu_act_kernel(G, U, WT, Y, N, limit, CLAMP: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     pdl_enter()
     t = tl.program_id(0).to(tl.int64)
@@ -439,7 +429,10 @@ def swiglu_act_kernel(G, U, WT, Y, N, limit, CLAMP: tl.constexpr, HAS_W: tl.cons
     m = o < N
     g = tl.load(G + t * N + o, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + t * N + o, mask=m, other=0.0).to(tl.float32)
-    a = swiglu(g, u, limit, CLAMP)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    a = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
     if HAS_W:
         a = a * tl.load(WT + t)
     tl.store(Y + t * N + o, a.to(Y.dtype.element_ty), mask=m)

@@ -27,7 +27,7 @@ from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import grouped_swiglu, moe_route, moe_unsort_combine, router, swiglu_act
+from v4stack.ops.fused import moe_route, moe_unsort_combine, router, swiglu_act
 
 
 class Expert(nn.Module):
@@ -138,7 +138,8 @@ class LocalGrouped:
         # by expert, then pair id (token * k + slot); joined: one more slot a token, expert E, weight 1
         offsets, order, rank, tok, ws = moe_route(indices, weights, moe.n_experts, shared_joins)
         rows = x[tok].to(w1.dtype)
-        act = grouped_swiglu(rows, w3, offsets, ops.grouped_linear(rows, w1, offsets), moe.limit, ws, w2.dtype)
+        act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
+                         ws, w2.dtype)
         return ops.grouped_linear(act, w2, offsets), rank
 
 

@@ -20,9 +20,6 @@
   and the read in one launch).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
   (times the routing weight) between their GEMMs, one kernel on CUDA.
-- ``grouped_swiglu(x, w, offsets, gate, limit, weight, out_dtype)``: the up projection's grouped
-  GEMM and ``swiglu_act`` of ``gate`` and its output (on CUDA, where the project's grouped GEMM
-  serves: the activation stored by the GEMM's tiles, one launch and the same bits).
 - ``rms_norm_pair(a, wa, b, wb, eps)``: two weighted RMS norms (a layer's query and KV
   projections') in one launch on CUDA, each norm's bits.
 - ``moe_hc_write(x, out, rank, indices, joined, post, comb)``: ``hc_write`` of the MoE sublayer's
@@ -127,10 +124,6 @@ def swiglu_act_reference(gate, up, limit: float, weight, out_dtype):
     if weight is not None:
         act = act * weight.to(cd).unsqueeze(-1)
     return act.to(out_dtype)
-
-
-def grouped_swiglu_reference(x, w, offsets, gate, limit: float, weight, out_dtype):
-    return swiglu_act(gate, ops.grouped_linear(x, w, offsets), limit, weight, out_dtype)
 
 
 def rms_norm_pair_reference(a, wa, b, wb, eps: float):
@@ -358,7 +351,6 @@ register("rope_table", "torch_composite", rope_table_reference)
 register("hc_split", "torch_composite", hc_split_reference)
 register("hc_pre", "torch_composite", hc_pre_reference)
 register("swiglu_act", "torch_composite", swiglu_act_reference)
-register("grouped_swiglu", "composite", grouped_swiglu_reference)
 register("moe_hc_write", "composite", moe_hc_write_reference)
 register("rms_norm_pair", "composite", rms_norm_pair_reference)
 register("hc_read_norm", "torch_composite", hc_read_norm_reference)
@@ -469,15 +461,6 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch
     clamp(up, -limit, limit)``, times the routing ``weight [T]`` if given, in the compute dtype,
     returned in ``out_dtype`` (the next GEMM's); ``limit`` 0 disables the clamps."""
     return call("swiglu_act", ops.get_mode(), str(gate.dtype)[6:], gate.device.type, gate, up, limit, weight,
-                out_dtype)
-
-
-def grouped_swiglu(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gate: torch.Tensor, limit: float,
-                   weight: torch.Tensor | None, out_dtype):
-    """``swiglu_act(gate, ops.grouped_linear(x, w, offsets), limit, weight, out_dtype)``: the experts'
-    up projection with the activation (on CUDA where the project's grouped GEMM serves, its tiles
-    store the activation: one launch, the same bits)."""
-    return call("grouped_swiglu", ops.get_mode(), str(w.dtype)[6:], x.device.type, x, w, offsets, gate, limit, weight,
                 out_dtype)
 
 
