@@ -268,7 +268,7 @@ def moe_hc_write(x, out, rank, indices, joined, post, comb):
     """``ops.fused.moe_hc_write`` in fast mode: ``hc_write(x, moe_unsort_combine(out, rank, indices,
     None, x.dtype, joined), post, comb)`` in one launch (the two kernels' grid: a token and 1024
     columns a program)."""
-    T, k = indices.shape
+    k = indices.shape[1]
     N, n, D = x.shape
     xc, pc, cc = x.contiguous(), post.contiguous(), comb.contiguous()
     y = torch.empty(N, n, D, dtype=x.dtype, device=x.device)

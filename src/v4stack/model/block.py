@@ -10,8 +10,8 @@ from v4stack.model.attention import Attention, Segment
 from v4stack.model.mhc import coefficients_read_norm, hc_coefficients, hc_parameters, hc_write, read_norm
 from v4stack.model.moe import MoE
 from v4stack.model import rowwise
-from v4stack.ops.fused import moe_hc_write
 from v4stack.model.norm import RMSNorm
+from v4stack.ops.fused import moe_hc_write
 
 
 class Block(nn.Module):
