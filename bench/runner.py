@@ -2,7 +2,9 @@
 
 Every result file records the commit, whether the tree was dirty, the host, the device, the command
 line and, when the ops dispatch table is loaded, which implementation served each op. On a machine
-without git (a GPU box that got a copy of the tree), set V4STACK_COMMIT / V4STACK_DIRTY.
+without git, or whose copy of the tree carries git metadata of another commit (a GPU box), set
+V4STACK_COMMIT / V4STACK_DIRTY: ``commit_from`` says which source the stamp took, and ``package``
+the directory the ``v4stack`` package was imported from (``src``, or an A/B's older tree).
 
     from bench.runner import write_result
     write_result("bench/results/x.json", {"rows": [...]})
@@ -45,8 +47,21 @@ def _ops_counters() -> dict | None:
     return counters() if callable(counters) else None
 
 
+def _package() -> str | None:
+    """The directory holding the imported ``v4stack`` package, relative to the repository if inside it."""
+    f = getattr(sys.modules.get("v4stack"), "__file__", None)
+    if not f:
+        return None
+    d = Path(f).resolve().parents[1]
+    try:
+        return str(d.relative_to(ROOT))
+    except ValueError:
+        return str(d)
+
+
 def stamp() -> dict:
     """Commit, dirty flag, host, device, command, time and versions of the process writing a result."""
+    from_env = bool(os.environ.get("V4STACK_COMMIT"))
     commit = os.environ.get("V4STACK_COMMIT") or (_git("rev-parse", "HEAD") or "").strip() or None
     if "V4STACK_DIRTY" in os.environ:
         dirty: bool | None = os.environ["V4STACK_DIRTY"] not in ("", "0", "false")
@@ -57,7 +72,9 @@ def stamp() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
         "commit": commit,
+        "commit_from": "env" if from_env else ("git" if commit else None),
         "dirty": dirty,
+        "package": _package(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "device": _device(),
