@@ -181,8 +181,10 @@ def pack_keys_kernel(X, DEST, P, s_x, s_p, D: tl.constexpr, BLK: tl.constexpr, P
 def pack_keys_into(new, pool, dest) -> None:
     """Keys ``new [N, D]`` (D a power of two, at least 16) packed into rows ``dest [N]`` (int64) of
     the flattened key pool ``pool`` (uint8, ``ops.fp8_keys.width(D)`` bytes a row): ``ops.fused.pack_keys_into``."""
+    from v4stack.ops.fp8_keys import blocks, width  # here: the ops package imports the kernels while it loads
+
     N, D = new.shape
     if N:
         p = pool.view(-1, pool.shape[-1])
         launch(pack_keys_kernel, (N,), new, dest, p, new.stride(0), p.stride(0), D=D, BLK=min(32, D),
-               PAD=next_pow2(max(1, p.shape[-1] - D - -(-D // 32))), num_warps=1)
+               PAD=next_pow2(max(1, width(D) - D - blocks(D))), num_warps=1)
