@@ -1,6 +1,7 @@
 """Launches the decode step merges (Triton's interpreter; on a GPU too): the mHC write combining the
-experts' sorted rows itself (``fused.moe_hc_write``) and a layer's two projection norms in one launch
-(``fused.rms_norm_pair``), each bit for bit the kernels it replaces, and the GPU dispatch taking them."""
+experts' sorted rows itself (``fused.moe_hc_write``), a layer's two projection norms in one launch
+(``fused.rms_norm_pair``) and the MoE's routing with its rows' gather (``fused.moe_route_rows``), each
+bit for bit the kernels it replaces, and the GPU dispatch taking them."""
 
 import pytest
 import torch
@@ -49,6 +50,32 @@ def test_two_norms_in_one_launch_give_each_norms_bits():
     assert not torch.equal(trw.rms_norm_pair(a, wa, b, wb.flip(0), 1e-6)[1], yb)
 
 
+def _route_case(T=37, k=6, E=8, D=700, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[:, 0] = torch.where(torch.arange(T) % 3 == 0, 7, idx[:, 0])  # an uneven expert: more rows than a step
+    idx[4, 2] = idx[4, 0]  # a repeated expert: ties in pair order
+    w = torch.rand(T, k, generator=g)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    return x, idx, w
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_routing_with_its_rows_gives_the_route_and_the_gather(joined):
+    x, idx, w = _route_case()
+    want = tr.moe_route(idx, w, 8, joined)
+    got = tr.moe_route_rows(x, idx, w, 8, joined, x.dtype)
+    for a, b in zip(got[:5], want):
+        assert torch.equal(a, b)
+    rows = got[5]
+    assert rows.shape == (idx.numel() + joined * idx.shape[0], x.shape[1]) and torch.equal(rows, x[want[3]])
+    # inverse control: rows copied in pair order (not each expert's placement order) are other rows
+    pair_tok = torch.arange(rows.shape[0]) // (idx.shape[1] + joined)
+    assert not torch.equal(rows, x[pair_tok])
+    # and a column block past the first is copied too (the tile is narrower than the rows)
+    assert tr.ROWS_TILE["BC"] < x.shape[1] and torch.equal(rows[:, -5:], x[want[3]][:, -5:])
+
+
 def test_cpu_runs_the_compositions():
     x, out, rank, idx, post, comb = _combine_case()
     with ops.mode("fast"):
@@ -58,11 +85,16 @@ def test_cpu_runs_the_compositions():
     wa, wb = torch.rand(a.shape[1]), torch.rand(512)
     ya, yb = fused.rms_norm_pair(a, wa, b, wb, 1e-6)
     assert torch.equal(ya, ops.rms_norm(a, wa, 1e-6)) and torch.equal(yb, ops.rms_norm(b, wb, 1e-6))
+    xr, idx, w = _route_case()
+    got = fused.moe_route_rows(xr, idx, w, 8, True, torch.float32)
+    want = fused.moe_route_reference(idx, w, 8, True)
+    assert all(torch.equal(a, b) for a, b in zip(got[:5], want)) and torch.equal(got[5], xr[want[3]].float())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_gpu_the_fused_ends_serve_with_the_same_bits():
+    from v4stack.kernels import fused_gpu
     from v4stack.ops.dispatch import counters, reset_counters
 
     with ops.mode("fast"):
@@ -79,4 +111,12 @@ def test_on_the_gpu_the_fused_ends_serve_with_the_same_bits():
         assert "triton_rms_norm_pair" in counters()["rms_norm_pair"]
         assert torch.equal(ya, ops.rms_norm(xp[:, :1024], wa, 1e-6))
         assert torch.equal(yb, ops.rms_norm(xp[:, 1024:1536], wb, 1e-6))
-
+        xr, idx, w = (t.cuda() for t in _route_case(T=256, D=4096))
+        reset_counters()
+        got = fused.moe_route_rows(xr, idx, w, 8, True, torch.bfloat16)
+        assert "triton_moe_route_rows" in counters()["moe_route_rows"]
+        want = fused.moe_route_reference(idx, w, 8, True)
+        assert all(torch.equal(a, b) for a, b in zip(got[:5], want)) and torch.equal(got[5], xr[want[3]])
+        big = torch.zeros(700, 6, dtype=torch.long, device="cuda")  # past one block's pairs: the composition
+        assert not fused_gpu.moe_route_rows_ok(torch.zeros(700, 64, device="cuda"), big, big.float(), 8, True,
+                                               torch.float32)

@@ -209,6 +209,23 @@ def moe_hc_write_ok(x, out, rank, indices, joined, post, comb) -> bool:
             == "triton_hc_write")
 
 
+def moe_route_rows_ok(x, indices, weights, n_experts, joined, dtype) -> bool:
+    """A decode step's pairs (one block of ``route_kernel``) whose routing dispatch would run
+    ``moe_route``'s kernel, and rows of ``x`` the kernel can copy."""
+    from v4stack import ops
+    from v4stack.kernels.triton_route import ROUTE_ONE
+    from v4stack.ops.dispatch import resolve
+
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    if not (x.is_cuda and x.dim() == 2 and indices.dim() == 2 and x.shape[0] == indices.shape[0]):
+        return False
+    P = indices.shape[0] * (indices.shape[1] + joined)
+    return (x.dtype in fl and dtype in fl and x.stride(1) == 1 and x.device == indices.device and 0 < P <= ROUTE_ONE
+            and x.shape[1] > 0 and x.numel() < 2**31
+            and resolve("moe_route", ops.get_mode(), str(weights.dtype)[6:], "cuda", indices, weights, n_experts,
+                        joined).name == "triton_moe_route")
+
+
 def fp4_round_ok(x, block) -> bool:
     D = x.shape[-1] if x.dim() else 0
     return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous()
@@ -418,7 +435,7 @@ def register_all(register) -> None:
              ref("rms_norm_pair_reference")), device="cuda", accepts=_with("triton", rms_norm_pair_ok))
     register("moe_hc_write", "triton_moe_hc_write", _guarded("moe_hc_write", _lazy("triton_route", "moe_hc_write"),
              ref("moe_hc_write_reference")), mode="fast", device="cuda", accepts=_with("triton", moe_hc_write_ok))
-    for op, module in (("swiglu_act", "triton_mhc"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
+    for op, module in (("swiglu_act", "triton_mhc"), ("moe_route_rows", "triton_route"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
                        ("rope", "triton_mhc"), ("moe_gate", "triton_route"), ("moe_route", "triton_route"),
                        ("moe_unsort_combine", "triton_route"), ("tail_write", "triton_ring"),
                        ("kv_round", "triton_round"), ("fp4_round", "triton_round"), ("pack_keys_into", "triton_ring")):

@@ -215,10 +215,12 @@ def row_mix(name: str, BJ=8, BD=1024) -> Spec:
 
 
 ALL = {"softmax_rows": softmax, "sparse_attention": sparse_attention, "indexer_bs64": lambda: indexer(name="indexer_bs64"),
-       # the half-precision launch's tile (triton_gemm.INDEXER_TILE: 128 keys, one chunk)
        "indexer_bs128": lambda: indexer(BS=128, name="indexer_bs128"),
-       # the same over V4's packed keys (FP8: ops/fp8_keys.py rows)
        "indexer_fp8_bs128": lambda: indexer(BS=128, name="indexer_fp8_bs128", fp8=True),
+       # the half-precision launch's tile (triton_gemm.INDEXER_TILE: 128 keys, two chunks a program),
+       # and the same over V4's packed keys (FP8: ops/fp8_keys.py rows)
+       "indexer_bs128_ch2": lambda: indexer(BS=128, CH=2, name="indexer_bs128_ch2"),
+       "indexer_fp8_bs128_ch2": lambda: indexer(BS=128, CH=2, name="indexer_fp8_bs128_ch2", fp8=True),
        "row_mix": lambda: row_mix("row_mix"), "rms_norm": specs_more.rms_norm, "softmax_row": specs_more.softmax_row,
        "sparse_attention_split": specs_more.sparse_attention_split}
 
@@ -295,7 +297,8 @@ GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F
           "hc_mix": _active("HC_TILES", "HC_HALF_TILES", "HC_TILES_GRAPH", "HC_HALF_TILES_GRAPH"),
           "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION,
-          "indexer": ["indexer_bs64", "indexer_bs128", "indexer_fp8_bs128"]}
+          "indexer": ["indexer_bs64", "indexer_bs128", "indexer_fp8_bs128", "indexer_bs128_ch2",
+                      "indexer_fp8_bs128_ch2"]}
 
 
 PROOFS = Path(__file__).with_name("proofs.json")

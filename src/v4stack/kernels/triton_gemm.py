@@ -162,8 +162,11 @@ def indexer_kernel(Q, Wt, Kc, Rows, Y, S, H, NK, s_qt, s_qh, s_wt, s_kt, s_ks, s
 
 INDEXER_BS = 64  # keys per chunk
 # half-precision launches: (keys a chunk, chunks a program, warps, stages); bench/results/indexer_h200.json
-# (128 keys: 96 / 28 us against 116 / 34 for 64 at 256 / 64 queries of 4096 entries; specs.py proves it)
-INDEXER_TILE = {"BS": 128, "CH": 1, "num_warps": 4, "num_stages": 3}
+# (128 keys: 96 / 28 us against 116 / 34 for 64 at 256 / 64 queries of 4096 entries); two chunks a program:
+# 98.3 / 99.1 / 28.6 us against one's 102.5 / 104.7 / 29.9 on an H200 (256 queries of 4096, 256 of a 16k
+# step's 4608-wide table, 64 of 4096; bench/results/indexer_select_h200_b171000.json), 109.4 / 108.7 /
+# 31.6 against 109.2 / 110.7 / 32.0 on an H100 (indexer_select_h100.json); the same bits (specs.py proves it)
+INDEXER_TILE = {"BS": 128, "CH": 2, "num_warps": 4, "num_stages": 3}
 
 
 def indexer_scores(q, w, k, rows=None, tile=None):

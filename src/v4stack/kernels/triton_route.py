@@ -180,6 +180,69 @@ def route_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, P, E, K: tl.constexpr, BP: t
 ROUTE_ONE = 4096  # pairs a program holds in one block (a decode step's: 256 tokens x 7 pairs fit)
 
 
+@triton.jit
+def route_rows_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, X, R, P, E, D, s_x, s_r, K: tl.constexpr,
+                      BP: tl.constexpr, JOIN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Program ``(e, c)``: ``route_kernel``'s one-block pass for expert ``e`` (program ``(e, 0)``
+    stores its offsets, order, rank, tokens and weights), then expert ``e``'s sorted rows over
+    columns ``[c BC, (c + 1) BC)``: row ``i`` is ``X[tok[i]]`` cast to ``R``'s dtype. Every program of
+    the expert stores the tokens of its pairs (the same values) and reads them back after the
+    block's barrier, so it copies in placement order without another launch."""
+    pdl_enter()
+    e = tl.program_id(0)
+    c = tl.program_id(1)
+    KJ: tl.constexpr = K + JOIN
+    p = tl.arange(0, BP)
+    ids = _route_ids(IDX, p, P, E, K, JOIN)
+    below = tl.sum(((ids >= 0) & (ids < e)).to(tl.int32), 0)
+    hit = (ids == e) & (p < P)
+    mine = tl.sum(hit.to(tl.int32), 0)
+    if c == 0:
+        tl.store(OFF + 1 + e, (below + mine).to(tl.int64))
+        if e == 0:
+            tl.store(OFF, (below * 0).to(tl.int64))
+        _route_place(W, ORDER, RANK, TOK, WS, p, ids, e, below, P, K, JOIN)
+    else:
+        tl.store(TOK + below + tl.cumsum(hit.to(tl.int32), 0) - 1, (p // KJ).to(tl.int64), mask=hit)
+    tl.debug_barrier()  # the tokens, stored by some threads, are read back by others
+    i = tl.arange(0, BR)
+    d = (c * BC + tl.arange(0, BC)).to(tl.int64)
+    dm = d < D
+    for r0 in range(0, mine, BR):
+        m = (r0 + i) < mine
+        row = (below + r0 + i).to(tl.int64)
+        t = tl.load(TOK + row, mask=m, other=0)
+        v = tl.load(X + t[:, None] * s_x + d[None, :], mask=m[:, None] & dm[None, :], other=0.0)
+        tl.store(R + row[:, None] * s_r + d[None, :], v.to(R.dtype.element_ty), mask=m[:, None] & dm[None, :])
+
+
+# route_rows' column block and rows a step (BR x BC a program's tile)
+ROWS_TILE = dict(BR=32, BC=256, num_warps=8)
+
+
+def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool,
+                   dtype, tile: dict | None = None):
+    """``moe_route`` and the sorted pairs' rows ``x[tok].to(dtype)`` in one launch (a decode step's
+    pairs: at most ``ROUTE_ONE``): the grouped GEMM's inputs without torch's gather. ``tile``:
+    ``ROWS_TILE``'s keys (``bench/route_rows.py`` times others)."""
+    T, k = indices.shape
+    P = T * (k + joined)
+    E = n_experts + joined
+    D = x.shape[1]
+    dev = indices.device
+    off = torch.empty(E + 1, dtype=torch.int64, device=dev)
+    order = torch.empty(P, dtype=torch.int64, device=dev)
+    rank = torch.empty(P, dtype=torch.int64, device=dev)
+    tok = torch.empty(P, dtype=torch.int64, device=dev)
+    ws = torch.empty(P, dtype=weights.dtype, device=dev)
+    rows = torch.empty(P, D, dtype=dtype, device=dev)
+    t = tile or ROWS_TILE
+    launch(route_rows_kernel, (E, max(1, -(-D // t["BC"]))), indices, weights, off, order, rank, tok, ws, x, rows, P,
+           E, D, x.stride(0), rows.stride(0), K=k, BP=max(16, next_pow2(P)), JOIN=joined, BR=t["BR"], BC=t["BC"],
+           num_warps=t["num_warps"])
+    return off, order, rank, tok, ws, rows
+
+
 def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool = False):
     """``indices [T, k]`` expert ids in ``[0, E)``, ``weights [T, k]`` -> row offsets ``[E + 1]``,
     pair order ``[T k]`` (stable by expert), each pair's position in it ``[T k]``, each sorted
@@ -315,6 +378,8 @@ def builds() -> dict:
         "moe_route": (route_kernel, route, dict(K=6, BP=1024, JOIN=False)),
         "moe_route_e8": (route_kernel, route, dict(K=6, BP=512, JOIN=True)),
         "moe_route_one": (route_kernel, route, dict(K=6, BP=2048, JOIN=True, ONE=True)),
+        "moe_route_rows": (route_rows_kernel, {**route, "X": "*bf16", "R": "*bf16", "D": "i32", "s_x": "i32",
+                                               "s_r": "i32"}, dict(K=6, BP=2048, JOIN=True, BR=32, BC=256), dict(num_warps=8)),
         "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True, JOIN=False)),
         "moe_unsort_combine_joined": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=False, JOIN=True)),
     }

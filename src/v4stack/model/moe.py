@@ -27,7 +27,7 @@ from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
 from v4stack.model import rowwise
-from v4stack.ops.fused import moe_route, moe_unsort_combine, router, swiglu_act
+from v4stack.ops.fused import moe_route_rows, moe_unsort_combine, router, swiglu_act
 
 
 class Expert(nn.Module):
@@ -136,8 +136,7 @@ class LocalGrouped:
         times the routing weights) and each pair's row in them ``[T k]`` - what ``run`` combines."""
         w1, w2, w3 = moe.stacked_weights(True) if shared_joins else moe.stacked_weights()
         # by expert, then pair id (token * k + slot); joined: one more slot a token, expert E, weight 1
-        offsets, order, rank, tok, ws = moe_route(indices, weights, moe.n_experts, shared_joins)
-        rows = x[tok].to(w1.dtype)
+        offsets, order, rank, tok, ws, rows = moe_route_rows(x, indices, weights, moe.n_experts, shared_joins, w1.dtype)
         act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
                          ws, w2.dtype)
         return ops.grouped_linear(act, w2, offsets), rank

@@ -33,6 +33,9 @@
 - ``moe_route(indices, weights, n_experts)``: the (token, slot) pairs stably sorted by expert:
   the grouped GEMM's row offsets, the pair order, each sorted pair's token and weight (one
   counting-sort kernel instead of a radix sort and ~5 index kernels).
+- ``moe_route_rows(x, indices, weights, n_experts, joined, dtype)``: ``moe_route`` and the sorted
+  pairs' rows ``x[tok].to(dtype)``, the grouped GEMM's inputs (a decode step's pairs on CUDA: one
+  kernel instead of the route's and torch's gather).
 - ``moe_unsort_combine(out, rank, indices, shared, out_dtype)``: the sorted expert outputs back
   per token, ``moe_combine``'d, plus the shared expert, in the model's dtype (one kernel on CUDA).
 - ``tail_write(kv, score, ape, positions, ratio, ring_kv, ring_score, dest, cd)``: a compressor's
@@ -224,6 +227,12 @@ def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts:
     return offsets, order, rank, order // k, weights.reshape(-1)[order]
 
 
+def moe_route_rows_reference(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int,
+                             joined: bool, dtype):
+    off, order, rank, tok, ws = moe_route(indices, weights, n_experts, joined)  # as its own dispatch serves it
+    return off, order, rank, tok, ws, x[tok].to(dtype)
+
+
 def rope_inplace_reference(x, positions, freqs, inverse: bool, table=None) -> torch.Tensor:
     return x.copy_(rope(x, positions, freqs, inverse))
 
@@ -339,6 +348,7 @@ register("linear_widened", "torch_composite", linear_widened_reference)
 register("moe_gate", "torch_composite", moe_gate_reference)
 register("router", "composite", router_reference)
 register("moe_route", "torch_composite", moe_route_reference)
+register("moe_route_rows", "torch_composite", moe_route_rows_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
 register("pack_keys_into", "torch_composite", pack_keys_into_reference)
@@ -581,6 +591,16 @@ def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, join
     with weight 1 (the shared expert run as one more expert; no padded copies of the inputs)."""
     return call("moe_route", ops.get_mode(), str(weights.dtype)[6:], indices.device.type, indices, weights,
                 n_experts, joined)
+
+
+def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool,
+                   dtype):
+    """``moe_route(indices, weights, n_experts, joined)`` plus the sorted pairs' rows ``x[tok].to(dtype)``
+    (``x [T, d]``): ``(offsets, order, rank, tok, weights, rows)``. A decode step's pairs on CUDA run
+    one kernel (the routing kernel's pass, then each expert's rows copied by column blocks); the
+    same values as the composition."""
+    return call("moe_route_rows", ops.get_mode(), str(weights.dtype)[6:], indices.device.type, x, indices, weights,
+                n_experts, joined, dtype)
 
 
 def moe_unsort_combine(out: torch.Tensor, rank: torch.Tensor, indices: torch.Tensor, shared: torch.Tensor | None,
