@@ -1,7 +1,8 @@
 """Launches the decode step merges (Triton's interpreter; on a GPU too): the mHC write combining the
 experts' sorted rows itself (``fused.moe_hc_write``), a layer's two projection norms in one launch
-(``fused.rms_norm_pair``) and the MoE's routing with its rows' gather (``fused.moe_route_rows``), each
-bit for bit the kernels it replaces, and the GPU dispatch taking them."""
+(``fused.rms_norm_pair``), the MoE's routing with its rows' gather (``fused.moe_route_rows``) and the
+streams' first copies (``fused.embed_streams``), each bit for bit the kernels it replaces, and the GPU
+dispatch taking them."""
 
 import pytest
 import torch
@@ -76,6 +77,17 @@ def test_routing_with_its_rows_gives_the_route_and_the_gather(joined):
     assert tr.ROWS_TILE["BC"] < x.shape[1] and torch.equal(rows[:, -5:], x[want[3]][:, -5:])
 
 
+def test_streams_first_copies_are_the_embedding_rows():
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(50, 1500, generator=g).bfloat16()
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    got = trw.embed_streams(ids, table, 4)
+    assert torch.equal(got, fused.embed_streams_reference(ids, table, 4))
+    # inverse control: another id's row is another stream content; an id past the table writes zeros
+    assert not torch.equal(trw.embed_streams(ids.flip(0), table, 4), got)
+    assert trw.embed_streams(torch.tensor([50]), table, 2).abs().sum() == 0
+
+
 def test_cpu_runs_the_compositions():
     x, out, rank, idx, post, comb = _combine_case()
     with ops.mode("fast"):
@@ -89,6 +101,8 @@ def test_cpu_runs_the_compositions():
     got = fused.moe_route_rows(xr, idx, w, 8, True, torch.float32)
     want = fused.moe_route_reference(idx, w, 8, True)
     assert all(torch.equal(a, b) for a, b in zip(got[:5], want)) and torch.equal(got[5], xr[want[3]].float())
+    ids = torch.tensor([1, 4, 2])
+    assert torch.equal(fused.embed_streams(ids, xr, 3), torch.stack([xr[ids]] * 3, 1))
 
 
 @pytest.mark.gpu
@@ -120,3 +134,9 @@ def test_on_the_gpu_the_fused_ends_serve_with_the_same_bits():
         big = torch.zeros(700, 6, dtype=torch.long, device="cuda")  # past one block's pairs: the composition
         assert not fused_gpu.moe_route_rows_ok(torch.zeros(700, 64, device="cuda"), big, big.float(), 8, True,
                                                torch.float32)
+        table = torch.randn(1000, 4096, device="cuda").bfloat16()
+        ids = torch.randint(0, 1000, (256,), device="cuda")
+        reset_counters()
+        got = fused.embed_streams(ids, table, 4)
+        assert "triton_embed_streams" in counters()["embed_streams"]
+        assert torch.equal(got, fused.embed_streams_reference(ids, table, 4))

@@ -179,6 +179,13 @@ def moe_unsort_combine_ok(out, rank, indices, shared, out_dtype, joined=False) -
                                     and shared.stride(1) == 1 and shared.device == out.device)))
 
 
+def embed_streams_ok(ids, weight, n) -> bool:
+    """Inference rows (no gradient to the table), 1-D integer ids beside a row-contiguous table."""
+    return (weight.is_cuda and weight.dim() == 2 and weight.stride(1) == 1 and ids.dim() == 1
+            and ids.dtype in (torch.int32, torch.int64) and ids.device == weight.device and 1 <= n <= 64
+            and not (weight.requires_grad and torch.is_grad_enabled()) and weight.numel() < 2**40)
+
+
 def rms_norm_pair_ok(a, wa, b, wb, eps) -> bool:
     """Two row sets of one token count whose norms the project's row kernel would run."""
     from v4stack import ops
@@ -435,7 +442,7 @@ def register_all(register) -> None:
              ref("rms_norm_pair_reference")), device="cuda", accepts=_with("triton", rms_norm_pair_ok))
     register("moe_hc_write", "triton_moe_hc_write", _guarded("moe_hc_write", _lazy("triton_route", "moe_hc_write"),
              ref("moe_hc_write_reference")), mode="fast", device="cuda", accepts=_with("triton", moe_hc_write_ok))
-    for op, module in (("swiglu_act", "triton_mhc"), ("moe_route_rows", "triton_route"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
+    for op, module in (("swiglu_act", "triton_mhc"), ("moe_route_rows", "triton_route"), ("embed_streams", "triton_rows"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
                        ("rope", "triton_mhc"), ("moe_gate", "triton_route"), ("moe_route", "triton_route"),
                        ("moe_unsort_combine", "triton_route"), ("tail_write", "triton_ring"),
                        ("kv_round", "triton_round"), ("fp4_round", "triton_round"), ("pack_keys_into", "triton_ring")):

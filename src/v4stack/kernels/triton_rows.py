@@ -345,6 +345,33 @@ def write_streams(X, o, Post, Comb, Y, r, d, n, D, s_xn, s_xj, s_pn, s_cn, s_cj,
         tl.store(Y + r * s_yn + k * s_yk + d, y.to(Y.dtype.element_ty), mask=d < D)
 
 
+@triton.jit
+def embed_streams_kernel(IDS, Wt, Y, n, D, V, s_w, s_yn, s_yj, BD: tl.constexpr):
+    """Token ``t``'s embedding row over columns ``d``, stored in each of its ``n`` streams (an id
+    outside ``[0, V)`` reads nothing and writes zeros)."""
+    pdl_enter()
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = d < D
+    i = tl.load(IDS + t).to(tl.int64)
+    v = tl.load(Wt + i * s_w + d, mask=dm & (i >= 0) & (i < V), other=0.0)
+    for j in range(0, n):
+        tl.store(Y + t * s_yn + j * s_yj + d, v, mask=dm)
+
+
+def embed_streams(ids, weight, n: int):
+    """``ops.fused.embed_streams`` on CUDA: the streams' first copies ``[T, n, d]`` of the embedding
+    rows of ``ids`` in one launch (a gather and a concatenation otherwise)."""
+    T = ids.shape[0]
+    V, D = weight.shape
+    y = torch.empty(T, n, D, dtype=weight.dtype, device=weight.device)
+    if T and D:
+        bd = min(1024, next_pow2(D))
+        launch(embed_streams_kernel, (T, cdiv(D, bd)), ids.contiguous(), weight, y, n, D, V, weight.stride(0),
+               y.stride(0), y.stride(1), BD=bd, num_warps=4)
+    return y
+
+
 def hc_write(x, out, post, comb):
     """mHC write ``x'_k = post_k * out + sum_j comb[j, k] x_j`` (a fixed tree over j)."""
     N, n, D = x.shape

@@ -18,6 +18,8 @@
 - ``hc_head_read_norm(x, fn, scale, base, eps, norm_eps, weight, rms_eps)``: ``hc_head_pre`` then
   ``hc_read_norm``, the output head's normalised input (fast mode on CUDA: the finish, the weights
   and the read in one launch).
+- ``embed_streams(ids, weight, n)``: the mHC streams' first copies, each token's embedding row in
+  all ``n`` streams (one kernel on CUDA instead of a gather and a concatenation).
 - ``swiglu_act(gate, up, limit, weight, out_dtype)``: the experts' clamped SwiGLU activation
   (times the routing weight) between their GEMMs, one kernel on CUDA.
 - ``rms_norm_pair(a, wa, b, wb, eps)``: two weighted RMS norms (a layer's query and KV
@@ -227,6 +229,11 @@ def moe_route_reference(indices: torch.Tensor, weights: torch.Tensor, n_experts:
     return offsets, order, rank, order // k, weights.reshape(-1)[order]
 
 
+def embed_streams_reference(ids: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+    e = torch.nn.functional.embedding(ids, weight).unsqueeze(1)
+    return torch.cat([e] * n, 1)  # the copies (a broadcast copy runs ~2.6x slower on CUDA)
+
+
 def moe_route_rows_reference(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int,
                              joined: bool, dtype):
     off, order, rank, tok, ws = moe_route(indices, weights, n_experts, joined)  # as its own dispatch serves it
@@ -349,6 +356,7 @@ register("moe_gate", "torch_composite", moe_gate_reference)
 register("router", "composite", router_reference)
 register("moe_route", "torch_composite", moe_route_reference)
 register("moe_route_rows", "torch_composite", moe_route_rows_reference)
+register("embed_streams", "torch_composite", embed_streams_reference)
 register("moe_unsort_combine", "torch_composite", moe_unsort_combine_reference)
 register("tail_write", "torch_composite", tail_write_reference)
 register("pack_keys_into", "torch_composite", pack_keys_into_reference)
@@ -591,6 +599,13 @@ def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, join
     with weight 1 (the shared expert run as one more expert; no padded copies of the inputs)."""
     return call("moe_route", ops.get_mode(), str(weights.dtype)[6:], indices.device.type, indices, weights,
                 n_experts, joined)
+
+
+def embed_streams(ids: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+    """The mHC streams' first copies ``[T, n, d]``: row ``ids[t]`` of the embedding table ``weight``
+    in each of token ``t``'s ``n`` streams (on CUDA one launch; inference only - a table that takes
+    a gradient runs the composition)."""
+    return call("embed_streams", ops.get_mode(), str(weight.dtype)[6:], weight.device.type, ids, weight, n)
 
 
 def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool,
