@@ -1,7 +1,7 @@
 """Decode through CUDA graphs on a GPU (tiny preset, bf16): the replayed steps give the eager
 engine's tokens in both ops modes, also with overlapped steps (each launched with the previous
-step's sampled ids as device inputs), and in invariant mode a request's tokens do not depend on the
-batch it decodes in."""
+step's sampled ids as device inputs), in invariant mode a request's tokens do not depend on the
+batch it decodes in, and a CSA layer's indexer on the side stream gives the one-stream tokens."""
 
 import pytest
 import torch
@@ -41,3 +41,45 @@ def test_graph_replays_give_the_eager_tokens(mode):
         eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8, n_snapshots=0, ops_mode=mode))
         alone = [eng.generate([p], sp)[0].output for p in _prompts()]
         assert alone == out[True, False]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["fast", "invariant"])
+def test_indexer_on_the_side_stream_gives_the_same_tokens(mode):
+    """A CSA layer's indexer chain on the side stream (``model.side``), eager and in graphs, gives
+    the tokens of the one-stream step; the prompts are longer than the tiny preset's top-k covers,
+    so the indexer scores. Control: the same steps with a smaller top-k give other tokens, so the
+    comparison sees the indexer's choice."""
+    from v4stack.model import side
+    from v4stack.model.attention import Attention
+
+    model = V4Model(preset("tiny"), seed=3).cast(torch.bfloat16).eval().cuda()
+    sp = SamplingParams(max_tokens=24)
+
+    def run(stream: bool, graphs: bool):
+        Attention.index_stream = stream
+        try:
+            before = side.Fork.made
+            eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8, n_snapshots=0, ops_mode=mode, cuda_graphs=graphs,
+                                             overlap=graphs))
+            out = [r.output for r in eng.generate(_prompts(), sp)]
+            return out, side.Fork.made - before
+        finally:
+            Attention.index_stream = True
+
+    one, forks = run(False, True)
+    assert forks == 0
+    for graphs in (False, True):
+        two, forks = run(True, graphs)
+        assert forks > 0 and two == one, graphs
+    idx = [m for m in model.modules() if isinstance(m, Attention) and m.indexer is not None]
+    assert idx and all(a.indexer.topk < 40 // a.ratio for a in idx)  # the longest prompt's entries pass the top-k
+    k0 = idx[0].indexer.topk
+    for a in idx:
+        a.indexer.topk = 1
+    try:
+        other, _ = run(True, True)
+    finally:
+        for a in idx:
+            a.indexer.topk = k0
+    assert other != one

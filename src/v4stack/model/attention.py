@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,7 @@ from v4stack.model import packed
 from v4stack.model.paged import PagedStep, Rings, entry_rows, take
 from v4stack.model.quant import grouped_weight
 from v4stack.model.rope import Rotary
-from v4stack.model import rowwise
+from v4stack.model import rowwise, side
 from v4stack.model.state import LayerState
 
 
@@ -67,6 +69,8 @@ def _group_out(o: torch.Tensor, weight: torch.Tensor, groups: int, rank: int) ->
 
 class Attention(nn.Module):
     kv_rounding = None  # FP8 rounding of window KV rows when set (model/quant.py: set_act_rounding)
+    # a CSA decode step on CUDA runs its indexer on the side stream (``_index_ahead``); V4STACK_INDEX_STREAM=0: not
+    index_stream = os.environ.get("V4STACK_INDEX_STREAM", "1") != "0"
 
     def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
@@ -119,14 +123,17 @@ class Attention(nn.Module):
             qr, kv = fused.rms_norm_pair(xp[0], self.q_norm.weight, xp[1], self.kv_norm.weight, self.q_norm.eps)
         else:
             qr = self.q_norm(self.wq_a(x) if xp is None else xp[0])
+        # and shares one table of the angles' cosines and sines between its layers of a kind
+        tab = segments.batch.shared(("rope_table", self.ratio != 0), lambda: self.rotary.table(positions)) \
+            if inplace else None
+        # and a CSA decode step on CUDA runs the indexer's chain beside the query's (``model.side``)
+        ahead = self._index_ahead(x, qr, segments, layer, tab, xp) if inplace and self._overlaps(x, segments) \
+            else None
         q = self.wq_b(qr).view(N, H, c)
         # and where the attention kernel normalises the queries it loads, hands them over raw
         q_eps = self.eps if inplace and fused.normalises_queries(q) else None
         if q_eps is None:
             q = ops.rms_norm(q, None, self.eps)
-        # and shares one table of the angles' cosines and sines between its layers of a kind
-        tab = segments.batch.shared(("rope_table", self.ratio != 0), lambda: self.rotary.table(positions)) \
-            if inplace else None
         # a decode step rotates its window rows straight into the ring (``_paged``), and a serving
         # decode step its queries in the same call (``fused.rope_pair``)
         direct = isinstance(segments, PagedStep) and segments.batch.decode and rowwise._HOOK.get() is None
@@ -141,7 +148,7 @@ class Attention(nn.Module):
             kv = self.rotary.apply(kv, positions)
         if isinstance(segments, PagedStep):
             o = self._paged(x, qr, q, kv, segments, layer, roped=not direct, table=tab, q_eps=q_eps, xp=xp,
-                            q_roped=not pair)
+                            q_roped=not pair, ahead=ahead)
         elif hasattr(segments, "attention"):  # a context-parallel shard supplies its own candidates
             o = segments.attention(self, x, qr, q, kv, positions, layer)
         else:
@@ -165,14 +172,46 @@ class Attention(nn.Module):
         cands = [self._segment(kv, comp, idx_proj, positions, seg, layer) for seg in segments]
         return self._attend(q, segments, cands)
 
+    def _overlaps(self, x: torch.Tensor, segments) -> bool:
+        """Whether this step's indexer chain runs on the side stream: a CSA layer's decode step on CUDA."""
+        return (self.index_stream and self.indexer is not None and x.is_cuda and isinstance(segments, PagedStep)
+                and segments.batch.decode)
+
+    def _index_ahead(self, x, qr, ps: PagedStep, layer: int, table, xp):
+        """A CSA decode step's indexer chain enqueued on the side stream (``model.side.Fork``): its
+        compressor's tail and closing keys, its queries and head weights, the scores and the top-k.
+        What both chains read (the entry rows, the tail rings' rows, the rotation table) is made on
+        the main stream first. Returns a callable that joins and gives the candidate rows, or None
+        where every entry passes the top-k (nothing to score: the main chain does it)."""
+        b, cache = ps.batch, ps.cache
+        m = self.ratio
+        rows, _ = b.shared(("entries", m), lambda: self._entries(b, m, cache.block_tokens))
+        if self.indexer.all_chosen(rows.shape[1]):
+            return None
+        Rings.dest(b, cache.state[("index_tail", layer)][0].shape[1])
+        ikeys = cache.blocks[("index_keys", layer)]
+        fork = side.Fork(x.device)
+        with fork:
+            self._close(self.indexer.compressor, x, b.positions, ps, "index_tail", ikeys, layer,
+                        None if xp is None else xp[4:6])
+            iq, iw = self.indexer.project(qr, x, b.positions, None if xp is None else xp[6], inplace=xp is not None,
+                                          table=table)
+            cands = self.indexer.choose_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows)
+
+        def joined() -> torch.Tensor:
+            fork.join()
+            return cands
+        return joined
+
     def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None, q_eps=None, xp=None,
-               q_roped: bool = True):
+               q_roped: bool = True, ahead=None):
         """Attention by index over the pools: the window as ring rows, compressed entries through
         the block table; closing entries and the new ring rows are written into the pools. ``kv``
         not ``roped`` yet (a decode step): rotated straight into the window ring - with the queries
         in place where they are not ``q_roped`` yet (``fused.rope_pair``). ``q_eps``: the queries are
         not normalised yet (``fused.normed_sparse_attention`` does it). ``xp``: the packed
-        projections of ``x`` (``x_linears``' order), or None."""
+        projections of ``x`` (``x_linears``' order), or None. ``ahead``: the joining callable of the
+        indexer's chain on the side stream (``_index_ahead``), or None."""
         b, cache = ps.batch, ps.cache
         pos, W = b.positions, self.window
         ring = cache.state[("swa_kv", layer)]
@@ -198,7 +237,9 @@ class Attention(nn.Module):
             ents = cache.blocks[("compressed_kv", layer)]
             self._close(self.compressor, x, pos, ps, "compressor_tail", ents, layer, None if xp is None else xp[2:4])
             rows, visible = b.shared(("entries", m), lambda: self._entries(b, m, cache.block_tokens))
-            if self.indexer is not None:
+            if ahead is not None:  # the indexer's chain ran on the side stream: its chosen rows
+                idx.append(ahead())
+            elif self.indexer is not None:
                 ikeys = cache.blocks[("index_keys", layer)]
                 self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer,
                             None if xp is None else xp[4:6])
