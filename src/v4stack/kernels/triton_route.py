@@ -216,6 +216,13 @@ def route_rows_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, X, R, P, E, D, s_x, s_r
         tl.store(R + row[:, None] * s_r + d[None, :], v.to(R.dtype.element_ty), mask=m[:, None] & dm[None, :])
 
 
+def _route_outputs(P: int, E: int, wdtype, dev):
+    """The routing's outputs for ``P`` pairs over ``E`` experts: offsets, order, rank, tokens, weights."""
+    long = dict(dtype=torch.int64, device=dev)
+    return (torch.empty(E + 1, **long), torch.empty(P, **long), torch.empty(P, **long), torch.empty(P, **long),
+            torch.empty(P, dtype=wdtype, device=dev))
+
+
 # route_rows' column block and rows a step (BR x BC a program's tile)
 ROWS_TILE = dict(BR=32, BC=256, num_warps=8)
 
@@ -229,13 +236,8 @@ def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     P = T * (k + joined)
     E = n_experts + joined
     D = x.shape[1]
-    dev = indices.device
-    off = torch.empty(E + 1, dtype=torch.int64, device=dev)
-    order = torch.empty(P, dtype=torch.int64, device=dev)
-    rank = torch.empty(P, dtype=torch.int64, device=dev)
-    tok = torch.empty(P, dtype=torch.int64, device=dev)
-    ws = torch.empty(P, dtype=weights.dtype, device=dev)
-    rows = torch.empty(P, D, dtype=dtype, device=dev)
+    off, order, rank, tok, ws = _route_outputs(P, E, weights.dtype, indices.device)
+    rows = torch.empty(P, D, dtype=dtype, device=indices.device)
     t = tile or ROWS_TILE
     launch(route_rows_kernel, (E, max(1, -(-D // t["BC"]))), indices, weights, off, order, rank, tok, ws, x, rows, P,
            E, D, x.stride(0), rows.stride(0), K=k, BP=max(16, next_pow2(P)), JOIN=joined, BR=t["BR"], BC=t["BC"],
@@ -252,12 +254,7 @@ def moe_route(indices: torch.Tensor, weights: torch.Tensor, n_experts: int, join
     T, k = indices.shape
     P = T * (k + joined)
     n_experts += joined
-    dev = indices.device
-    off = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
-    order = torch.empty(P, dtype=torch.int64, device=dev)
-    rank = torch.empty(P, dtype=torch.int64, device=dev)
-    tok = torch.empty(P, dtype=torch.int64, device=dev)
-    ws = torch.empty(P, dtype=weights.dtype, device=dev)
+    off, order, rank, tok, ws = _route_outputs(P, n_experts, weights.dtype, indices.device)
     one = P <= ROUTE_ONE
     launch(route_kernel, (n_experts,), indices, weights, off, order, rank, tok, ws, P, n_experts, K=k,
            BP=max(16, next_pow2(P)) if one else 1024, JOIN=joined, ONE=one, num_warps=8 if P > 1024 else 4)
