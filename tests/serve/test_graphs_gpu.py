@@ -57,6 +57,7 @@ def test_indexer_on_the_side_stream_gives_the_same_tokens(mode):
     sp = SamplingParams(max_tokens=24)
 
     def run(stream: bool, graphs: bool):
+        was = Attention.index_stream
         Attention.index_stream = stream
         try:
             before = side.Fork.made
@@ -65,7 +66,7 @@ def test_indexer_on_the_side_stream_gives_the_same_tokens(mode):
             out = [r.output for r in eng.generate(_prompts(), sp)]
             return out, side.Fork.made - before
         finally:
-            Attention.index_stream = True
+            Attention.index_stream = was
 
     one, forks = run(False, True)
     assert forks == 0

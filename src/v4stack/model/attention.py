@@ -69,8 +69,10 @@ def _group_out(o: torch.Tensor, weight: torch.Tensor, groups: int, rank: int) ->
 
 class Attention(nn.Module):
     kv_rounding = None  # FP8 rounding of window KV rows when set (model/quant.py: set_act_rounding)
-    # a CSA decode step on CUDA runs its indexer on the side stream (``_index_ahead``); V4STACK_INDEX_STREAM=0: not
-    index_stream = os.environ.get("V4STACK_INDEX_STREAM", "1") != "0"
+    # V4STACK_INDEX_STREAM=1: a CSA decode step on CUDA runs its indexer on the side stream (``_index_ahead``).
+    # Off by default until its GPU test and A/B have run on this tree (an H200 A/B of the same fork on an
+    # earlier tree: README, "The CSA layer's indexer on a side stream")
+    index_stream = os.environ.get("V4STACK_INDEX_STREAM", "0") == "1"
 
     def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
