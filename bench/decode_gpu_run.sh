@@ -50,6 +50,33 @@ if [ "${NCU_S:-0}" != 0 ]; then
   done
   pack
 fi
+# the CSA indexer on the side stream (IXAB_S a run): its GPU test, then flash4 fast batch 256 16k with it off
+# and on, two interleaved rounds; where the test passed and both rounds' p50 are lower with it, the later
+# stages run with V4STACK_INDEX_STREAM=1 (every result's stamp.env records it)
+if [ "${IXAB_S:-0}" != 0 ]; then
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/serve/test_graphs_gpu.py > "$W/gpu_tests_graphs.log" 2>&1
+  ixtest=$?; tail -2 "$W/gpu_tests_graphs.log"
+  for i in 1 2; do for v in 0 1; do
+    V4STACK_INDEX_STREAM=$v timeout "$IXAB_S" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast \
+      --batches 256 --contexts 16384 --steps 32 --point-budget-s 4 --out "$W/serve_env_ix${v}_${CARD}_$i.json" \
+      > "$W/serve_env_ix${v}_$i.log" 2>&1
+    echo "== ix$v $i"; grep -E "^flash" "$W/serve_env_ix${v}_$i.log" | cut -c1-250
+  done; done
+  gains=$(python3 - "$W" "$CARD" <<'PY'
+import json, sys
+w, card = sys.argv[1], sys.argv[2]
+def p50(v, i):
+    try:
+        return json.load(open(f"{w}/serve_env_ix{v}_{card}_{i}.json"))["runs"][0]["step_s_p50"]
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
+pairs = [(p50(0, i), p50(1, i)) for i in (1, 2)]
+print(int(all(a is not None and b is not None and b < a for a, b in pairs)))
+PY
+)
+  if [ "$ixtest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_INDEX_STREAM=1; echo "side-stream indexer on for the later stages"; fi
+  pack
+fi
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_${CARD}.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack
