@@ -442,8 +442,9 @@ def register_all(register) -> None:
              ref("rms_norm_pair_reference")), device="cuda", accepts=_with("triton", rms_norm_pair_ok))
     register("moe_hc_write", "triton_moe_hc_write", _guarded("moe_hc_write", _lazy("triton_route", "moe_hc_write"),
              ref("moe_hc_write_reference")), mode="fast", device="cuda", accepts=_with("triton", moe_hc_write_ok))
-    for op, module in (("swiglu_act", "triton_mhc"), ("moe_route_rows", "triton_route"), ("embed_streams", "triton_rows"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
+    for op, module in (("swiglu_act", "triton_mhc"), ("hc_head_pre", "triton_mhc"), ("hc_read_norm", "triton_rows"),
                        ("rope", "triton_mhc"), ("moe_gate", "triton_route"), ("moe_route", "triton_route"),
+                       ("moe_route_rows", "triton_route"), ("embed_streams", "triton_rows"),
                        ("moe_unsort_combine", "triton_route"), ("tail_write", "triton_ring"),
                        ("kv_round", "triton_round"), ("fp4_round", "triton_round"), ("pack_keys_into", "triton_ring")):
         register(op, f"triton_{op}", _guarded(op, _lazy(module, op), ref(f"{op}_reference")), device="cuda",

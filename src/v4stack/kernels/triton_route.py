@@ -10,6 +10,9 @@
   ``[E + 1]``), then each of its pairs' rank in pair order, so the order equals a stable
   sort's. It also writes each sorted pair's token (``pair // k``) and routing weight. It replaces a radix sort (27 us a call on an
   H200 at 384 pairs), ``searchsorted``, ``arange``, a division and a gather.
+- ``moe_route_rows``: ``moe_route``'s pass for a decode step's pairs (one block) with the sorted
+  pairs' rows copied in the same launch, program (expert, column block): the grouped GEMM's inputs
+  without a gather kernel after it.
 - ``moe_unsort_combine``: the grouped GEMM's sorted outputs back per token, summed in
   ``ops.moe_combine``'s order (ascending expert id, fp32), plus the shared expert, cast to the
   model's dtype: one kernel for a cast, a scatter, the combine, the add and the last cast.

@@ -27,8 +27,8 @@ from v4stack.model.mtp import MTPBlock
 from v4stack.model.norm import RMSNorm
 from v4stack.model import rowwise
 from v4stack.model.paged import PagedCache, PagedStep, StepBatch
-from v4stack.ops.fused import embed_streams
 from v4stack.model.state import RequestState, new_request_state
+from v4stack.ops.fused import embed_streams
 
 
 class V4Model(nn.Module):
