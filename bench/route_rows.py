@@ -41,7 +41,8 @@ def main(argv=None) -> None:
             return (*r, x[r[3]].to(torch.bfloat16))
 
         want = two()
-        r = {"tokens": T, "k": k, "columns": D, "route_us": graph_time(lambda: tr.moe_route(idx, w, E, joined=True)) * 1e6,
+        r = {"tokens": T, "k": k, "columns": D,
+             "route_us": graph_time(lambda: tr.moe_route(idx, w, E, joined=True)) * 1e6,
              "route_and_gather_us": graph_time(two) * 1e6, "tiles": []}
         for t in TILES:
             got = tr.moe_route_rows(x, idx, w, E, True, torch.bfloat16, tile=t)

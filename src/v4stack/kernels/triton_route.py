@@ -379,7 +379,8 @@ def builds() -> dict:
         "moe_route_e8": (route_kernel, route, dict(K=6, BP=512, JOIN=True)),
         "moe_route_one": (route_kernel, route, dict(K=6, BP=2048, JOIN=True, ONE=True)),
         "moe_route_rows": (route_rows_kernel, {**route, "X": "*bf16", "R": "*bf16", "D": "i32", "s_x": "i32",
-                                               "s_r": "i32"}, dict(K=6, BP=2048, JOIN=True, BR=32, BC=256), dict(num_warps=8)),
+                                               "s_r": "i32"}, dict(K=6, BP=2048, JOIN=True, BR=32, BC=256),
+                           dict(num_warps=8)),
         "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True, JOIN=False)),
         "moe_unsort_combine_joined": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=False, JOIN=True)),
     }
