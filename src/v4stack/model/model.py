@@ -78,7 +78,8 @@ class V4Model(nn.Module):
 
     def _trunk(self, ids: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         table = self.embed.weight
-        if rowwise.hooked() or (torch.is_grad_enabled() and table.requires_grad) or self.embed._forward_hooks:
+        hooks = self.embed._forward_hooks or self.embed._forward_pre_hooks
+        if rowwise.hooked() or (torch.is_grad_enabled() and table.requires_grad) or hooks:
             e = rowwise.module_step(self.embed, self.embed, ids).unsqueeze(1)  # training: the module's own call
             x = torch.cat([e] * self.cfg.hc_mult, 1)  # the streams' copies
         else:  # inference: every stream's copy in one step (one launch on CUDA)
