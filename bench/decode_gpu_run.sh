@@ -77,6 +77,9 @@ PY
   if [ "$ixtest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_INDEX_STREAM=1; echo "side-stream indexer on for the later stages"; fi
   pack
 fi
+# the greedy draw's launch shapes (GREEDY_S; the last GREEDY_TILES of bench/greedy_draw.py's list, 0: all)
+[ "${GREEDY_S:-0}" != 0 ] && timeout "$GREEDY_S" python3 -m bench.greedy_draw --tiles "${GREEDY_TILES:-0}" \
+    --out "$W/greedy_draw_${CARD}.json" > "$W/greedy_draw.log" 2>&1; [ "${GREEDY_S:-0}" != 0 ] && grep -E "^256" "$W/greedy_draw.log" | cut -c1-200
 [ "${GAPS_S:-0}" != 0 ] && timeout "$GAPS_S" python3 -m bench.step_gaps "$W/step_gaps_${CARD}.json" > "$W/step_gaps.log" 2>&1; \
     [ "${GAPS_S:-0}" != 0 ] && grep -E "^sequences|step_us_p50" "$W/step_gaps.log" | cut -c1-900
 pack

@@ -28,6 +28,17 @@ TILES = [
     {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 4},
     {"CHUNK": 2048, "BLOCK": 1024, "num_warps": 4},
     {"CHUNK": 16384, "BLOCK": 4096, "num_warps": 8},
+    # the block form, one block a program (the shipped launch), and its form over several rows a program
+    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 2, "blocks": True},
+    {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 1, "blocks": True},
+    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 4, "rows": 2},
+    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 4, "rows": 4},
+    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 8, "rows": 4},
+    {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 4, "rows": 4},
+    {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 4, "rows": 8},
+    {"CHUNK": 4096, "BLOCK": 4096, "num_warps": 4, "rows": 2},
+    {"CHUNK": 4096, "BLOCK": 4096, "num_warps": 8, "rows": 2},
+    {"CHUNK": 512, "BLOCK": 512, "num_warps": 4, "rows": 8},
 ]
 
 
@@ -36,16 +47,18 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tiles", type=int, default=0, help="the last N tiles only (0: all)")
     a = ap.parse_args(argv)
     bw = copy_bandwidth()
     cases = []
+    only = a.tiles
     for B in (256, 64, 1):
         g = torch.Generator(device="cuda").manual_seed(B)
         x = (torch.randn(B, VOCAB, device="cuda", generator=g) * 3).bfloat16()
         ref_tok = torch.argmax(x.float(), -1)
         ref_lp = torch.log_softmax(x.double(), -1).gather(1, ref_tok[:, None])[:, 0]
         case = {"rows": B, "vocab": VOCAB, "floor_s": x.numel() * 2 / bw, "tiles": []}
-        for t in TILES:
+        for t in TILES[-only:] if only else TILES:
             rec = {"tile": t}
             try:
                 tok, out = ts.greedy_draw(x, t)
