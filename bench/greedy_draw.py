@@ -28,17 +28,9 @@ TILES = [
     {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 4},
     {"CHUNK": 2048, "BLOCK": 1024, "num_warps": 4},
     {"CHUNK": 16384, "BLOCK": 4096, "num_warps": 8},
-    # the block form, one block a program (the shipped launch), and its form over several rows a program
+    # the block form, one block a program (the shipped launch), at one and two warps
     {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 2, "blocks": True},
     {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 1, "blocks": True},
-    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 4, "rows": 2},
-    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 4, "rows": 4},
-    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 8, "rows": 4},
-    {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 4, "rows": 4},
-    {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 4, "rows": 8},
-    {"CHUNK": 4096, "BLOCK": 4096, "num_warps": 4, "rows": 2},
-    {"CHUNK": 4096, "BLOCK": 4096, "num_warps": 8, "rows": 2},
-    {"CHUNK": 512, "BLOCK": 512, "num_warps": 4, "rows": 8},
 ]
 
 

@@ -101,29 +101,6 @@ def greedy_blocks_kernel(X, PM, PS, PI, V, s_x, NC, CHUNK: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def greedy_rows_kernel(X, PM, PS, PI, B, V, s_x, NC, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """``greedy_blocks_kernel`` with one block a program over ``ROWS`` rows side by side: a
-    program's loads of all its rows in flight together, and its three reductions (each row's
-    maximum, then its first column and ``sum exp(x - max)``) shared by them. Each reduction runs
-    along a row's own ``BLOCK`` columns, so a row's partials never depend on the rows beside it."""
-    pdl_enter()
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    c = tl.program_id(1)
-    col = c * BLOCK + tl.arange(0, BLOCK)
-    okr = rows < B
-    r64 = rows.to(tl.int64)
-    x = tl.load(X + r64[:, None] * s_x + col[None, :], mask=okr[:, None] & (col < V)[None, :],
-                other=float("-inf")).to(tl.float32)
-    M = tl.max(x, 1)
-    i = tl.min(tl.where(x == M[:, None], col[None, :], V), 1)
-    e = tl.where(x == float("-inf"), 0.0, tl.exp(x - M[:, None]))
-    S = tl.where(M == float("-inf"), 0.0, tl.sum(e, 1))
-    tl.store(PM + r64 * NC + c, M, mask=okr)
-    tl.store(PS + r64 * NC + c, S, mask=okr)
-    tl.store(PI + r64 * NC + c, i, mask=okr)
-
-
-@triton.jit
 def greedy_finish_kernel(PM, PS, PI, TOK, OUT, V, NC, SB: tl.constexpr):
     pdl_enter()
     r = tl.program_id(0).to(tl.int64)
@@ -151,7 +128,6 @@ def greedy_draw(logits: torch.Tensor, tile: dict | None = None):
     batch: the columns' order is the tile's)."""
     t = tile or TILE
     chunk, block, warps = t["CHUNK"], t["BLOCK"], t["num_warps"]
-    rows = t.get("rows", 0)
     part = greedy_blocks_kernel if t.get("blocks") else greedy_part_kernel
     B, V = logits.shape
     tok = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -161,11 +137,7 @@ def greedy_draw(logits: torch.Tensor, tile: dict | None = None):
         pm = torch.empty(B, nc, dtype=torch.float32, device=logits.device)
         ps = torch.empty_like(pm)
         pi = torch.empty(B, nc, dtype=torch.int32, device=logits.device)
-        if rows:
-            launch(greedy_rows_kernel, (triton.cdiv(B, rows), nc), logits, pm, ps, pi, B, V, logits.stride(0), nc,
-                   ROWS=rows, BLOCK=block, num_warps=warps)
-        else:
-            launch(part, (B, nc), logits, pm, ps, pi, V, logits.stride(0), nc, CHUNK=chunk, BLOCK=block,
-                   num_warps=warps)
+        launch(part, (B, nc), logits, pm, ps, pi, V, logits.stride(0), nc, CHUNK=chunk, BLOCK=block,
+               num_warps=warps)
         launch(greedy_finish_kernel, (B,), pm, ps, pi, tok, out, V, nc, SB=triton.next_power_of_2(nc), num_warps=1)
     return tok, out
