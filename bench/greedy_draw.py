@@ -31,6 +31,15 @@ TILES = [
     # the block form, one block a program (the shipped launch), at one and two warps
     {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 2, "blocks": True},
     {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 1, "blocks": True},
+    # the lean form (``lean``: columns a row)
+    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 2, "lean": 8},
+    {"CHUNK": 2048, "BLOCK": 2048, "num_warps": 4, "lean": 8},
+    {"CHUNK": 4096, "BLOCK": 4096, "num_warps": 2, "lean": 8},
+    {"CHUNK": 4096, "BLOCK": 4096, "num_warps": 4, "lean": 8},
+    {"CHUNK": 8192, "BLOCK": 8192, "num_warps": 4, "lean": 8},
+    {"CHUNK": 8192, "BLOCK": 8192, "num_warps": 8, "lean": 8},
+    {"CHUNK": 4096, "BLOCK": 4096, "num_warps": 4, "lean": 16},
+    {"CHUNK": 1024, "BLOCK": 1024, "num_warps": 1, "lean": 8},
 ]
 
 

@@ -176,17 +176,23 @@ def test_greedy_draw_kernel_matches_float64_first_maximum_and_is_row_local():
     x = _logits(5, v=9000, seed=9)  # three chunks, the last one ragged: masked tails
     x[1, 8500] = x[1, 2100] = x[1, 7] = x[1].max() + 1  # ties across blocks and chunks: the first column wins
     x[3, -1] = x[3].max() + 2  # the maximum in the masked block
-    for xx in (x, x.bfloat16()):
-        tok, out = ts.greedy_draw(xx)
+    x[2, 4099] = x[2, 4097] = x[2].max() + 1  # a tie inside one of the lean form's rows of 8 columns
+    # the shipped tile, and the lean form (two blocks and a ragged third: 9000 columns in blocks of 4096)
+    lean = dict(CHUNK=4096, BLOCK=4096, num_warps=4, lean=8)
+    for xx, tile in ((x, None), (x.bfloat16(), None), (x, lean), (x.bfloat16(), lean)):
+        tok, out = ts.greedy_draw(xx, tile)
         want = xx.double().argmax(-1)
-        assert tok.tolist() == want.tolist() and tok[1] == 7
+        assert tok.tolist() == want.tolist() and tok[1] == 7 and tok[2] == 4097
         lp = torch.log_softmax(xx.double(), -1).gather(1, want[:, None])[:, 0]
         torch.testing.assert_close(out[:, 1], lp, atol=2e-6, rtol=0)
         assert torch.equal(out[:, 0], tok.double()) and torch.equal(out[:, 2], out[:, 1].clamp(max=0))
-        alone_tok, alone = ts.greedy_draw(xx[3:4].clone())
+        alone_tok, alone = ts.greedy_draw(xx[3:4].clone(), tile)
         assert torch.equal(alone[0], out[3])
         rt, ro = fused.greedy_draw_reference(xx)
         assert torch.equal(rt, tok) and torch.allclose(ro, out, atol=2e-6, rtol=0)
+        if tile:  # the shipped tile's ids; log-probabilities to fp32 rounding
+            st, so = ts.greedy_draw(xx)
+            assert torch.equal(st, tok) and torch.allclose(so, out, atol=2e-6, rtol=0)
     # inverse control: the last maximum is another column
     assert int(x.shape[1] - 1 - x[1].flip(0).argmax()) != int(tok[1])
 
