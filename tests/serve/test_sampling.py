@@ -197,6 +197,23 @@ def test_greedy_draw_kernel_matches_float64_first_maximum_and_is_row_local():
     assert int(x.shape[1] - 1 - x[1].flip(0).argmax()) != int(tok[1])
 
 
+def test_greedy_tile_from_the_environment_is_checked():
+    """``V4STACK_GREEDY_TILE``: unset gives the shipped tile; a bench tile's JSON gives that tile; what
+    would launch a wrong shape is refused with the variable's name."""
+    ts = pytest.importorskip("v4stack.kernels.triton_sample")
+
+    assert ts.tile_from(None) == ts.SHIPPED == ts.tile_from("")
+    lean = '{"CHUNK": 2048, "BLOCK": 2048, "num_warps": 2, "lean": 8}'
+    assert ts.tile_from(lean) == dict(CHUNK=2048, BLOCK=2048, num_warps=2, lean=8)
+    assert ts.tile_from('{"CHUNK": 4096, "BLOCK": 1024, "num_warps": 4}')["CHUNK"] == 4096
+    base = '"CHUNK": 2048, "BLOCK": 2048, "num_warps": '
+    for bad in ("lean", "[2048]", '{"CHUNK": 2048, "BLOCK": 2048}', "{" + base + '2, "x": 1}', "{" + base + "3}",
+                '{"CHUNK": 4096, "BLOCK": 2048, "num_warps": 2, "lean": 8}', "{" + base + '2, "lean": 0}',
+                '{"CHUNK": 3000, "BLOCK": 2048, "num_warps": 2}', "{" + base + "true}", "{" + base + '2, "blocks": 1}'):
+        with pytest.raises(ValueError, match="V4STACK_GREEDY_TILE"):
+            ts.tile_from(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_all_greedy_step_is_one_kernel_on_the_device_and_matches_the_cpu():

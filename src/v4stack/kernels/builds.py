@@ -139,9 +139,9 @@ def kernels() -> dict:
                                   dict(S=64, SP=64, BN=32, NH=4, HAS_W=True, NB=4, BD=4096),
                                   dict(num_warps=8, num_stages=1)),
         "greedy_blocks": (tsm.greedy_blocks_kernel, _sig("X PM PS PI V s_x NC", [BF, P, P, "*i32", I, I, I]),
-                          dict(CHUNK=tsm.TILE["CHUNK"], BLOCK=tsm.TILE["BLOCK"]),
+                          dict(CHUNK=tsm.SHIPPED["CHUNK"], BLOCK=tsm.SHIPPED["BLOCK"]),
                           # as a decode step launches it: V-Flash's 129280-wide rows, the buffers aligned
-                          dict(num_warps=tsm.TILE["num_warps"], divisible=("X", "PM", "PS", "PI", "V", "s_x"))),
+                          dict(num_warps=tsm.SHIPPED["num_warps"], divisible=("X", "PM", "PS", "PI", "V", "s_x"))),
         "greedy_lean": (tsm.greedy_lean_kernel, _sig("X PM PS PI V s_x NC", [BF, P, P, "*i32", I, I, I]),
                         dict(BLOCK=2048, VEC=8), dict(num_warps=2, divisible=("X", "PM", "PS", "PI", "V", "s_x"))),
         **route.builds(),  # the MoE routing kernels (moe_*)

@@ -168,7 +168,36 @@ WARPS = 4
 # ``blocks``: ``greedy_blocks_kernel`` (bench/results/greedy_draw_h200.json)
 # (the block form, one block a program, two warps: 28.4 / 9.2 us at 256 / 64 rows of 129280 against
 # 36.4 / 11.2 for the lane form, the best of 12 shapes)
-TILE = dict(CHUNK=2048, BLOCK=2048, num_warps=2, blocks=True)
+SHIPPED = dict(CHUNK=2048, BLOCK=2048, num_warps=2, blocks=True)
+
+
+def tile_from(text: str | None) -> dict:
+    """The first kernel's launch from ``V4STACK_GREEDY_TILE``: a JSON object of a
+    ``bench/greedy_draw.py`` tile, to time one against the shipped tile in a whole step; unset or
+    empty: the shipped one."""
+    if not text:
+        return dict(SHIPPED)
+    import json
+
+    try:
+        t = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"V4STACK_GREEDY_TILE: not JSON: {text!r}") from e
+    if (not isinstance(t, dict) or set(t) - {"CHUNK", "BLOCK", "num_warps", "blocks", "lean"}
+            or not {"CHUNK", "BLOCK", "num_warps"} <= set(t)):
+        raise ValueError(f"V4STACK_GREEDY_TILE: CHUNK, BLOCK, num_warps (and blocks or lean) only, got {text!r}")
+    ints = {k: v for k, v in t.items() if k != "blocks"}
+    if (any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in ints.values())
+            or not isinstance(t.get("blocks", False), bool)):
+        raise ValueError(f"V4STACK_GREEDY_TILE: positive integers (blocks: true or false), got {text!r}")
+    if (any(v & (v - 1) for k, v in ints.items() if k != "CHUNK") or t["CHUNK"] % t["BLOCK"]
+            or ("lean" in t and t["CHUNK"] != t["BLOCK"])):
+        raise ValueError(f"V4STACK_GREEDY_TILE: BLOCK, num_warps and lean powers of two, CHUNK a multiple of "
+                         f"BLOCK (equal for lean), got {text!r}")
+    return t
+
+
+TILE = tile_from(os.environ.get("V4STACK_GREEDY_TILE"))
 
 
 def greedy_draw(logits: torch.Tensor, tile: dict | None = None):
