@@ -62,18 +62,7 @@ if [ "${IXAB_S:-0}" != 0 ]; then
       > "$W/serve_env_ix${v}_$i.log" 2>&1
     echo "== ix$v $i"; grep -E "^flash" "$W/serve_env_ix${v}_$i.log" | cut -c1-250
   done; done
-  gains=$(python3 - "$W" "$CARD" <<'PY'
-import json, sys
-w, card = sys.argv[1], sys.argv[2]
-def p50(v, i):
-    try:
-        return json.load(open(f"{w}/serve_env_ix{v}_{card}_{i}.json"))["runs"][0]["step_s_p50"]
-    except (OSError, KeyError, IndexError, ValueError):
-        return None
-pairs = [(p50(0, i), p50(1, i)) for i in (1, 2)]
-print(int(all(a is not None and b is not None and b < a for a, b in pairs)))
-PY
-)
+  gains=$(python3 -m bench.ab_gain "$W"/serve_env_ix{0,1}_${CARD}_1.json "$W"/serve_env_ix{0,1}_${CARD}_2.json)
   if [ "$ixtest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_INDEX_STREAM=1; echo "side-stream indexer on for the later stages"; fi
   pack
 fi
@@ -116,18 +105,8 @@ PY
         --out "$W/serve_env_greedy_${v}_${CARD}_$i.json" > "$W/serve_env_greedy_${v}_$i.log" 2>&1
       echo "== greedy $v $i"; grep -E "^flash" "$W/serve_env_greedy_${v}_$i.log" | cut -c1-250
     done; done
-    gains=$(python3 - "$W" "$CARD" <<'PY'
-import json, sys
-w, card = sys.argv[1], sys.argv[2]
-def p50(v, i):
-    try:
-        return json.load(open(f"{w}/serve_env_greedy_{v}_{card}_{i}.json"))["runs"][0]["step_s_p50"]
-    except (OSError, KeyError, IndexError, ValueError):
-        return None
-pairs = [(p50("shipped", i), p50("pick", i)) for i in (1, 2)]
-print(int(all(a is not None and b is not None and b < a for a, b in pairs)))
-PY
-)
+    gains=$(python3 -m bench.ab_gain "$W"/serve_env_greedy_{shipped,pick}_${CARD}_1.json \
+      "$W"/serve_env_greedy_{shipped,pick}_${CARD}_2.json)
     if [ "$gains" = 1 ]; then export V4STACK_GREEDY_TILE="$pick"; echo "greedy tile $pick for the later stages"; fi
   fi
   pack
