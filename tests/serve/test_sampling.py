@@ -197,6 +197,21 @@ def test_greedy_draw_kernel_matches_float64_first_maximum_and_is_row_local():
     assert int(x.shape[1] - 1 - x[1].flip(0).argmax()) != int(tok[1])
 
 
+def test_the_lean_greedy_build_issues_fewer_instructions():
+    """The greedy draw is bound by its instructions a column (the same time on an H100 as on an H200):
+    the lean form's sm_90a build, as a step launches it, issues at most two thirds of the block form's
+    instructions, in fewer registers, without spills."""
+    pytest.importorskip("triton")
+    from tests.ops.hopper import registers
+
+    got = registers(("greedy_lean", "greedy_blocks"))
+    lean, blocks = got["greedy_lean"], got["greedy_blocks"]
+    if lean["instructions"] is None:
+        pytest.skip("no cuobjdump bundled with Triton")
+    assert lean["spill_bytes"] == 0 and lean["registers"] < blocks["registers"]
+    assert 3 * lean["instructions"] <= 2 * blocks["instructions"]
+
+
 def test_greedy_tile_from_the_environment_is_checked():
     """``V4STACK_GREEDY_TILE``: unset gives the shipped tile; a bench tile's JSON gives that tile; what
     would launch a wrong shape is refused with the variable's name."""

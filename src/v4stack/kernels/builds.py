@@ -168,7 +168,9 @@ def build(name: str, arch: int = 90):
 
 def registers(name: str, arch: int = 90) -> dict:
     """Registers a thread and spill bytes of kernel ``name``'s ``sm_{arch}a`` build, as Triton's
-    bundled ``ptxas -v`` reports them."""
+    bundled ``ptxas -v`` reports them, and ``instructions``: the SASS instructions its bundled
+    ``cuobjdump`` lists for the build (None where Triton bundles no ``cuobjdump``) - for a kernel
+    bound by its instructions, the count that matters."""
     import re
     import subprocess
     import tempfile
@@ -176,17 +178,23 @@ def registers(name: str, arch: int = 90) -> dict:
 
     from triton.backends.nvidia.compiler import get_ptxas
 
+    ptxas = Path(get_ptxas(arch).path)
     with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "k.ptx"
+        src, cubin = Path(d) / "k.ptx", Path(d) / "k.cubin"
         src.write_text(build(name, arch).asm["ptx"])
-        r = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", str(src), "-o", str(Path(d) / "k.o")],
+        r = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(src), "-o", str(cubin)],
                            capture_output=True, text=True, check=True)
+        dump = ptxas.parent / "cuobjdump"
+        sass = subprocess.run([str(dump), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout if dump.exists() else None
     log = r.stdout + r.stderr
     return {"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-            "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))}
+            "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
+            # one instruction a line: "/*0a40*/  LDS R18, [UR4] ;"
+            "instructions": None if sass is None else len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))}
 
 
-if __name__ == "__main__":  # python -m v4stack.kernels.builds NAME ...: each build's registers and spills
+if __name__ == "__main__":  # python -m v4stack.kernels.builds NAME ...: each build's registers, spills, instructions
     import sys
 
     for n in sys.argv[1:]:

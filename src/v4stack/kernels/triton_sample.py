@@ -163,7 +163,6 @@ def greedy_finish_kernel(PM, PS, PI, TOK, OUT, V, NC, SB: tl.constexpr):
     tl.store(OUT + r * 3 + 2, tl.minimum(lp, 0.0).to(tl.float64))
 
 
-WARPS = 4
 # the first kernel's launch (a fixed choice for every batch: the columns' order is the tile's);
 # ``blocks``: ``greedy_blocks_kernel`` (bench/results/greedy_draw_h200.json)
 # (the block form, one block a program, two warps: 28.4 / 9.2 us at 256 / 64 rows of 129280 against

@@ -70,8 +70,8 @@ def _group_out(o: torch.Tensor, weight: torch.Tensor, groups: int, rank: int) ->
 class Attention(nn.Module):
     kv_rounding = None  # FP8 rounding of window KV rows when set (model/quant.py: set_act_rounding)
     # V4STACK_INDEX_STREAM=1: a CSA decode step on CUDA runs its indexer on the side stream (``_index_ahead``).
-    # Off by default until its GPU test and A/B have run on this tree (an H200 A/B of the same fork on an
-    # earlier tree: README, "The CSA layer's indexer on a side stream")
+    # Off by default: its GPU test passed on this tree on an H100, where the A/B was even; the gain was
+    # measured on an H200 on an earlier tree only (README, "The CSA layer's indexer on a side stream")
     index_stream = os.environ.get("V4STACK_INDEX_STREAM", "0") == "1"
 
     def __init__(self, cfg: ModelConfig, ratio: int):
@@ -191,19 +191,27 @@ class Attention(nn.Module):
         if self.indexer.all_chosen(rows.shape[1]):
             return None
         Rings.dest(b, cache.state[("index_tail", layer)][0].shape[1])
-        ikeys = cache.blocks[("index_keys", layer)]
         fork = side.Fork(x.device)
         with fork:
-            self._close(self.indexer.compressor, x, b.positions, ps, "index_tail", ikeys, layer,
-                        None if xp is None else xp[4:6])
-            iq, iw = self.indexer.project(qr, x, b.positions, None if xp is None else xp[6], inplace=xp is not None,
-                                          table=table)
-            cands = self.indexer.choose_rows(iq, iw, ikeys.view(-1, ikeys.shape[-1]), rows)
+            keys = self._index_close(x, b.positions, ps, layer, xp)
+            cands = self.indexer.choose_rows(*self._index_query(qr, x, b.positions, xp, table), keys, rows)
 
         def joined() -> torch.Tensor:
             fork.join()
             return cands
         return joined
+
+    def _index_close(self, x, pos, ps: PagedStep, layer: int, xp) -> torch.Tensor:
+        """The indexer compressor's tail and closing keys written into the pool; the pool's keys
+        flattened, one row an entry."""
+        ikeys = ps.cache.blocks[("index_keys", layer)]
+        self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer, None if xp is None else xp[4:6])
+        return ikeys.view(-1, ikeys.shape[-1])
+
+    def _index_query(self, qr, x, pos, xp, table):
+        """The indexer's queries and head weights of a paged step (from ``xp``'s packed projection
+        where given, rotated in place then)."""
+        return self.indexer.project(qr, x, pos, None if xp is None else xp[6], inplace=xp is not None, table=table)
 
     def _paged(self, x, qr, q, kv, ps: PagedStep, layer: int, roped: bool = True, table=None, q_eps=None, xp=None,
                q_roped: bool = True, ahead=None):
@@ -242,15 +250,11 @@ class Attention(nn.Module):
             if ahead is not None:  # the indexer's chain ran on the side stream: its chosen rows
                 idx.append(ahead())
             elif self.indexer is not None:
-                ikeys = cache.blocks[("index_keys", layer)]
-                self._close(self.indexer.compressor, x, pos, ps, "index_tail", ikeys, layer,
-                            None if xp is None else xp[4:6])
+                keys = self._index_close(x, pos, ps, layer, xp)
                 if self.indexer.all_chosen(rows.shape[1]):  # every entry fits the top-k: nothing to score
                     idx.append(b.shared(("visible", m), lambda: self._candidates(rows, visible)))
                 else:
-                    iq, iw = self.indexer.project(qr, x, pos, None if xp is None else xp[6], inplace=xp is not None,
-                                                  table=table)
-                    keys = ikeys.view(-1, ikeys.shape[-1])
+                    iq, iw = self._index_query(qr, x, pos, xp, table)
                     if visible is None:  # a decode step: the closed entries are the rows >= 0
                         idx.append(self.indexer.choose_rows(iq, iw, keys, rows))
                     else:
