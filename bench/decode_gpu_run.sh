@@ -25,6 +25,15 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
     > "$W/hc_write_partials.log" 2>&1; [ "${HW_S:-0}" != 0 ] && cut -c1-220 "$W/hc_write_partials.log"
 [ "${I8_S:-0}" != 0 ] && timeout "$I8_S" python3 -m bench.indexer_fp8 --out "$W/indexer_fp8_${CARD}.json" \
     > "$W/indexer_fp8.log" 2>&1; [ "${I8_S:-0}" != 0 ] && cut -c1-220 "$W/indexer_fp8.log"
+# the register cap of the one-row finishes against their uncapped launch, and the routing gather's tiles (CAP_S a
+# bench)
+if [ "${CAP_S:-0}" != 0 ]; then
+  timeout "$CAP_S" python3 -m bench.register_cap --out "$W/register_cap_${CARD}.json" > "$W/register_cap.log" 2>&1
+  grep -E "^\{'rows': (64|256)" "$W/register_cap.log" | cut -c1-260
+  timeout "$CAP_S" python3 -m bench.route_rows --out "$W/route_rows_${CARD}.json" > "$W/route_rows.log" 2>&1
+  cut -c1-1800 "$W/route_rows.log"
+  pack
+fi
 # V4's packed indexer keys against the model dtype's in the step (IK_S a run; flash4 fast batch 256 16k, two
 # interleaved rounds; the bench's model has no activation rounding, so "fp8" rounds its keys; "rounded": the model
 # under V4's rounding with bf16 keys, "rounded_fp8" with packed keys, its default) and the packed

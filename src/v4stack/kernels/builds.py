@@ -128,16 +128,17 @@ def kernels() -> dict:
            for name, wt, bn, rms in (("wide_partials", P, 32, True), ("wide_partials_bf16w", BF, 16, False))},
         "unsort": (route.unsort_kernel, _sig("O RANK IDX S Y k D s_o s_s s_y", [BF, "*i64", "*i64", BF, BF, I, I, I, I, I]),
                    dict(BK=8, BD=1024, HAS_S=False, JOIN=True), dict(num_warps=4)),
-        "finish_read_norm": (tm.finish_read_norm_kernel,
-                             _sig("P PSS Y SCALE BASE PRE POST COMB X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj "
-                                  "s_on rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
-                             dict(S=64, SP=64, BN=32, NH=4, ITERS=20, HAS_W=True, NB=4, BD=4096),
-                             dict(num_warps=8, num_stages=1)),
+        # as the decode step launches them (tm.ROW_LAUNCH), and the first without its register cap
+        **{name: (tm.finish_read_norm_kernel,
+                  _sig("P PSS Y SCALE BASE PRE POST COMB X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj s_on "
+                       "rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
+                  dict(S=64, SP=64, BN=32, NH=4, ITERS=20, HAS_W=True, NB=4, BD=4096), dict(opts, num_stages=1))
+           for name, opts in (("finish_read_norm", tm.ROW_LAUNCH), ("finish_read_norm_uncapped", dict(num_warps=8)))},
         "finish_head_read_norm": (tm.finish_head_read_norm_kernel,
                                   _sig("P PSS Y SCALE BASE X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj s_on "
                                        "rms_eps", [P] * 5 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
                                   dict(S=64, SP=64, BN=32, NH=4, HAS_W=True, NB=4, BD=4096),
-                                  dict(num_warps=8, num_stages=1)),
+                                  dict(tm.ROW_LAUNCH, num_stages=1)),
         "greedy_blocks": (tsm.greedy_blocks_kernel, _sig("X PM PS PI V s_x NC", [BF, P, P, "*i32", I, I, I]),
                           dict(CHUNK=tsm.SHIPPED["CHUNK"], BLOCK=tsm.SHIPPED["BLOCK"]),
                           # as a decode step launches it: V-Flash's 129280-wide rows, the buffers aligned
@@ -148,6 +149,17 @@ def kernels() -> dict:
         **ring.builds(),  # the decode step's ring writes
         **tround.builds(),  # the activation rounding
     }
+
+
+# an SM's registers (sm_80 .. sm_90) and the unit a warp's are allocated in
+SM_REGISTERS, WARP_REGISTER_UNIT = 65536, 256
+
+
+def programs_per_sm(registers: int, num_warps: int) -> int:
+    """How many programs of ``num_warps`` warps at ``registers`` a thread an SM holds at once, as far
+    as its registers go (a warp's ``32 * registers`` rounded up to the allocation unit)."""
+    per_warp = -(-32 * registers // WARP_REGISTER_UNIT) * WARP_REGISTER_UNIT
+    return SM_REGISTERS // (per_warp * num_warps)
 
 
 def build(name: str, arch: int = 90):

@@ -3,9 +3,9 @@
 ``triton.JITFunction.__getitem__(grid)(...)`` binds every argument, rebuilds the specialisation
 key and walks its caches on every call. ``launch(kernel, grid, *args, **consts)`` keeps the
 compiled kernel per a key it computes itself - the facts Triton specialises on: the device, the
-constexpr values (and ``num_warps`` / ``num_stages``), each tensor's dtype and 16-byte alignment,
-each int's class (equal to 1, i32, i64 or u64, 16-divisible or not), bools, floats and ``None`` -
-and launches it with the arguments packed as the compiled kernel's parameters.
+constexpr values (and ``OPTIONS``: ``num_warps``, ``num_stages``, ``maxnreg``), each tensor's dtype
+and 16-byte alignment, each int's class (equal to 1, i32, i64 or u64, 16-divisible or not), bools,
+floats and ``None`` - and launches it with the arguments packed as the compiled kernel's parameters.
 
 The hot path is C (``launch_c.c``, built the first time with the system C compiler through
 Triton's module builder, which caches it): key, lookup, packing, the current torch stream and the
@@ -33,6 +33,9 @@ PDL = os.environ.get("V4STACK_PDL", "1") != "0" and not _INTERPRET
 _SOURCE = Path(__file__).with_name("launch_c.c")
 # per-argument kind of a parameter, from the key's int code (launch_c.c: arg_code)
 _KIND_OF_CODE = {1: "s", 2: "i", 3: "i", 4: "l", 5: "l", 6: "u", 7: "u", 8: "b", 9: "f", 10: "s"}
+# launch keywords that are compile options, not constexprs (``maxnreg``: ptxas's register cap, so
+# that more programs fit an SM at once)
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 _KIND_OF_SIG = {"constexpr": "s", "i32": "i", "i64": "l", "u64": "u", "u1": "b", "fp32": "f"}
 
 
@@ -165,7 +168,7 @@ class _Entry:
         else:
             self.launch, self.head = run, ()
         self.function, self.meta = k.function, k.packed_metadata
-        self.vals = tuple(v for n, v in consts.items() if n != "num_warps" and n != "num_stages")
+        self.vals = tuple(v for n, v in consts.items() if n not in OPTIONS)
 
     def __call__(self, grid, args, stream):
         n = len(grid)
@@ -211,7 +214,7 @@ def _check_order(kernel, args, consts):
     their values by position; a default left out would shift them), and a warp count the GPU
     compiler takes."""
     names = kernel.arg_names
-    cx = [k for k in consts if k not in ("num_warps", "num_stages")]
+    cx = [k for k in consts if k not in OPTIONS]
     if cx != names[len(args):]:
         raise TypeError(f"{kernel.__name__}: constexprs must follow the runtime arguments in order {names}")
     w = consts.get("num_warps", 4)

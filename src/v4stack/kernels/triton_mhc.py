@@ -126,6 +126,13 @@ def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, 
     _read_norm_loaded(xs, p, X, W, OUT, r, D, Df, s_on, rms_eps, HAS_W, BD)
 
 
+# the launch of the two finishes above, one row a program: 8 warps, registers capped at 128 a thread
+# so that two programs fit an SM's 64K registers. Uncapped, ptxas takes 155 (an sm_90a build; no
+# spills at 128), so one program held an SM and a decode step's 256 rows ran as two waves on 132
+# SMs (``bench/register_cap.py`` times both; ``builds.programs_per_sm``)
+ROW_LAUNCH = dict(num_warps=8, maxnreg=128)
+
+
 def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, eps: float, norm_eps: float,
                      x, weight, rms_eps: float, y):
     """``finish_read_norm_kernel`` over a projection's slice partials ``p [S, M, N]`` / ``pss [S,
@@ -137,7 +144,7 @@ def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, 
     launch(finish_read_norm_kernel, (M,), p, pss, mix, scale, base, *out, x, weight if weight is not None else y, y,
            M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
            y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters,
-           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), num_warps=8, num_stages=1)
+           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), num_stages=1, **ROW_LAUNCH)
     return y
 
 
@@ -252,7 +259,7 @@ def finish_head_read_norm(p, pss, S: int, K: int, mix, scale, base, eps: float, 
     launch(finish_head_read_norm_kernel, (M,), p, pss, mix, scale, base, x, weight if weight is not None else y, y,
            M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
            y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=N, HAS_W=weight is not None,
-           NB=max(2, next_pow2(N)), BD=next_pow2(D), num_warps=8, num_stages=1)
+           NB=max(2, next_pow2(N)), BD=next_pow2(D), num_stages=1, **ROW_LAUNCH)
     return y
 
 

@@ -226,8 +226,11 @@ def _route_outputs(P: int, E: int, wdtype, dev):
             torch.empty(P, dtype=wdtype, device=dev))
 
 
-# route_rows' column block and rows a step (BR x BC a program's tile)
-ROWS_TILE = dict(BR=32, BC=256, num_warps=8)
+# route_rows' column block and rows a step (BR x BC a program's tile). 16 rows a step: the sm_90a
+# build takes 108 registers a thread, so two of the launch's 8-warp programs fit an SM and flash4's
+# 9 x 16 programs run as one wave on 132 SMs; at 32 rows (148 registers) one program held an SM
+# (``bench/route_rows.py`` times both; ``builds.programs_per_sm``)
+ROWS_TILE = dict(BR=16, BC=256, num_warps=8)
 
 
 def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool,
@@ -244,7 +247,7 @@ def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     t = tile or ROWS_TILE
     launch(route_rows_kernel, (E, max(1, -(-D // t["BC"]))), indices, weights, off, order, rank, tok, ws, x, rows, P,
            E, D, x.stride(0), rows.stride(0), K=k, BP=max(16, next_pow2(P)), JOIN=joined, BR=t["BR"], BC=t["BC"],
-           num_warps=t["num_warps"])
+           **{o: t[o] for o in ("num_warps", "maxnreg") if o in t})
     return off, order, rank, tok, ws, rows
 
 
@@ -367,6 +370,7 @@ def builds() -> dict:
                  E="i32")
     unsort = dict(O="*bf16", RANK="*i64", IDX="*i64", S="*bf16", Y="*bf16", k="i32", D="i32", s_o="i32", s_s="i32",
                   s_y="i32")
+    rows = {**route, "X": "*bf16", "R": "*bf16", "D": "i32", "s_x": "i32", "s_r": "i32"}
     return {
         "moe_gate": (gate_kernel, gate, dict(K=6, KP=8, BE=256, HASHED=False, HAS_B=True, ACCURATE=True, S=0, SP=1)),
         "moe_gate_e8": (gate_kernel, gate, dict(K=6, KP=8, BE=8, HASHED=False, HAS_B=True, ACCURATE=True, S=0, SP=1)),
@@ -378,9 +382,11 @@ def builds() -> dict:
         "moe_route": (route_kernel, route, dict(K=6, BP=1024, JOIN=False)),
         "moe_route_e8": (route_kernel, route, dict(K=6, BP=512, JOIN=True)),
         "moe_route_one": (route_kernel, route, dict(K=6, BP=2048, JOIN=True, ONE=True)),
-        "moe_route_rows": (route_rows_kernel, {**route, "X": "*bf16", "R": "*bf16", "D": "i32", "s_x": "i32",
-                                               "s_r": "i32"}, dict(K=6, BP=2048, JOIN=True, BR=32, BC=256),
-                           dict(num_warps=8)),
+        "moe_route_rows": (route_rows_kernel, rows, dict(K=6, BP=2048, JOIN=True, BR=ROWS_TILE["BR"],
+                                                         BC=ROWS_TILE["BC"]), dict(num_warps=ROWS_TILE["num_warps"])),
+        # the tile before (a control: one program an SM)
+        "moe_route_rows_br32": (route_rows_kernel, rows, dict(K=6, BP=2048, JOIN=True, BR=32, BC=256),
+                                dict(num_warps=8)),
         "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True, JOIN=False)),
         "moe_unsort_combine_joined": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=False, JOIN=True)),
     }
