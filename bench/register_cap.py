@@ -3,7 +3,7 @@
 A decode step's two coefficient finishes (``triton_mhc.finish_read_norm`` for each sublayer,
 ``finish_head_read_norm`` for the head) launch one program of 8 warps a row. Uncapped, their
 sm_90a builds take 155 registers a thread, so one program holds an SM's 64K registers and 256 rows
-run as two waves on 132 SMs; at 128 (``triton_mhc.ROW_LAUNCH``, no spills) two programs fit an SM.
+run as two programs an SM in turn; at 128 (no spills) two programs fit an SM at once.
 For each launch form, at each row count, the device time per call (``bench.timing.graph_time``,
 ``ROUNDS`` interleaved rounds, median) and whether its outputs equal the uncapped form's bit for bit
 (the cap moves registers, not arithmetic). Also each build's registers, spills and programs an SM
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
                 out.append(rec)
     finally:
         tm.ROW_LAUNCH = shipped
-    regs = {n: builds.registers(n) for n in ("finish_read_norm", "finish_read_norm_uncapped", "finish_head_read_norm")}
+    regs = {n: builds.registers(n) for n in ("finish_read_norm", "finish_read_norm_maxnreg128", "finish_head_read_norm")}
     for r in regs.values():
         r["programs_per_sm"] = builds.programs_per_sm(r["registers"], 8)
     write_result(a.out, {"bench": "register_cap", "device_name": torch.cuda.get_device_name(),

@@ -15,9 +15,9 @@ import argparse
 import torch
 
 # no spills in their sm_90a builds (the 64-bit addresses of a tile's loads and stores take the registers:
-# 64 x 256 and 128 x 128 at 8 warps spill); the first is the shipped tile (triton_route.ROWS_TILE): 108
-# registers, two 8-warp programs an SM; 32 x 256 takes 148 (one an SM; capped at 128 it spills 88 bytes)
-TILES = [dict(BR=16, BC=256, num_warps=8), dict(BR=32, BC=256, num_warps=8),
+# 64 x 256 and 128 x 128 at 8 warps spill); the first is the shipped tile (triton_route.ROWS_TILE): 148
+# registers, one 8-warp program an SM (capped at 128 it spills 88 bytes); 16 x 256 takes 108 (two an SM)
+TILES = [dict(BR=32, BC=256, num_warps=8), dict(BR=16, BC=256, num_warps=8),
          dict(BR=32, BC=256, num_warps=8, maxnreg=128), dict(BR=16, BC=256, num_warps=16),
          dict(BR=16, BC=512, num_warps=8), dict(BR=64, BC=128, num_warps=8), dict(BR=128, BC=64, num_warps=8),
          dict(BR=256, BC=64, num_warps=8), dict(BR=128, BC=64, num_warps=4), dict(BR=32, BC=128, num_warps=4)]

@@ -1,8 +1,9 @@
-"""``bench/ab_gain.py``: a variant counts as gaining only where every round's step p50 is lower."""
+"""``bench/ab_gain.py``: a variant counts as gaining only where every round's step p50 is lower by
+at least ``MIN_GAIN``."""
 
 import json
 
-from bench.ab_gain import gained
+from bench.ab_gain import MIN_GAIN, gained
 
 
 def _run(path, p50):
@@ -19,3 +20,5 @@ def test_every_round_must_gain(tmp_path):
     assert not gained([a1, b1, a2, str(tmp_path / "missing.json")])  # an unreadable run is no gain
     assert not gained([a1, b1, a2]) and not gained([])  # unpaired
     assert not gained([a1, a1])  # equal is no gain
+    tie = _run(tmp_path / "t.json", 2.38e-3 * (1 - MIN_GAIN / 2))  # lower, but by less than the margin
+    assert not gained([a1, b1, a2, tie])

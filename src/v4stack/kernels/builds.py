@@ -128,12 +128,12 @@ def kernels() -> dict:
            for name, wt, bn, rms in (("wide_partials", P, 32, True), ("wide_partials_bf16w", BF, 16, False))},
         "unsort": (route.unsort_kernel, _sig("O RANK IDX S Y k D s_o s_s s_y", [BF, "*i64", "*i64", BF, BF, I, I, I, I, I]),
                    dict(BK=8, BD=1024, HAS_S=False, JOIN=True), dict(num_warps=4)),
-        # as the decode step launches them (tm.ROW_LAUNCH), and the first without its register cap
+        # as the decode step launches them (tm.ROW_LAUNCH), and the first with ptxas's register cap at 128
         **{name: (tm.finish_read_norm_kernel,
                   _sig("P PSS Y SCALE BASE PRE POST COMB X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj s_on "
                        "rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
                   dict(S=64, SP=64, BN=32, NH=4, ITERS=20, HAS_W=True, NB=4, BD=4096), dict(opts, num_stages=1))
-           for name, opts in (("finish_read_norm", tm.ROW_LAUNCH), ("finish_read_norm_uncapped", dict(num_warps=8)))},
+           for name, opts in (("finish_read_norm", tm.ROW_LAUNCH), ("finish_read_norm_maxnreg128", dict(num_warps=8, maxnreg=128)))},
         "finish_head_read_norm": (tm.finish_head_read_norm_kernel,
                                   _sig("P PSS Y SCALE BASE X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj s_on "
                                        "rms_eps", [P] * 5 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),

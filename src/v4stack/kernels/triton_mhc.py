@@ -126,11 +126,12 @@ def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, 
     _read_norm_loaded(xs, p, X, W, OUT, r, D, Df, s_on, rms_eps, HAS_W, BD)
 
 
-# the launch of the two finishes above, one row a program: 8 warps, registers capped at 128 a thread
-# so that two programs fit an SM's 64K registers. Uncapped, ptxas takes 155 (an sm_90a build; no
-# spills at 128), so one program held an SM and a decode step's 256 rows ran as two waves on 132
-# SMs (``bench/register_cap.py`` times both; ``builds.programs_per_sm``)
-ROW_LAUNCH = dict(num_warps=8, maxnreg=128)
+# the launch of the two finishes above, one row a program. Their sm_90a builds take 155 registers a
+# thread, so one 8-warp program holds an SM and 256 rows are two programs an SM in turn; capped at
+# 128 (``maxnreg``, no spills) two fit at once, which measured no faster: 14.34 against 14.25 us at
+# 256 rows, 12.19 / 12.28 at 64, the partials' launch included, the same bits (an H100 at b7d789c,
+# bench/results/register_cap_h100_b7d789c.json) - the program's time is its chain, not the waves
+ROW_LAUNCH = dict(num_warps=8)
 
 
 def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, eps: float, norm_eps: float,

@@ -226,11 +226,11 @@ def _route_outputs(P: int, E: int, wdtype, dev):
             torch.empty(P, dtype=wdtype, device=dev))
 
 
-# route_rows' column block and rows a step (BR x BC a program's tile). 16 rows a step: the sm_90a
-# build takes 108 registers a thread, so two of the launch's 8-warp programs fit an SM and flash4's
-# 9 x 16 programs run as one wave on 132 SMs; at 32 rows (148 registers) one program held an SM
-# (``bench/route_rows.py`` times both; ``builds.programs_per_sm``)
-ROWS_TILE = dict(BR=16, BC=256, num_warps=8)
+# route_rows' column block and rows a step (BR x BC a program's tile). At 16 rows a step the sm_90a
+# build takes 108 registers (two 8-warp programs an SM, flash4's 9 x 16 programs in one wave on 132
+# SMs) against 148, and measured no faster: 9.98 against 9.82 us at 256 tokens, 4.25 / 4.05 at 64
+# (an H100 at b7d789c, bench/results/route_rows_h100_b7d789c.json)
+ROWS_TILE = dict(BR=32, BC=256, num_warps=8)
 
 
 def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool,
@@ -384,9 +384,6 @@ def builds() -> dict:
         "moe_route_one": (route_kernel, route, dict(K=6, BP=2048, JOIN=True, ONE=True)),
         "moe_route_rows": (route_rows_kernel, rows, dict(K=6, BP=2048, JOIN=True, BR=ROWS_TILE["BR"],
                                                          BC=ROWS_TILE["BC"]), dict(num_warps=ROWS_TILE["num_warps"])),
-        # the tile before (a control: one program an SM)
-        "moe_route_rows_br32": (route_rows_kernel, rows, dict(K=6, BP=2048, JOIN=True, BR=32, BC=256),
-                                dict(num_warps=8)),
         "moe_unsort_combine": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=True, JOIN=False)),
         "moe_unsort_combine_joined": (unsort_kernel, unsort, dict(BK=8, BD=1024, HAS_S=False, JOIN=True)),
     }
