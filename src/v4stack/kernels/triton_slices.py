@@ -199,22 +199,38 @@ def finish_kernel(P, PSS, Y, M, N, MN, Kf, eps, s_ym, S: tl.constexpr, SP: tl.co
 
 @triton.jit
 def _finish_rows(P, PSS, Y, M, N, MN, Kf, eps, s_ym, pm, pn, S: tl.constexpr, SP: tl.constexpr, FR: tl.constexpr,
-                 BN: tl.constexpr, RMS: tl.constexpr):
-    """``finish_kernel``'s work for its program ``(pm, pn)`` (also run by ``triton_mhc``'s fused split)."""
+                 BN: tl.constexpr, RMS: tl.constexpr, LOOP: tl.constexpr = False):
+    """``finish_kernel``'s work for its program ``(pm, pn)`` (also run by ``triton_mhc``'s fused split).
+    ``LOOP``: the slices loaded one ``[FR, BN]`` tile each (unrolled) and added as they come - the same
+    order, so the same bits, without ``_add_in_order``'s layout changes between its halves."""
     rows = (pm * FR + tl.arange(0, FR)).to(tl.int64)
     cols = pn * BN + tl.arange(0, BN)
     rmask = rows < M
     omask = rmask[:, None] & (cols < N)[None, :]
-    j = tl.arange(0, SP).to(tl.int64)
-    jm = (j < S)[None, None, :]
-    x = tl.load(P + (rows[:, None] * N + cols[None, :])[:, :, None] + j[None, None, :] * MN,
-                mask=omask[:, :, None] & jm, other=0.0)
-    total = _add_in_order(tl.zeros([FR, BN], tl.float32), x, FR, BN, SP)
-    if RMS:  # each row's slices, loaded per element too (one address across a row's threads)
-        q = tl.load(PSS + rows[:, None, None] + cols[None, :, None] * 0 + j[None, None, :] * M,
+    if LOOP:
+        at = rows[:, None] * N + cols[None, :]  # int64: a slice's offset added as it goes
+        total = tl.zeros([FR, BN], tl.float32)
+        for _ in tl.static_range(S):
+            total = total + tl.load(P + at, mask=omask, other=0.0)
+            at += MN
+        if RMS:
+            at = rows[:, None] + cols[None, :] * 0
+            tss = tl.zeros([FR, BN], tl.float32)
+            for _ in tl.static_range(S):
+                tss = tss + tl.load(PSS + at, mask=omask, other=0.0)
+                at += M
+            total = total * tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tss, Kf) + eps))
+    else:
+        j = tl.arange(0, SP).to(tl.int64)
+        jm = (j < S)[None, None, :]
+        x = tl.load(P + (rows[:, None] * N + cols[None, :])[:, :, None] + j[None, None, :] * MN,
                     mask=omask[:, :, None] & jm, other=0.0)
-        tss = _add_in_order(tl.zeros([FR, BN], tl.float32), q, FR, BN, SP)
-        total = total * tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tss, Kf) + eps))
+        total = _add_in_order(tl.zeros([FR, BN], tl.float32), x, FR, BN, SP)
+        if RMS:  # each row's slices, loaded per element too (one address across a row's threads)
+            q = tl.load(PSS + rows[:, None, None] + cols[None, :, None] * 0 + j[None, None, :] * M,
+                        mask=omask[:, :, None] & jm, other=0.0)
+            tss = _add_in_order(tl.zeros([FR, BN], tl.float32), q, FR, BN, SP)
+            total = total * tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tss, Kf) + eps))
     tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
 
 
