@@ -97,10 +97,11 @@ if [ "${IXAB_S:-0}" != 0 ]; then
   if [ "$ixtest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_INDEX_STREAM=1; echo "side-stream indexer on for the later stages"; fi
   pack
 fi
-# the greedy draw's launch shapes (GREEDY_S; the last GREEDY_TILES of bench/greedy_draw.py's list, 0: all); the
-# fastest tile that beats the shipped one at 256 and at 64 rows, with every id equal to torch.argmax and the
-# log-probabilities within 2e-6, then runs flash4 fast batch 256 16k against the shipped one (two interleaved
-# rounds, GREEDY_S a run); where both rounds' p50 are lower, the later stages run with it (V4STACK_GREEDY_TILE)
+# the greedy draw's launch shapes (GREEDY_S; the last GREEDY_TILES of bench/greedy_draw.py's list and the shipped
+# one, 0: all); the fastest tile that beats the shipped one at 256 and at 64 rows, with every id equal to
+# torch.argmax and the log-probabilities within 2e-6, then runs flash4 fast batch 256 16k against the shipped one
+# (two interleaved rounds, GREEDY_S a run); where both rounds gained (bench/ab_gain.py), the later stages run with
+# it (V4STACK_GREEDY_TILE)
 if [ "${GREEDY_S:-0}" != 0 ]; then
   timeout "$GREEDY_S" python3 -m bench.greedy_draw --tiles "${GREEDY_TILES:-0}" --out "$W/greedy_draw_${CARD}.json" \
     > "$W/greedy_draw.log" 2>&1; grep -E "^256" "$W/greedy_draw.log" | cut -c1-200

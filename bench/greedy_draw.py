@@ -48,18 +48,21 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tiles", type=int, default=0, help="the last N tiles only (0: all)")
+    ap.add_argument("--tiles", type=int, default=0,
+                    help="the last N tiles only, and the shipped one (0: all); the stage that picks a tile compares "
+                         "each with the shipped one")
     a = ap.parse_args(argv)
     bw = copy_bandwidth()
     cases = []
-    only = a.tiles
+    tiles = TILES[-a.tiles:] if a.tiles else TILES
+    tiles = tiles if ts.SHIPPED in tiles else [dict(ts.SHIPPED), *tiles]
     for B in (256, 64, 1):
         g = torch.Generator(device="cuda").manual_seed(B)
         x = (torch.randn(B, VOCAB, device="cuda", generator=g) * 3).bfloat16()
         ref_tok = torch.argmax(x.float(), -1)
         ref_lp = torch.log_softmax(x.double(), -1).gather(1, ref_tok[:, None])[:, 0]
         case = {"rows": B, "vocab": VOCAB, "floor_s": x.numel() * 2 / bw, "tiles": []}
-        for t in TILES[-only:] if only else TILES:
+        for t in tiles:
             rec = {"tile": t}
             try:
                 tok, out = ts.greedy_draw(x, t)

@@ -293,12 +293,14 @@ def test_wide_kernels_on_the_device_at_v4_widths():
 
 def test_wide_kernels_build_for_hopper_on_bf16_wgmma():
     """``kernels/builds.py``: the partials kernel (fp32 weight in parts, and a bf16 weight), the
-    coefficients' finish with the read, and the greedy block kernels compile for sm_90a with correctly rounded arithmetic; the projections run
-    on bf16 ``wgmma`` (no TF32 anywhere), the fp32 weight's parts rounded to nearest."""
+    coefficients' finish with the read (its four forms), and the greedy block kernels compile for sm_90a
+    with correctly rounded arithmetic; the projections run on bf16 ``wgmma`` (no TF32 anywhere), the fp32
+    weight's parts rounded to nearest."""
     from tests.ops.hopper import check, ptx
 
     got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "greedy_lean", "moe_route_one",
-               "finish_read_norm", "finish_head_read_norm"))
+               "finish_read_norm", "finish_head_read_norm", "finish_read_norm_form1", "finish_read_norm_form2",
+               "finish_read_norm_form3"))
     check(got)
     for name in ("wide_partials", "wide_partials_bf16w"):
         assert "wgmma.mma_async" in got[name] and ".bf16" in got[name], name

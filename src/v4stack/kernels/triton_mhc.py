@@ -205,8 +205,8 @@ def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, 
     for a program: what the two launches cost was mostly their latency). The row's streams are
     loaded first, so their bytes arrive while the partials are summed and split (at 89db14d, against
     loading them after: 14.66 -> 14.27 us at 256 rows, the same bits; wide_projections_h100_89db14d.json).
-    ``FORM`` (``FINISH_FORMS``): bit 1, the partials added in a loop (``_finish_rows``' ``LOOP``); bit 2,
-    the split in scalars (``_split_row4``) - each the same bits."""
+    ``FORM`` (``FINISH_FORMS``): bit 1, the partials added in a loop (``_finish_rows``' ``LOOP``: the
+    same bits); bit 2, the split in scalars (``_split_row4``: the same pre, post and input)."""
     pdl_enter()
     pm = tl.program_id(0)
     r = pm.to(tl.int64)
@@ -226,9 +226,11 @@ def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, 
 # 256 rows, 12.19 / 12.28 at 64, the partials' launch included, the same bits (an H100 at b7d789c,
 # bench/results/register_cap_h100_b7d789c.json) - the program's time is its chain, not the waves
 ROW_LAUNCH = dict(num_warps=8)
-# the two finishes' form (their FORM constexpr; bench/finish_forms.py times each): 0, the partials'
-# tree sum and the split on the tensor of a row's 16 entries; 1, the partials added in a loop; 2, the
-# split in scalars; 3, both. Every form gives the same bits.
+# the two finishes' form (their FORM constexpr; bench/finish_forms.py times each and compares its
+# bits with form 0's): 0, the partials' tree sum and the split on the tensor of a row's 16 entries; 1,
+# the partials added in a loop (the same order, so the same bits); 2, the split in scalars (the same
+# pre, post and input; its comb sums make the tree the tensor form's lane shuffles make, so on the GPU
+# the same bits are expected, not yet seen); 3, both. Form 0 is shipped until a GPU times the others.
 FINISH_FORMS = (0, 1, 2, 3)
 
 
