@@ -58,7 +58,9 @@ def hc_split_kernel(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps,
 
 @triton.jit
 def _sum4(v):
-    return (v[0] + v[1]) + (v[2] + v[3])
+    """``(v0 + v2) + (v1 + v3)``: the tree of the tensor form's sum over 4 lanes (butterfly shuffles at
+    lane offset 2, then 1, in its sm_90a build), so the same bits."""
+    return (v[0] + v[2]) + (v[1] + v[3])
 
 
 @triton.jit
@@ -113,9 +115,9 @@ def _store4(P, v, ok):
 @triton.jit
 def _split_row4(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, pm, ITERS: tl.constexpr):
     """``_split_rows`` for one row of n = 4 streams in scalars: every thread holds the whole 4 x 4
-    matrix, so a Sinkhorn sum is two register adds, ``(a + b) + (c + d)`` (the tree the tensor form's
-    two lane shuffles make), not two shuffles on the chain of 41 dependent normalisations - at the
-    price of every warp doing all 16 entries' work."""
+    matrix, so a Sinkhorn sum is two register adds (``_sum4``, the tree the tensor form's two lane
+    shuffles make), not two shuffles on the chain of 41 dependent normalisations - at the price of
+    every warp doing all 16 entries' work."""
     r = pm.to(tl.int64)
     ok = r < N
     row = MIX + r * s_mix
