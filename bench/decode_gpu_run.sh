@@ -38,7 +38,7 @@ except (OSError, KeyError, ValueError):
     sys.exit()
 us = {(c["rows"], f): v["us"] for c in cases for f, v in c["forms"].items()}
 exact = {f for c in cases for f, v in c["forms"].items()} - {f for c in cases for f, v in c["forms"].items()
-                                                            if not v["bits_equal_form0"]}
+                                                            if not v["bits_equal_first"]}
 ok = [f for f in exact if f != "0" and all((b, f) in us and us[b, f] < 0.98 * us[b, "0"] for b in (64, 256))]
 if ok:
     print(min(ok, key=lambda f: us[256, f]))

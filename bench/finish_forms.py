@@ -18,12 +18,11 @@ whether every output equals form 0's bit for bit.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from bench.runner import write_result
-from bench.timing import graph_time
+from bench.timing import graph_variants
 
 ROWS = (1, 64, 256)
 ROUNDS = 3
@@ -52,8 +51,11 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     dev = a.device
     D = 4096 if dev == "cuda" else 128  # flash4's streams; a small row for the CPU check
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     shipped = tm.FINISH_FORM
+
+    def use(f):
+        tm.FINISH_FORM = f
+
     cases = []
     try:
         for M in ROWS:
@@ -71,22 +73,9 @@ def main(argv=None) -> None:
 
             for op, call, forms, outs in (("finish_read_norm", sub, tm.FINISH_FORMS, (y, mix, *out)),
                                           ("finish_head_read_norm", head, (0, 1), (hy, hmix))):
-                rec = {"rows": M, "op": op, "forms": {}}
-                ref = None
-                for f in forms:
-                    tm.FINISH_FORM = f
-                    call()
-                    sync()
-                    now = [t.clone() for t in outs]
-                    ref = now if ref is None else ref
-                    rec["forms"][f] = {"bits_equal_form0": all(torch.equal(u, v) for u, v in zip(now, ref)),
-                                       "us_rounds": []}
-                for _ in range(ROUNDS if dev == "cuda" else 0):
-                    for f in forms:
-                        tm.FINISH_FORM = f
-                        rec["forms"][f]["us_rounds"].append(graph_time(call) * 1e6)
-                for f in forms:
-                    rec["forms"][f]["us"] = statistics.median(rec["forms"][f]["us_rounds"] or [float("nan")])
+                rec = {"rows": M, "op": op,  # each form's bits_equal_first: against form 0's
+                       "forms": graph_variants(call, {f: f for f in forms}, use, lambda outs=outs: outs, ROUNDS,
+                                               dev == "cuda")}
                 print(rec, flush=True)
                 cases.append(rec)
     finally:
@@ -94,8 +83,7 @@ def main(argv=None) -> None:
     regs = {f"finish_read_norm_form{f}": builds.registers(f"finish_read_norm_form{f}") for f in tm.FINISH_FORMS} \
         if dev == "cuda" else {}
     write_result(a.out, {"bench": "finish_forms", "device_name": torch.cuda.get_device_name() if dev == "cuda" else dev,
-                         "shipped": shipped,
-                         "rounds": ROUNDS, "builds": regs, "cases": cases})
+                         "shipped": shipped, "rounds": ROUNDS, "builds": regs, "cases": cases})
 
 
 if __name__ == "__main__":

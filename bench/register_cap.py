@@ -15,12 +15,11 @@ For each launch form, at each row count, the device time per call (``bench.timin
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from bench.runner import write_result
-from bench.timing import graph_time
+from bench.timing import graph_variants
 
 ROWS = (64, 132, 133, 256)
 ROUNDS = 3
@@ -50,25 +49,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench/results/register_cap_h200.json")
     a = ap.parse_args(argv)
     shipped = dict(tm.ROW_LAUNCH)
+
+    def use(opts):
+        tm.ROW_LAUNCH = opts
+
     out = []
     try:
         for M in ROWS:
             for name, call in _cases(M).items():
-                ref = None
-                rec = {"rows": M, "op": name, "forms": {}}
-                times = {f: [] for f in FORMS}
-                for f, opts in FORMS.items():
-                    tm.ROW_LAUNCH = opts
-                    got = call()
-                    torch.cuda.synchronize()
-                    ref = got if ref is None else ref
-                    rec["forms"][f] = {"bits_equal_uncapped": all(torch.equal(u, v) for u, v in zip(got, ref))}
-                for _ in range(ROUNDS):
-                    for f, opts in FORMS.items():
-                        tm.ROW_LAUNCH = opts
-                        times[f].append(graph_time(call) * 1e6)
-                for f in FORMS:
-                    rec["forms"][f].update(us=statistics.median(times[f]), us_rounds=times[f])
+                rec = {"rows": M, "op": name, "forms": graph_variants(call, FORMS, use, rounds=ROUNDS)}
                 print(rec, flush=True)
                 out.append(rec)
     finally:

@@ -6,6 +6,7 @@
     t = back_to_back(lambda: a @ b, target_s=0.02)  # seconds per call, calls issued back to back
     t = graph_time(lambda: a @ b)                  # device seconds per call, host launch cost removed
     t = host_per_call(lambda: a @ b, 50, 50)       # host seconds per call (median over batches)
+    r = graph_variants(call, {"a": 1, "b": 2}, set_it)  # one call under two settings: bits and graph times
 """
 
 from __future__ import annotations
@@ -104,6 +105,32 @@ def graph_time(fn, reps: int = 20, target_s: float = 0.03) -> float:
         for _ in range(reps):
             fn()
     return back_to_back(g.replay, target_s) / reps
+
+
+def graph_variants(call, variants: dict, use, outs=None, rounds: int = 3, timed: bool = True) -> dict:
+    """One call under several settings: ``use(value)`` before each run of ``call`` with variant
+    ``name``'s value. Each variant runs once, its outputs (``outs()``, else what ``call`` returns; a
+    tensor or a tuple of them) compared bit for bit with the first variant's; then ``rounds``
+    interleaved rounds of ``graph_time`` (none where not ``timed``, e.g. a CPU check). -> ``{name:
+    {"bits_equal_first", "us_rounds", "us" (the median, NaN untimed)}}``."""
+    def run():
+        got = call()
+        got = outs() if outs is not None else got
+        return [t.clone() for t in (got if isinstance(got, (tuple, list)) else (got,))]
+
+    rec, ref = {}, None
+    for name, value in variants.items():
+        use(value)
+        now = run()
+        ref = now if ref is None else ref
+        rec[name] = {"bits_equal_first": all(torch.equal(u, v) for u, v in zip(now, ref)), "us_rounds": []}
+    for _ in range(rounds if timed else 0):
+        for name, value in variants.items():
+            use(value)
+            rec[name]["us_rounds"].append(graph_time(call) * 1e6)
+    for r in rec.values():
+        r["us"] = statistics.median(r["us_rounds"]) if r["us_rounds"] else float("nan")
+    return rec
 
 
 def host_per_call(fn, batches: int, per: int) -> float:

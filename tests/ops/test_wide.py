@@ -91,6 +91,19 @@ def test_finish_forms_give_the_same_coefficients_and_input(monkeypatch):
     assert torch.equal(out[2], got[1][2]) and not torch.equal(short[2], out[2])
 
 
+def test_the_loop_finish_builds_without_the_trees_barriers():
+    """Form 1's sm_90a build (the partials added in a loop) keeps none of the tree sum's layout changes
+    and barriers, without spills; form 0's build, the control, has them (``builds.registers``)."""
+    pytest.importorskip("triton")
+    from tests.ops.hopper import registers
+
+    got = registers(("finish_read_norm_form0", "finish_read_norm_form1"))
+    tree, loop = got["finish_read_norm_form0"], got["finish_read_norm_form1"]
+    assert loop["spill_bytes"] == 0 and loop["layout_changes"] <= 1 and tree["layout_changes"] >= 16
+    if loop["barriers"] is not None:  # counted where Triton bundles cuobjdump
+        assert loop["barriers"] <= 4 < 30 <= tree["barriers"]
+
+
 def test_finish_form_from_the_environment_is_one_of_the_forms():
     from v4stack.kernels.triton_mhc import FINISH_FORMS, form_from
 

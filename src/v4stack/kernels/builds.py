@@ -184,7 +184,9 @@ def registers(name: str, arch: int = 90) -> dict:
     """Registers a thread and spill bytes of kernel ``name``'s ``sm_{arch}a`` build, as Triton's
     bundled ``ptxas -v`` reports them, and ``instructions``: the SASS instructions its bundled
     ``cuobjdump`` lists for the build (None where Triton bundles no ``cuobjdump``) - for a kernel
-    bound by its instructions, the count that matters."""
+    bound by its instructions, the count that matters - with ``barriers``, its ``BAR.SYNC`` among
+    them; ``layout_changes``: the ``convert_layout`` ops of its Triton GPU IR (each a trip through
+    shared memory or lane shuffles)."""
     import re
     import subprocess
     import tempfile
@@ -193,9 +195,10 @@ def registers(name: str, arch: int = 90) -> dict:
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = Path(get_ptxas(arch).path)
+    k = build(name, arch)
     with tempfile.TemporaryDirectory() as d:
         src, cubin = Path(d) / "k.ptx", Path(d) / "k.cubin"
-        src.write_text(build(name, arch).asm["ptx"])
+        src.write_text(k.asm["ptx"])
         r = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(src), "-o", str(cubin)],
                            capture_output=True, text=True, check=True)
         dump = ptxas.parent / "cuobjdump"
@@ -205,10 +208,12 @@ def registers(name: str, arch: int = 90) -> dict:
     return {"registers": int(re.search(r"Used (\d+) registers", log).group(1)),
             "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
             # one instruction a line: "/*0a40*/  LDS R18, [UR4] ;"
-            "instructions": None if sass is None else len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))}
+            "instructions": None if sass is None else len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M)),
+            "barriers": None if sass is None else len(re.findall(r"\bBAR\.SYNC\b", sass)),
+            "layout_changes": k.asm["ttgir"].count("ttg.convert_layout")}
 
 
-if __name__ == "__main__":  # python -m v4stack.kernels.builds NAME ...: each build's registers, spills, instructions
+if __name__ == "__main__":  # python -m v4stack.kernels.builds NAME ...: registers, spills, instructions, barriers
     import sys
 
     for n in sys.argv[1:]:
