@@ -55,7 +55,7 @@ PY
         --out "$W/serve_env_form${v}_${CARD}_$i.json" > "$W/serve_env_form${v}_$i.log" 2>&1
       echo "== form $v $i"; grep -E "^flash" "$W/serve_env_form${v}_$i.log" | cut -c1-250
     done; done
-    gains=$(python3 -m bench.ab_gain "$W"/serve_env_form{0,$form}_${CARD}_1.json "$W"/serve_env_form{0,$form}_${CARD}_2.json)
+    gains=$(python3 -m bench.ab_gain "$W"/serve_env_form{0,${form}}_${CARD}_1.json "$W"/serve_env_form{0,${form}}_${CARD}_2.json)
     [ "$gains" = 1 ] || form=""
   fi
   if [ -n "$form" ]; then export V4STACK_FINISH_FORM="$form"; echo "finish form $form for the later stages"; fi
@@ -176,7 +176,7 @@ grep -E "^flash" "$W/serve_roofline.log" 2>/dev/null
 pack
 [ "${PROFILE_S:-60}" != 0 ] && timeout "${PROFILE_S:-60}" python3 -m bench.serve_profile --device cuda --configs flash4 \
     --modes ${PROFILE_MODES:-fast} --batches 64,256 --contexts ${PROFILE_CTX:-1024,16384} --steps 4 --warmup 4 --out "$W/serve_profile_${CARD}.json" \
-    > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log"
+    > "$W/serve_profile.log" 2>&1; grep -E "^flash" "$W/serve_profile.log" 2>/dev/null
 pack
 [ "${TESTS_S:-90}" != 0 ] && timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --continue-on-collection-errors tests/ops/test_fused_ops.py \
     tests/ops/test_group_linear_inplace.py tests/ops/test_ring_kernel.py tests/ops/test_launch.py tests/ops/test_gdc.py tests/ops/test_route_kernels.py tests/ops/test_select_kernel.py \
@@ -184,8 +184,8 @@ pack
     --ignore=tests/serve/test_load.py > "$W/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$W/gpu_tests.log" 2>/dev/null | tail -20
 pack
-[ "${DK_S:-60}" != 0 ] && timeout "${DK_S:-60}" python3 -m bench.decode_kernels --rows 64,256 --out "$W/decode_kernels_${CARD}.json" > "$W/decode_kernels.log" 2>&1; grep -E "x proj|indexer|topk|hc_mix|equal" "$W/decode_kernels.log" | tail -20
+[ "${DK_S:-60}" != 0 ] && timeout "${DK_S:-60}" python3 -m bench.decode_kernels --rows 64,256 --out "$W/decode_kernels_${CARD}.json" > "$W/decode_kernels.log" 2>&1; grep -E "x proj|indexer|topk|hc_mix|equal" "$W/decode_kernels.log" 2>/dev/null | tail -20
 pack
-[ "${ROPE_S:-60}" != 0 ] && timeout "${ROPE_S:-60}" python3 -m bench.rope_shapes --out "$W/rope_shapes_${CARD}.json" > "$W/rope_shapes.log" 2>&1; tail -2 "$W/rope_shapes.log"
-[ "${NORM_S:-60}" != 0 ] && timeout "${NORM_S:-60}" python3 -m bench.norm_rows --out "$W/norm_rows_${CARD}.json" > "$W/norm_rows.log" 2>&1; tail -2 "$W/norm_rows.log"
+[ "${ROPE_S:-60}" != 0 ] && timeout "${ROPE_S:-60}" python3 -m bench.rope_shapes --out "$W/rope_shapes_${CARD}.json" > "$W/rope_shapes.log" 2>&1; tail -2 "$W/rope_shapes.log" 2>/dev/null
+[ "${NORM_S:-60}" != 0 ] && timeout "${NORM_S:-60}" python3 -m bench.norm_rows --out "$W/norm_rows_${CARD}.json" > "$W/norm_rows.log" 2>&1; tail -2 "$W/norm_rows.log" 2>/dev/null
 pack
