@@ -52,15 +52,16 @@ def test_topk_rows_cpu_call_is_the_composition():
 def test_topk_rows_on_cuda_serves_the_kernel_in_both_modes():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    s, rows = _case(64, 4100, 512, seed=3)
-    s, rows = s.cuda(), rows.cuda()
-    want = fused.topk_rows_reference(s.cpu(), rows.cpu(), 512)
-    for mode in ("invariant", "fast"):
-        with ops.mode(mode):
-            ops.reset_counters()
-            got = fused.topk_rows(s, rows, 512)
-            assert ops.counters()["topk_rows"] == {"triton_topk_rows": 1}
-            assert torch.equal(got.cpu(), want)
+    s32, rows = _case(64, 4100, 512, seed=3)
+    rows = rows.cuda()
+    for s in (s32.cuda(), s32.bfloat16().cuda()):  # bf16: the search over the keys' top 16 bits
+        want = fused.topk_rows_reference(s.cpu(), rows.cpu(), 512)
+        for mode in ("invariant", "fast"):
+            with ops.mode(mode):
+                ops.reset_counters()
+                got = fused.topk_rows(s, rows, 512)
+                assert ops.counters()["topk_rows"] == {"triton_topk_rows": 1}
+                assert torch.equal(got.cpu(), want)
 
 
 def test_select_kernels_build_for_hopper():
@@ -107,3 +108,42 @@ def test_every_search_form_chooses_the_same_rows(bits, split):
     got = ts.topk_rows(flat, r, 530, tile=form)
     assert torch.equal(got, fused.topk_rows_reference(flat, r, 530))
     assert torch.equal(got[0], r[0, :530])  # the ties taken in entry order, across the blocks
+
+
+def _last_bit_case(dtype, lsb):
+    """Scores of ``dtype`` over several binades, both signs, ties, -0.0, hidden entries, and two
+    entries ``1`` and ``1 + lsb`` (``lsb``: the dtype's last mantissa bit at 1.0), the larger one
+    later, so a search that drops that bit ties them and keeps the earlier one."""
+    g = torch.Generator().manual_seed(5)
+    s = (torch.randn(3, 600, generator=g) * torch.logspace(-6, 3, 600)).to(dtype)
+    s[:, ::7] = 0.0
+    s[0, 3::11] = -0.0
+    s[1, 100:160] = s[1, 99]  # a run of ties
+    s[2, :] = -1.0
+    s[2, 10], s[2, 20] = 1.0, 1.0 + lsb
+    if dtype == torch.float16:
+        s[0, 50:60] = torch.arange(1, 11) * 2.0 ** -24  # subnormals, widened to normal fp32 values
+    rows = torch.arange(1800).view(3, 600)
+    rows[0, 200:210] = -1  # hidden entries
+    return s, rows
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype,lsb", [(torch.bfloat16, 2.0 ** -7), (torch.float16, 2.0 ** -10)])
+def test_half_scores_search_only_their_significant_bits(bits, split, dtype, lsb, monkeypatch):
+    """Half-width scores widen to fp32 with low bits that every score of a sign shares (16 for bf16,
+    13 for fp16): the search drops 16 / 12 of them and chooses the same rows, for every form; inverse
+    control: dropping one bit more than the dtype leaves ties the last bit told apart."""
+    form = {"BITS": bits, "SPLIT": split, "SHIFT": True}
+    for k in (1, 37, 100):
+        s, rows = _last_bit_case(dtype, lsb)
+        want = fused.topk_rows_reference(s, rows, k)
+        assert torch.equal(ts.topk_rows(s, rows, k, tile=form), want)
+    assert ts._SHIFTS[dtype] == (16 if dtype == torch.bfloat16 else 12)
+    s, rows = _last_bit_case(dtype, lsb)
+    want = fused.topk_rows_reference(s, rows, 1)
+    assert want[2, 0] == rows[2, 20]
+    monkeypatch.setitem(ts._SHIFTS, dtype, 17 if dtype == torch.bfloat16 else 14)
+    got = ts.topk_rows(s, rows, 1, tile=form)
+    assert got[2, 0] == rows[2, 10]  # the two tied: the earlier one taken

@@ -5,8 +5,9 @@ entries, in entry order.
 rows < 0, k, stable)))``: the top ``k`` by score, ties to the lower entry, listed in ascending entry
 order. One program per query holds its row of scores as order-preserving integer keys (``-0.0``
 taken as ``+0.0``, as a sort compares them equal), finds the ``k``-th largest key by a bitwise
-search from the top bit (32 counting passes; or 16 of two bits, the three counts of a pass packed
-into one sum; a row just past a power of two in two blocks, ``SPLIT``), takes every key above it
+search from the top bit (a counting pass a bit: 32 for fp32 scores, 16 for bf16 ones, whose low
+half is the same in every key of a sign; or a pass of two bits, the three counts packed into one
+sum; a row just past a power of two in two blocks, ``SPLIT``), takes every key above it
 and the first ties in entry order, and writes the chosen rows by a running count. It replaces a
 radix sort of the scores, a sort of the chosen indices and two gathers (74 us for one CSA layer's
 queries at batch 64 and 16k tokens on an H200). Integer results: equal to the torch composition's
@@ -25,8 +26,10 @@ MAX_ENTRIES = 16384
 
 
 @triton.jit
-def _keys(S, ROWS, n, s_s, s_r, e, E):
-    """Entries ``e`` of query ``n``: their pool rows and order-preserving keys in [0, 2^32) (-1 past E)."""
+def _keys(S, ROWS, n, s_s, s_r, e, E, SHIFT: tl.constexpr):
+    """Entries ``e`` of query ``n``: their pool rows and order-preserving keys in [0, 2^(32 - SHIFT))
+    (-1 past E). ``SHIFT``: low bits of the widened score that are the same for every score of its
+    sign (16 for bf16, 12 for fp16 scores; 0 for fp32) - dropped, the keys keep their order."""
     inside = e < E
     r = tl.load(ROWS + n * s_r + e, mask=inside, other=-1)
     s = tl.load(S + n * s_s + e, mask=inside, other=float("-inf")).to(tl.float32)
@@ -34,6 +37,8 @@ def _keys(S, ROWS, n, s_s, s_r, e, E):
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0
     bits = s.to(tl.int32, bitcast=True)
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # float order, as [0, 2^32)
+    if SHIFT > 0:  # zeros (ones where negative) in every key: a bit a pass spent on them would decide nothing
+        key = key >> SHIFT
     return r, tl.where(inside, key, -1)  # past E: below every entry
 
 
@@ -45,17 +50,19 @@ def _packed(key, c1, c2, c3):
 
 @triton.jit
 def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: tl.constexpr = 1,
-                     EBT: tl.constexpr = 0):
+                     EBT: tl.constexpr = 0, SHIFT: tl.constexpr = 0):
     """``EB`` entries in one block, and with ``EBT`` the entries from ``EB`` on in a second block of
-    ``EBT`` (a row just past a power of two - a 16k step's 4608 - held as 4096 + 512, not 8192)."""
+    ``EBT`` (a row just past a power of two - a 16k step's 4608 - held as 4096 + 512, not 8192);
+    keys of ``32 - SHIFT`` bits (``_keys``), one pass a bit (``BITS`` 1) or two."""
     pdl_enter()
     n = tl.program_id(0).to(tl.int64)
-    r, key = _keys(S, ROWS, n, s_s, s_r, tl.arange(0, EB), E)
+    KB: tl.constexpr = 32 - SHIFT
+    r, key = _keys(S, ROWS, n, s_s, s_r, tl.arange(0, EB), E, SHIFT)
     if EBT > 0:
-        rt, keyt = _keys(S, ROWS, n, s_s, s_r, EB + tl.arange(0, EBT), E)
+        rt, keyt = _keys(S, ROWS, n, s_s, s_r, EB + tl.arange(0, EBT), E, SHIFT)
     res = tl.zeros([], tl.int64)
     if BITS == 1:  # one count a bit
-        for b in range(31, -1, -1):
+        for b in range(KB - 1, -1, -1):
             cand = res | (tl.full([], 1, tl.int64) << b)
             cnt = tl.sum((key >= cand).to(tl.int32), 0)
             if EBT > 0:
@@ -63,7 +70,7 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: 
             if cnt >= k:
                 res = cand
     else:  # two bits a pass: the three counts packed in 16-bit fields of one sum (E <= 16384)
-        for b in range(30, -1, -2):
+        for b in range(KB - 2, -1, -2):
             c1 = res | (tl.full([], 1, tl.int64) << b)
             c2 = res | (tl.full([], 2, tl.int64) << b)
             c3 = res | (tl.full([], 3, tl.int64) << b)
@@ -95,7 +102,12 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: 
 # programs an SM, against one 8192-wide program of 16 warps at 93: `python -m v4stack.kernels.builds
 # topk_rows_bf16_split topk_rows_bf16_wide`) - the same rows for any split, and rows up to a power
 # of two are held as before. bench/indexer_select.py times every form.
-TILE = {"BITS": 1, "SPLIT": True}
+TILE = {"BITS": 1, "SPLIT": True, "SHIFT": True}
+
+# low bits that a widened score of this dtype holds the same for every score of its sign: bf16 is
+# fp32's top half (16); fp16's 10-bit mantissa leaves 13, of which 12 keep the two-bit search's
+# pairs whole. Searching the keys without them takes 16 / 20 passes instead of 32, the same rows.
+_SHIFTS = {torch.bfloat16: 16, torch.float16: 12}
 
 
 def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int, tile: dict | None = None) -> torch.Tensor:
@@ -109,6 +121,7 @@ def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int, tile: dict | Non
             ebt = max(16, next_pow2(E - eb))
         # a split row at 4 warps: 20.4 against 35.5 us at 8 for 256 x 4608 (indexer_select_h100.json)
         warps = 4 if ebt else min(16, max(4, eb // 512))
+        shift = _SHIFTS.get(scores.dtype, 0) if t.get("SHIFT") else 0
         launch(topk_rows_kernel, (n,), scores, rows, out, E, k, scores.stride(0), rows.stride(0), out.stride(0), EB=eb,
-               BITS=t.get("BITS", 1), EBT=ebt, num_warps=t.get("num_warps", warps))
+               BITS=t.get("BITS", 1), EBT=ebt, SHIFT=shift, num_warps=t.get("num_warps", warps))
     return out
