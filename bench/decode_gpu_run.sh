@@ -17,6 +17,10 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
 # (I8_S) and the work between two steps' graphs (GAPS_S)
 [ "${SELECT_S:-0}" != 0 ] && timeout "$SELECT_S" python3 -m bench.indexer_select --out "$W/indexer_select_${CARD}.json" \
     > "$W/indexer_select.log" 2>&1; [ "${SELECT_S:-0}" != 0 ] && grep -E "^topk|BS.: 128, .CH.: 1, .num_warps.: 4" "$W/indexer_select.log" | tail -20
+# the top-k's forms alone (TOPK_S; bench/indexer_select.py --topk-only: the shipped search over bf16 keys' top
+# 16 bits against all 32, and the other forms)
+[ "${TOPK_S:-0}" != 0 ] && timeout "$TOPK_S" python3 -m bench.indexer_select --topk-only --out "$W/topk_forms_${CARD}.json" \
+    > "$W/topk_forms.log" 2>&1; [ "${TOPK_S:-0}" != 0 ] && grep -E "^topk" "$W/topk_forms.log" | cut -c1-200 | head -12
 [ "${WIDE_S:-0}" != 0 ] && timeout "$WIDE_S" python3 -m bench.wide_projections --parts read_norm,router --out "$W/wide_projections_${CARD}.json" \
     > "$W/wide_projections.log" 2>&1; [ "${WIDE_S:-0}" != 0 ] && grep -E "^read_norm|^router_with_gate" "$W/wide_projections.log"
 [ "${GL_S:-0}" != 0 ] && timeout "$GL_S" python3 -m bench.group_linear_inplace --out "$W/group_linear_inplace_${CARD}.json" \
