@@ -29,42 +29,6 @@ pack() { tar -C "$W" -czf "$OUT/decode.tgz.part" . && mv "$OUT/decode.tgz.part" 
     > "$W/hc_write_partials.log" 2>&1; [ "${HW_S:-0}" != 0 ] && cut -c1-220 "$W/hc_write_partials.log"
 [ "${I8_S:-0}" != 0 ] && timeout "$I8_S" python3 -m bench.indexer_fp8 --out "$W/indexer_fp8_${CARD}.json" \
     > "$W/indexer_fp8.log" 2>&1; [ "${I8_S:-0}" != 0 ] && cut -c1-220 "$W/indexer_fp8.log"
-# the coefficient finishes' forms (FORMS_S; bench/finish_forms.py): the fastest form whose every output has form
-# 0's bits and whose launch is at least 2% faster at 64 and at 256 rows runs the later stages (V4STACK_FINISH_FORM)
-# (where FORMS_AB_S is set, only if it also gains in the whole step)
-if [ "${FORMS_S:-0}" != 0 ]; then
-  timeout "$FORMS_S" python3 -m bench.finish_forms --out "$W/finish_forms_${CARD}.json" > "$W/finish_forms.log" 2>&1
-  cut -c1-330 "$W/finish_forms.log"
-  form=$(python3 - "$W/finish_forms_${CARD}.json" <<'PY'
-import json, sys
-try:
-    cases = [c for c in json.load(open(sys.argv[1]))["cases"] if c["op"] == "finish_read_norm"]
-except (OSError, KeyError, ValueError):
-    sys.exit()
-us = {(c["rows"], f): v["us"] for c in cases for f, v in c["forms"].items()}
-exact = {f for c in cases for f, v in c["forms"].items()} - {f for c in cases for f, v in c["forms"].items()
-                                                            if not v["bits_equal_first"]}
-ok = [f for f in exact if f != "0" and all((b, f) in us and us[b, f] < 0.98 * us[b, "0"] for b in (64, 256))]
-if ok:
-    print(min(ok, key=lambda f: us[256, f]))
-PY
-)
-  # with FORMS_AB_S (a run): the picked form against form 0 in the whole step (flash4 fast batch 256 16k, two
-  # interleaved rounds), taken only where both rounds gained (bench/ab_gain.py)
-  if [ -n "$form" ] && [ "${FORMS_AB_S:-0}" != 0 ]; then
-    echo "finish form candidate: $form"
-    for i in 1 2; do for v in 0 "$form"; do
-      V4STACK_FINISH_FORM=$v timeout "$FORMS_AB_S" python3 -m bench.serve_roofline --device cuda --configs flash4 \
-        --modes fast --batches 256 --contexts 16384 --steps 32 --point-budget-s 4 \
-        --out "$W/serve_env_form${v}_${CARD}_$i.json" > "$W/serve_env_form${v}_$i.log" 2>&1
-      echo "== form $v $i"; grep -E "^flash" "$W/serve_env_form${v}_$i.log" | cut -c1-250
-    done; done
-    gains=$(python3 -m bench.ab_gain "$W"/serve_env_form{0,${form}}_${CARD}_1.json "$W"/serve_env_form{0,${form}}_${CARD}_2.json)
-    [ "$gains" = 1 ] || form=""
-  fi
-  if [ -n "$form" ]; then export V4STACK_FINISH_FORM="$form"; echo "finish form $form for the later stages"; fi
-  pack
-fi
 # the register cap of the one-row finishes against their uncapped launch, and the routing gather's tiles (CAP_S a
 # bench)
 if [ "${CAP_S:-0}" != 0 ]; then

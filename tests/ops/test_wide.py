@@ -56,63 +56,6 @@ def test_hc_pre_read_norm_wide_is_the_two_ops_and_row_local(with_weight):
     assert not torch.equal(trw.hc_read_norm(x, pre.flip(0), wt, 1e-5), y)
 
 
-def test_finish_forms_give_the_same_coefficients_and_input(monkeypatch):
-    """``triton_mhc.FINISH_FORM``: the partials added in a loop (form 1) give form 0's bits; the split in
-    scalars (forms 2, 3) gives the same pre, post and input, and a comb within fp32 rounding of float64
-    (on the GPU its sums are the tensor form's tree, so the same bits: ``bench/finish_forms.py`` checks
-    it; here the interpreter's tensor sums are numpy's). Inverse control: a finish that dropped the
-    last slice (its loop one short) is seen."""
-    from v4stack.kernels import triton_mhc as tm
-
-    x = torch.randn(6, 4, 80, generator=g).bfloat16()
-    fn = torch.randn(24, 320, generator=g) * 0.05
-    scale, base = _coeffs()
-    wt = (torch.rand(80, generator=g) + 0.5).bfloat16()
-    got = {}
-    for f in tm.FINISH_FORMS:
-        monkeypatch.setattr(tm, "FINISH_FORM", f)
-        got[f] = tw.hc_pre_read_norm(x, fn, scale, base, 4, 20, 1e-6, 1e-6, wt, 1e-5, tile=SMALL)
-        got[f, "head"] = tw.hc_head_read_norm(x, fn[:4], scale[:1], base[:4], 1e-6, 1e-6, wt, 1e-5, tile=SMALL)
-    assert all(torch.equal(a, b) for a, b in zip(got[0], got[1]))
-    assert torch.equal(got[0, "head"], got[1, "head"])
-    want = fused.hc_pre_read_norm_reference(x.double(), fn.double(), scale.double(), base.double(), 4, 20, 1e-6,
-                                            1e-6, wt.double(), 1e-5)
-    for f in (2, 3):
-        assert torch.equal(got[f][0], got[0][0]) and torch.equal(got[f][1], got[0][1]), f
-        assert torch.equal(got[f][2], got[2][2])
-        torch.testing.assert_close(got[f][2].double(), want[2], atol=2e-6, rtol=2e-6)
-    # the control: the loop's finish over two of the three slices' partials, against all three
-    p, pss, S = tw.partials(x.reshape(6, -1), fn, True, SMALL)
-    out, short = tm._outputs(6, 4, x.device), tm._outputs(6, 4, x.device)
-    monkeypatch.setattr(tm, "FINISH_FORM", 1)
-    for o, s in ((out, S), (short, S - 1)):
-        tm.finish_read_norm(p, pss, s, 320, torch.empty(6, 24), scale, base, o, 20, 1e-6, 1e-6, x, wt, 1e-5,
-                            torch.empty(6, 80, dtype=x.dtype))
-    assert torch.equal(out[2], got[1][2]) and not torch.equal(short[2], out[2])
-
-
-def test_the_loop_finish_builds_without_the_trees_barriers():
-    """Form 1's sm_90a build (the partials added in a loop) keeps none of the tree sum's layout changes
-    and barriers, without spills; form 0's build, the control, has them (``builds.registers``)."""
-    pytest.importorskip("triton")
-    from tests.ops.hopper import registers
-
-    got = registers(("finish_read_norm_form0", "finish_read_norm_form1"))
-    tree, loop = got["finish_read_norm_form0"], got["finish_read_norm_form1"]
-    assert loop["spill_bytes"] == 0 and loop["layout_changes"] <= 1 and tree["layout_changes"] >= 16
-    if loop["barriers"] is not None:  # counted where Triton bundles cuobjdump
-        assert loop["barriers"] <= 4 < 30 <= tree["barriers"]
-
-
-def test_finish_form_from_the_environment_is_one_of_the_forms():
-    from v4stack.kernels.triton_mhc import FINISH_FORMS, form_from
-
-    assert form_from(None) == form_from("") == 0 and [form_from(str(f)) for f in FINISH_FORMS] == list(FINISH_FORMS)
-    for bad in ("4", "-1", "1.0", "one", "01 2"):
-        with pytest.raises(ValueError, match="V4STACK_FINISH_FORM"):
-            form_from(bad)
-
-
 def test_hc_head_pre_wide_matches_float64_and_is_row_local():
     x = torch.randn(11, 4, 80, generator=g).bfloat16()
     fn = torch.randn(4, 320, generator=g) * 0.05
@@ -306,14 +249,12 @@ def test_wide_kernels_on_the_device_at_v4_widths():
 
 def test_wide_kernels_build_for_hopper_on_bf16_wgmma():
     """``kernels/builds.py``: the partials kernel (fp32 weight in parts, and a bf16 weight), the
-    coefficients' finish with the read (its four forms), and the greedy block kernels compile for sm_90a
-    with correctly rounded arithmetic; the projections run on bf16 ``wgmma`` (no TF32 anywhere), the fp32
-    weight's parts rounded to nearest."""
+    coefficients' finish with the read, and the greedy block kernels compile for sm_90a with correctly rounded arithmetic; the projections run
+    on bf16 ``wgmma`` (no TF32 anywhere), the fp32 weight's parts rounded to nearest."""
     from tests.ops.hopper import check, ptx
 
     got = ptx(("wide_partials", "wide_partials_bf16w", "greedy_blocks", "greedy_lean", "moe_route_one",
-               "finish_read_norm", "finish_head_read_norm", "finish_read_norm_form1", "finish_read_norm_form2",
-               "finish_read_norm_form3"))
+               "finish_read_norm", "finish_head_read_norm"))
     check(got)
     for name in ("wide_partials", "wide_partials_bf16w"):
         assert "wgmma.mma_async" in got[name] and ".bf16" in got[name], name

@@ -132,14 +132,12 @@ def kernels() -> dict:
         **{name: (tm.finish_read_norm_kernel,
                   _sig("P PSS Y SCALE BASE PRE POST COMB X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj s_on "
                        "rms_eps", [P] * 8 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
-                  dict(S=64, SP=64, BN=32, NH=4, ITERS=20, HAS_W=True, NB=4, BD=4096, FORM=form), dict(opts, num_stages=1))
-           for name, opts, form in (("finish_read_norm", tm.ROW_LAUNCH, tm.FINISH_FORM),
-                                    ("finish_read_norm_maxnreg128", dict(num_warps=8, maxnreg=128), tm.FINISH_FORM),
-                                    *((f"finish_read_norm_form{f}", tm.ROW_LAUNCH, f) for f in tm.FINISH_FORMS))},
+                  dict(S=64, SP=64, BN=32, NH=4, ITERS=20, HAS_W=True, NB=4, BD=4096), dict(opts, num_stages=1))
+           for name, opts in (("finish_read_norm", tm.ROW_LAUNCH), ("finish_read_norm_maxnreg128", dict(num_warps=8, maxnreg=128)))},
         "finish_head_read_norm": (tm.finish_head_read_norm_kernel,
                                   _sig("P PSS Y SCALE BASE X W OUT M N MN Kf norm_eps s_ym eps D Df s_xn s_xj s_on "
                                        "rms_eps", [P] * 5 + [BF, BF, BF, I, I, I, F, F, I, F, I, F, I, I, I, F]),
-                                  dict(S=64, SP=64, BN=32, NH=4, HAS_W=True, NB=4, BD=4096, FORM=tm.FINISH_FORM % 2),
+                                  dict(S=64, SP=64, BN=32, NH=4, HAS_W=True, NB=4, BD=4096),
                                   dict(tm.ROW_LAUNCH, num_stages=1)),
         "greedy_blocks": (tsm.greedy_blocks_kernel, _sig("X PM PS PI V s_x NC", [BF, P, P, "*i32", I, I, I]),
                           dict(CHUNK=tsm.SHIPPED["CHUNK"], BLOCK=tsm.SHIPPED["BLOCK"]),

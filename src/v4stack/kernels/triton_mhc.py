@@ -14,8 +14,6 @@ kernels are batch-invariant; divisions are ``div_rn`` as in the project's other 
 Sinkhorn normalisation takes one reciprocal per sum and multiplies by it).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -57,100 +55,8 @@ def hc_split_kernel(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps,
 
 
 @triton.jit
-def _sum4(v):
-    """``(v0 + v2) + (v1 + v3)``: the tree of the tensor form's sum over 4 lanes (butterfly shuffles at
-    lane offset 2, then 1, in its sm_90a build), so the same bits."""
-    return (v[0] + v[2]) + (v[1] + v[3])
-
-
-@triton.jit
-def _mul4(v, s):
-    return v[0] * s[0], v[1] * s[1], v[2] * s[2], v[3] * s[3]
-
-
-@triton.jit
-def _row4(v, eps):
-    """A row of 4 times ``div_rn(1, its sum + eps)``."""
-    s = tl.div_rn(1.0, _sum4(v) + eps)
-    return v[0] * s, v[1] * s, v[2] * s, v[3] * s
-
-
-@triton.jit
-def _cols4(m, eps):
-    """The 4 x 4 matrix ``m`` (a tuple of rows), each column times ``div_rn(1, its sum + eps)``."""
-    s = (tl.div_rn(1.0, _sum4((m[0][0], m[1][0], m[2][0], m[3][0])) + eps),
-         tl.div_rn(1.0, _sum4((m[0][1], m[1][1], m[2][1], m[3][1])) + eps),
-         tl.div_rn(1.0, _sum4((m[0][2], m[1][2], m[2][2], m[3][2])) + eps),
-         tl.div_rn(1.0, _sum4((m[0][3], m[1][3], m[2][3], m[3][3])) + eps))
-    return _mul4(m[0], s), _mul4(m[1], s), _mul4(m[2], s), _mul4(m[3], s)
-
-
-@triton.jit
-def _softmax4(v, eps):
-    """A row's softmax (one ``div_rn`` of its sum, multiplied) + eps."""
-    mx = tl.maximum(tl.maximum(v[0], v[1]), tl.maximum(v[2], v[3]))
-    e = (tl.exp(v[0] - mx), tl.exp(v[1] - mx), tl.exp(v[2] - mx), tl.exp(v[3] - mx))
-    s = tl.div_rn(1.0, _sum4(e))
-    return e[0] * s + eps, e[1] * s + eps, e[2] * s + eps, e[3] * s + eps
-
-
-@triton.jit
-def _logits4(row, SCALE, BASE, ok, at: tl.constexpr, sc: tl.constexpr):
-    """Four pre-activations ``row[at + k] * SCALE[sc] + BASE[at + k]`` (scalars)."""
-    s = tl.load(SCALE + sc)
-    return (tl.load(row + at, mask=ok, other=0.0) * s + tl.load(BASE + at),
-            tl.load(row + at + 1, mask=ok, other=0.0) * s + tl.load(BASE + at + 1),
-            tl.load(row + at + 2, mask=ok, other=0.0) * s + tl.load(BASE + at + 2),
-            tl.load(row + at + 3, mask=ok, other=0.0) * s + tl.load(BASE + at + 3))
-
-
-@triton.jit
-def _store4(P, v, ok):
-    tl.store(P, v[0], mask=ok)
-    tl.store(P + 1, v[1], mask=ok)
-    tl.store(P + 2, v[2], mask=ok)
-    tl.store(P + 3, v[3], mask=ok)
-
-
-@triton.jit
-def _split_row4(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, pm, ITERS: tl.constexpr):
-    """``_split_rows`` for one row of n = 4 streams in scalars: every thread holds the whole 4 x 4
-    matrix, so a Sinkhorn sum is two register adds (``_sum4``, the tree the tensor form's two lane
-    shuffles make), not two shuffles on the chain of 41 dependent normalisations - at the price of
-    every warp doing all 16 entries' work."""
-    r = pm.to(tl.int64)
-    ok = r < N
-    row = MIX + r * s_mix
-    pre = _logits4(row, SCALE, BASE, ok, 0, 0)
-    post = _logits4(row, SCALE, BASE, ok, 4, 1)
-    _store4(PRE + r * 4, (_sigmoid(pre[0]) + eps, _sigmoid(pre[1]) + eps, _sigmoid(pre[2]) + eps,
-                          _sigmoid(pre[3]) + eps), ok)
-    _store4(POST + r * 4, (2.0 * _sigmoid(post[0]), 2.0 * _sigmoid(post[1]), 2.0 * _sigmoid(post[2]),
-                           2.0 * _sigmoid(post[3])), ok)
-    m = (_softmax4(_logits4(row, SCALE, BASE, ok, 8, 2), eps), _softmax4(_logits4(row, SCALE, BASE, ok, 12, 2), eps),
-         _softmax4(_logits4(row, SCALE, BASE, ok, 16, 2), eps), _softmax4(_logits4(row, SCALE, BASE, ok, 20, 2), eps))
-    m = _cols4(m, eps)
-    for _ in tl.static_range(ITERS - 1):
-        m = _cols4((_row4(m[0], eps), _row4(m[1], eps), _row4(m[2], eps), _row4(m[3], eps)), eps)
-    for j in tl.static_range(4):
-        _store4(COMB + r * 16 + 4 * j, m[j], ok)
-
-
-@triton.jit
 def _split_rows(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, pm, NH: tl.constexpr, ITERS: tl.constexpr,
-                ROWS: tl.constexpr, SCALAR: tl.constexpr = False):
-    """Rows ``[pm ROWS, (pm + 1) ROWS)``' pre, post and comb from their mix; ``SCALAR`` (n = 4, one row):
-    ``_split_row4``."""
-    if SCALAR:
-        tl.static_assert(NH == 4 and ROWS == 1)
-        _split_row4(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, pm, ITERS)
-    else:
-        _split_tensor(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, pm, NH, ITERS, ROWS)
-
-
-@triton.jit
-def _split_tensor(MIX, SCALE, BASE, PRE, POST, COMB, N, s_mix, eps, pm, NH: tl.constexpr, ITERS: tl.constexpr,
-                  ROWS: tl.constexpr):
+                ROWS: tl.constexpr):
     r = pm.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = r < N
     h = tl.arange(0, NH)
@@ -199,23 +105,21 @@ def _read_norm_loaded(xs, pre, X, W, OUT, r, D, Df, s_on, rms_eps, HAS_W: tl.con
 def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, M, N, MN, Kf, norm_eps, s_ym, eps,
                             D, Df, s_xn, s_xj, s_on, rms_eps, S: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr,
                             NH: tl.constexpr, ITERS: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr,
-                            BD: tl.constexpr, FORM: tl.constexpr):
+                            BD: tl.constexpr):
     """Fast mode's ``hc_pre`` finish and the sublayer's normalised input in one program a row:
     ``finish_split_kernel``'s sum of the partials and split (the mix in ``Y``; pre, post, comb),
     then ``hc_read_norm_kernel``'s one-block read of the streams ``X`` with that pre and its RMS
     norm into ``OUT`` - one launch where there were two (the row's coefficients are short work
     for a program: what the two launches cost was mostly their latency). The row's streams are
     loaded first, so their bytes arrive while the partials are summed and split (at 89db14d, against
-    loading them after: 14.66 -> 14.27 us at 256 rows, the same bits; wide_projections_h100_89db14d.json).
-    ``FORM`` (``FINISH_FORMS``): bit 1, the partials added in a loop (``_finish_rows``' ``LOOP``: the
-    same bits); bit 2, the split in scalars (``_split_row4``: the same pre, post and input)."""
+    loading them after: 14.66 -> 14.27 us at 256 rows, the same bits; wide_projections_h100_89db14d.json)."""
     pdl_enter()
     pm = tl.program_id(0)
     r = pm.to(tl.int64)
     xs = _streams_row(X, r, NH, D, s_xn, s_xj, NB, BD)
-    _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True, FORM % 2 == 1)
+    _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
     tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
-    _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1, FORM // 2 == 1)
+    _split_rows(Y, SCALE, BASE, PRE, POST, COMB, M, s_ym, eps, pm, NH, ITERS, 1)
     tl.debug_barrier()  # and so is its pre
     j = tl.arange(0, NB)
     p = tl.load(PRE + r * NH + j, mask=j < NH, other=0.0).to(tl.float32)
@@ -228,24 +132,6 @@ def finish_read_norm_kernel(P, PSS, Y, SCALE, BASE, PRE, POST, COMB, X, W, OUT, 
 # 256 rows, 12.19 / 12.28 at 64, the partials' launch included, the same bits (an H100 at b7d789c,
 # bench/results/register_cap_h100_b7d789c.json) - the program's time is its chain, not the waves
 ROW_LAUNCH = dict(num_warps=8)
-# the two finishes' form (their FORM constexpr; bench/finish_forms.py times each and compares its
-# bits with form 0's): 0, the partials' tree sum and the split on the tensor of a row's 16 entries; 1,
-# the partials added in a loop (the same order, so the same bits); 2, the split in scalars (the same
-# pre, post and input; its comb sums make the tree the tensor form's lane shuffles make, so on the GPU
-# the same bits are expected, not yet seen); 3, both. Form 0 is shipped until a GPU times the others.
-FINISH_FORMS = (0, 1, 2, 3)
-
-
-def form_from(text: str | None) -> int:
-    """The finishes' form from ``V4STACK_FINISH_FORM`` (to time one in a whole step); unset or empty: 0."""
-    if not text:
-        return 0
-    if text.strip() not in {str(f) for f in FINISH_FORMS}:
-        raise ValueError(f"V4STACK_FINISH_FORM: one of {FINISH_FORMS}, got {text!r}")
-    return int(text)
-
-
-FINISH_FORM = form_from(os.environ.get("V4STACK_FINISH_FORM"))
 
 
 def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, eps: float, norm_eps: float,
@@ -259,8 +145,7 @@ def finish_read_norm(p, pss, S: int, K: int, mix, scale, base, out, iters: int, 
     launch(finish_read_norm_kernel, (M,), p, pss, mix, scale, base, *out, x, weight if weight is not None else y, y,
            M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
            y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=n, ITERS=iters,
-           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D),
-           FORM=FINISH_FORM if n == 4 else FINISH_FORM % 2, num_stages=1, **ROW_LAUNCH)
+           HAS_W=weight is not None, NB=max(2, next_pow2(n)), BD=next_pow2(D), num_stages=1, **ROW_LAUNCH)
     return y
 
 
@@ -346,20 +231,18 @@ def hc_head_pre(x, fn, scale, base, eps: float, norm_eps: float):
 @triton.jit
 def finish_head_read_norm_kernel(P, PSS, Y, SCALE, BASE, X, W, OUT, M, N, MN, Kf, norm_eps, s_ym, eps, D, Df, s_xn,
                                  s_xj, s_on, rms_eps, S: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr,
-                                 NH: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr, BD: tl.constexpr,
-                                 FORM: tl.constexpr):
+                                 NH: tl.constexpr, HAS_W: tl.constexpr, NB: tl.constexpr, BD: tl.constexpr):
     """The head's stream weights and the final norm in one program a row: ``finish_kernel``'s sum
     of the projection's partials (the mix in ``Y``), ``hc_head_kernel``'s ``sigmoid(mix * scale +
     base) + eps``, then ``hc_read_norm_kernel``'s one-block read of the streams ``X`` with those
     weights and its RMS norm into ``OUT`` - the read never written, nor the weights (four launches
     where there were ``finish_sum``, ``head_weights``, ``hc_read`` and ``rms_norm``). The row's
-    streams are loaded first, so their bytes arrive during the finish. ``FORM``: bit 1 as
-    ``finish_read_norm_kernel``'s."""
+    streams are loaded first, so their bytes arrive during the finish."""
     pdl_enter()
     pm = tl.program_id(0)
     r = pm.to(tl.int64)
     xs = _streams_row(X, r, NH, D, s_xn, s_xj, NB, BD)
-    _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True, FORM % 2 == 1)
+    _finish_rows(P, PSS, Y, M, N, MN, Kf, norm_eps, s_ym, pm, 0, S, SP, 1, BN, True)
     tl.debug_barrier()  # the row's mix, stored by some threads, is read back by others
     j = tl.arange(0, NB)
     m = tl.load(Y + r * s_ym + j, mask=j < NH, other=0.0)
@@ -377,7 +260,7 @@ def finish_head_read_norm(p, pss, S: int, K: int, mix, scale, base, eps: float, 
     launch(finish_head_read_norm_kernel, (M,), p, pss, mix, scale, base, x, weight if weight is not None else y, y,
            M, N, M * N, float(K), float(norm_eps), mix.stride(0), float(eps), D, float(D), x.stride(0), x.stride(1),
            y.stride(0), float(rms_eps), S=S, SP=next_pow2(S), BN=FINISH_BN, NH=N, HAS_W=weight is not None,
-           NB=max(2, next_pow2(N)), BD=next_pow2(D), FORM=FINISH_FORM % 2, num_stages=1, **ROW_LAUNCH)
+           NB=max(2, next_pow2(N)), BD=next_pow2(D), num_stages=1, **ROW_LAUNCH)
     return y
 
 

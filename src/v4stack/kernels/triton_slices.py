@@ -198,41 +198,22 @@ def finish_kernel(P, PSS, Y, M, N, MN, Kf, eps, s_ym, S: tl.constexpr, SP: tl.co
 
 
 @triton.jit
-def _add_slices(X, at, step, mask, S: tl.constexpr, FR: tl.constexpr, BN: tl.constexpr):
-    """``X[at] + X[at + step] + ... `` over S slices, added as they are loaded (unrolled), in slice
-    order from a +0.0 start: ``_add_in_order``'s sum without its layout changes (``at`` int64)."""
-    total = tl.zeros([FR, BN], tl.float32)
-    for _ in tl.static_range(S):
-        total = total + tl.load(X + at, mask=mask, other=0.0)
-        at += step
-    return total
-
-
-@triton.jit
 def _finish_rows(P, PSS, Y, M, N, MN, Kf, eps, s_ym, pm, pn, S: tl.constexpr, SP: tl.constexpr, FR: tl.constexpr,
-                 BN: tl.constexpr, RMS: tl.constexpr, LOOP: tl.constexpr = False):
-    """``finish_kernel``'s work for its program ``(pm, pn)`` (also run by ``triton_mhc``'s fused split).
-    ``LOOP``: the slices loaded one ``[FR, BN]`` tile each (unrolled) and added as they come - the same
-    order, so the same bits, without ``_add_in_order``'s layout changes between its halves."""
+                 BN: tl.constexpr, RMS: tl.constexpr):
+    """``finish_kernel``'s work for its program ``(pm, pn)`` (also run by ``triton_mhc``'s fused split)."""
     rows = (pm * FR + tl.arange(0, FR)).to(tl.int64)
     cols = pn * BN + tl.arange(0, BN)
     rmask = rows < M
     omask = rmask[:, None] & (cols < N)[None, :]
-    if LOOP:
-        total = _add_slices(P, rows[:, None] * N + cols[None, :], MN, omask, S, FR, BN)
-        if RMS:
-            tss = _add_slices(PSS, rows[:, None] + cols[None, :] * 0, M, omask, S, FR, BN)
-    else:
-        j = tl.arange(0, SP).to(tl.int64)
-        jm = (j < S)[None, None, :]
-        x = tl.load(P + (rows[:, None] * N + cols[None, :])[:, :, None] + j[None, None, :] * MN,
+    j = tl.arange(0, SP).to(tl.int64)
+    jm = (j < S)[None, None, :]
+    x = tl.load(P + (rows[:, None] * N + cols[None, :])[:, :, None] + j[None, None, :] * MN,
+                mask=omask[:, :, None] & jm, other=0.0)
+    total = _add_in_order(tl.zeros([FR, BN], tl.float32), x, FR, BN, SP)
+    if RMS:  # each row's slices, loaded per element too (one address across a row's threads)
+        q = tl.load(PSS + rows[:, None, None] + cols[None, :, None] * 0 + j[None, None, :] * M,
                     mask=omask[:, :, None] & jm, other=0.0)
-        total = _add_in_order(tl.zeros([FR, BN], tl.float32), x, FR, BN, SP)
-        if RMS:  # each row's slices, loaded per element too (one address across a row's threads)
-            q = tl.load(PSS + rows[:, None, None] + cols[None, :, None] * 0 + j[None, None, :] * M,
-                        mask=omask[:, :, None] & jm, other=0.0)
-            tss = _add_in_order(tl.zeros([FR, BN], tl.float32), q, FR, BN, SP)
-    if RMS:
+        tss = _add_in_order(tl.zeros([FR, BN], tl.float32), q, FR, BN, SP)
         total = total * tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tss, Kf) + eps))
     tl.store(Y + rows[:, None] * s_ym + cols[None, :], total.to(Y.dtype.element_ty), mask=omask)
 
