@@ -91,9 +91,9 @@ TOPK_FORMS = [{"BITS": 1, "SPLIT": True, "SHIFT": True}, {"BITS": 1, "SPLIT": Tr
 
 def topk_cases() -> list:
     """The shipped search (one bit a pass over the scores' significant bits, a row past a power of
-    two in two blocks) against all 32 bits of the widened scores, the row
-    in one block, two bits a pass and other warps, at 4096 entries and at a 16k step's table width
-    (4608: 144 blocks of 32 entries, the last 512 padding)."""
+    two in two blocks) against all 32 bits of the widened scores, the row in one block, two bits a
+    pass and other warps, at 4096 entries and at a 16k step's table width (4608: 144 blocks of 32
+    entries, the last 512 padding)."""
     from v4stack.kernels import triton_select as ts
     from v4stack.ops import fused
 
