@@ -133,17 +133,40 @@ def _last_bit_case(dtype, lsb):
 @pytest.mark.parametrize("dtype,lsb", [(torch.bfloat16, 2.0 ** -7), (torch.float16, 2.0 ** -10)])
 def test_half_scores_search_only_their_significant_bits(bits, split, dtype, lsb, monkeypatch):
     """Half-width scores widen to fp32 with low bits that every score of a sign shares (16 for bf16,
-    13 for fp16): the search drops 16 / 12 of them and chooses the same rows, for every form; inverse
-    control: dropping one bit more than the dtype leaves ties the last bit told apart."""
+    13 for fp16): the search drops them and chooses the same rows, for every form; inverse
+    control: dropping more bits than the dtype leaves constant (18 / 14) ties scores the last bit
+    told apart, and the earlier one is taken."""
     form = {"BITS": bits, "SPLIT": split, "SHIFT": True}
     for k in (1, 37, 100):
         s, rows = _last_bit_case(dtype, lsb)
         want = fused.topk_rows_reference(s, rows, k)
         assert torch.equal(ts.topk_rows(s, rows, k, tile=form), want)
-    assert ts._SHIFTS[dtype] == (16 if dtype == torch.bfloat16 else 12)
+    assert ts._SHIFTS[dtype] == (16 if dtype == torch.bfloat16 else 13)
     s, rows = _last_bit_case(dtype, lsb)
     want = fused.topk_rows_reference(s, rows, 1)
     assert want[2, 0] == rows[2, 20]
-    monkeypatch.setitem(ts._SHIFTS, dtype, 17 if dtype == torch.bfloat16 else 14)
+    monkeypatch.setitem(ts._SHIFTS, dtype, 18 if dtype == torch.bfloat16 else 14)
     got = ts.topk_rows(s, rows, 1, tile=form)
     assert got[2, 0] == rows[2, 10]  # the two tied: the earlier one taken
+
+
+def test_the_two_bit_search_covers_an_odd_key_width():
+    """Keys of an odd width (fp16's scores less their 13 constant bits: 19) leave the
+    two-bit search's pairs one bit short; starting the first pair a bit above the keys, its last pair
+    still takes bit 0. Two tied scores whose last bit is set, k = 1: the composition's one entry, and
+    nothing written past k (a wider output holds a sentinel there). Without the odd start the search
+    ends with that bit clear, counts both ties above it and writes two rows: this test fails."""
+    from v4stack.kernels.launch import launch
+
+    s = torch.full((2, 64), -1.0, dtype=torch.float16)
+    s[0, 10] = s[0, 20] = 1.0 + 2.0 ** -10  # the last fp16 bit set
+    s[0, 30] = 1.0
+    s[1, 5] = 2.0
+    rows = torch.arange(128).view(2, 64)
+    want = fused.topk_rows_reference(s, rows, 1)
+    assert want[0, 0] == 10
+    for bits in (1, 2):
+        out = torch.full((2, 3), -7, dtype=torch.int64)
+        launch(ts.topk_rows_kernel, (2,), s, rows, out, 64, 1, s.stride(0), rows.stride(0), out.stride(0), EB=64,
+               BITS=bits, EBT=0, SHIFT=13, num_warps=4)
+        assert torch.equal(out[:, :1], want) and (out[:, 1:] == -7).all(), (bits, out)

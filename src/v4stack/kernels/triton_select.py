@@ -29,7 +29,7 @@ MAX_ENTRIES = 16384
 def _keys(S, ROWS, n, s_s, s_r, e, E, SHIFT: tl.constexpr):
     """Entries ``e`` of query ``n``: their pool rows and order-preserving keys in [0, 2^(32 - SHIFT))
     (-1 past E). ``SHIFT``: low bits of the widened score that are the same for every score of its
-    sign (16 for bf16, 12 for fp16 scores; 0 for fp32) - dropped, the keys keep their order."""
+    sign (16 for bf16, 13 for fp16 scores; 0 for fp32) - dropped, the keys keep their order."""
     inside = e < E
     r = tl.load(ROWS + n * s_r + e, mask=inside, other=-1)
     s = tl.load(S + n * s_s + e, mask=inside, other=float("-inf")).to(tl.float32)
@@ -70,7 +70,7 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: 
             if cnt >= k:
                 res = cand
     else:  # two bits a pass: the three counts packed in 16-bit fields of one sum (E <= 16384)
-        for b in range(KB - 2, -1, -2):
+        for b in range(KB - 2 + KB % 2, -1, -2):  # an odd width's first pair: a bit no key has, and its top
             c1 = res | (tl.full([], 1, tl.int64) << b)
             c2 = res | (tl.full([], 2, tl.int64) << b)
             c3 = res | (tl.full([], 3, tl.int64) << b)
@@ -98,18 +98,18 @@ def topk_rows_kernel(S, ROWS, OUT, E, k, s_s, s_r, s_o, EB: tl.constexpr, BITS: 
 
 # one bit a pass: the form measured in the serving step (18 us for 256 queries of 4096 entries,
 # bench/results/indexer_select_h200.json, 1 program an SM at 8192); a row just past a power of two
-# in two blocks: a 16k step's 4608 entries as 4096 + 512 (123 registers a thread at 8 warps, so two
-# programs an SM, against one 8192-wide program of 16 warps at 93: `python -m v4stack.kernels.builds
-# topk_rows_bf16_split topk_rows_bf16_wide`) - the same rows for any split, and rows up to a power
-# of two are held as before. bench/indexer_select.py times every form.
+# in two blocks: a 16k step's 4608 entries as 4096 + 512 (209 registers a thread at the 4 warps it
+# launches, so two programs an SM, against one 8192-wide program of 16 warps at 93, one an SM:
+# `python -m v4stack.kernels.builds topk_rows_bf16_split topk_rows_bf16_wide`, Triton 3.6) - the same
+# rows for any split, and rows up to a power of two are held as before. bench/indexer_select.py times
+# every form.
 TILE = {"BITS": 1, "SPLIT": True, "SHIFT": True}
 
 # low bits that a widened score of this dtype holds the same for every score of its sign: bf16 is
-# fp32's top half (16); fp16's 10-bit mantissa leaves 13, of which 12 keep the two-bit search's
-# pairs whole (the two-bit search needs an even key width). Searching the keys without them takes
-# 16 / 20 passes instead of 32 and chooses the same rows (20.6 -> 15.1 us for 256 queries of 4608
-# bf16 scores on an H100, bench/results/topk_forms_h100_84e0fe4.json).
-_SHIFTS = {torch.bfloat16: 16, torch.float16: 12}
+# fp32's top half (16); fp16's 10-bit mantissa leaves 13. Searching the keys without them takes 16 /
+# 19 passes instead of 32 (the two-bit search 8 / 10 instead of 16) and chooses the same rows (20.6
+# -> 15.1 us for 256 queries of 4608 bf16 scores on an H100, bench/results/topk_forms_h100_84e0fe4.json).
+_SHIFTS = {torch.bfloat16: 16, torch.float16: 13}
 
 
 def topk_rows(scores: torch.Tensor, rows: torch.Tensor, k: int, tile: dict | None = None) -> torch.Tensor:
