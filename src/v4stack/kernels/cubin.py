@@ -48,19 +48,15 @@ def nvcc_version() -> str | None:
     return out.strip().splitlines()[-1] if out.strip() else None
 
 
-def cubin_path(source: str, defines: tuple[str, ...] = ()) -> Path:
+def cubin_path(source: str) -> Path:
     src = (HERE / source).read_bytes()
-    flags = " ".join(FLAGS + tuple(defines))
-    key = hashlib.sha256(src + b"\0" + (nvcc_version() or "").encode() + b"\0" + flags.encode())
+    key = hashlib.sha256(src + b"\0" + (nvcc_version() or "").encode() + b"\0" + " ".join(FLAGS).encode())
     return cache_dir() / f"{Path(source).stem}-{key.hexdigest()[:20]}.cubin"
 
 
-def build(source: str, defines: tuple[str, ...] = ()) -> tuple[Path, str]:
-    """The cubin of ``source`` (compiled now unless cached) and ptxas's report (empty if cached);
-    ``defines``: preprocessor definitions (``-DNAME=VALUE``) a variant of the source is built with."""
-    if any(not d.startswith("-D") for d in defines):
-        raise ValueError(f"cubin: defines must be -DNAME[=VALUE] flags, got {defines}")
-    out = cubin_path(source, defines)
+def build(source: str) -> tuple[Path, str]:
+    """The cubin of ``source`` (compiled now unless cached) and ptxas's report (empty if cached)."""
+    out = cubin_path(source)
     if out.exists():
         return out, ""
     if nvcc_version() is None:
@@ -68,7 +64,7 @@ def build(source: str, defines: tuple[str, ...] = ()) -> tuple[Path, str]:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj = Path(tmp) / "k.cubin"
-        r = subprocess.run(["nvcc", *FLAGS, *defines, "-Xptxas", "-v", "-o", str(obj), str(HERE / source)],
+        r = subprocess.run(["nvcc", *FLAGS, "-Xptxas", "-v", "-o", str(obj), str(HERE / source)],
                            capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"cubin: nvcc failed on {source}:\n{r.stderr[-4000:]}")
@@ -120,13 +116,12 @@ class Function:
 
 
 @functools.lru_cache(maxsize=None)
-def load(source: str, name: str, types: tuple[str, ...], smem: int, device: int,
-         defines: tuple[str, ...] = ()) -> Function:
-    """Kernel ``name`` of ``source``'s cubin (built with ``defines``), built if needed, with ``smem``
-    bytes of dynamic shared memory allowed (loaded once per device)."""
+def load(source: str, name: str, types: tuple[str, ...], smem: int, device: int) -> Function:
+    """Kernel ``name`` of ``source``'s cubin, built if needed, with ``smem`` bytes of dynamic shared
+    memory allowed (loaded once per device)."""
     import torch
 
-    path, _ = build(source, defines)
+    path, _ = build(source)
     with torch.cuda.device(device):
         torch.cuda.current_stream()  # the device's primary context current on this thread
         cu = _driver()

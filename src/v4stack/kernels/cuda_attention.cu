@@ -67,14 +67,9 @@ __device__ __forceinline__ uint32_t at(int r, int s) {
     return (uint32_t)((s >> 3) * (R * 128) + r * 128 + (((s & 7) ^ (r & 7)) << 4));
 }
 
-// CP_L2: an L2 prefetch size for the 16-byte copies (".L2::64B", ".L2::128B" or ".L2::256B"; a build
-// variant, bench/attention_l2hint.py), none by default
-#ifndef CP_L2
-#define CP_L2 ""
-#endif
 __device__ __forceinline__ void cp16(uint32_t dst, const void *src, bool ok) {
     int n = ok ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global" CP_L2 " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

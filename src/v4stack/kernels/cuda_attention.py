@@ -29,7 +29,6 @@ SMEM = (HEADS * 1024 + STAGES * CHUNK * 1024 + 2 * (CHUNK // 2) * 128 * 4 + (STA
 TYPES = ("p", "i64", "i64", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i32", "i32", "p", "p", "i64", "i64",
          "f32", "f32", "i32", "i32", "i32")
 LOG2E = 1.4426950408889634
-DEFINES: tuple[str, ...] = ()  # the build's preprocessor definitions (a measured variant: bench/attention_l2hint.py)
 MIN_ROWS = 64  # from here fast mode takes it over the Triton launches (bench/results/attention_cuda_h200.json)
 
 
@@ -41,7 +40,7 @@ def ready() -> bool:
     if not cubin.usable():
         return False
     try:
-        cubin.build(SOURCE, DEFINES)
+        cubin.build(SOURCE)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         warnings.warn(f"cuda_attention: not built, fast mode keeps the Triton launches: {e}", RuntimeWarning)
         return False
@@ -94,7 +93,7 @@ def sparse_attention(q, pools, idx, sink, scale: float, q_eps: float | None = No
     if T == 0:
         return out
     fn = cubin.load(SOURCE, "decode_attention_i64" if it == torch.int64 else "decode_attention_i32", TYPES, SMEM,
-                    q.device.index if q.device.index is not None else torch.cuda.current_device(), DEFINES)
+                    q.device.index if q.device.index is not None else torch.cuda.current_device())
     sink = sink.float().contiguous()
     items = T * (H // HEADS)  # int32 in the kernel: T < 2^31 / (H / 64)
     if walk is None:
