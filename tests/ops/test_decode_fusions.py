@@ -51,7 +51,7 @@ def test_two_norms_in_one_launch_give_each_norms_bits():
     assert not torch.equal(trw.rms_norm_pair(a, wa, b, wb.flip(0), 1e-6)[1], yb)
 
 
-def _route_case(T=37, k=6, E=8, D=700, seed=3):
+def _route_case(T=83, k=6, E=8, D=700, seed=3):
     g = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     idx[:, 0] = torch.where(torch.arange(T) % 3 == 0, 7, idx[:, 0])  # an uneven expert: more rows than a step
@@ -75,6 +75,10 @@ def test_routing_with_its_rows_gives_the_route_and_the_gather(joined):
     assert not torch.equal(rows, x[pair_tok])
     # and a column block past the first is copied too (the tile is narrower than the rows)
     assert tr.ROWS_TILE["BC"] < x.shape[1] and torch.equal(rows[:, -5:], x[want[3]][:, -5:])
+    # an expert's rows span several steps of two blocks, the last one partly filled
+    per = (want[0][1:] - want[0][:-1]).tolist()
+    step = 2 * tr.ROWS_TILE["BR"]
+    assert max(per) > 2 * step and any(n % step and n % step != tr.ROWS_TILE["BR"] for n in per)
 
 
 def test_streams_first_copies_are_the_embedding_rows():

@@ -110,21 +110,21 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: -inf gives 
     return y;
 }
 
-// the address of candidate column j's pool row, 0 for none
+// candidate column j's index as stored (-1 past both lists): the load alone, so a caller issues
+// several before it reads any (a check of a loaded index right after its load waits out the load)
 template <typename IT>
-__device__ __forceinline__ uint64_t cand(int j, int64_t t, const __nv_bfloat16 *P0, const IT *I0, int64_t s_i0,
-                                         int K0, int N0, const __nv_bfloat16 *P1, const IT *I1, int64_t s_i1,
-                                         int K1, int N1) {
-    if (j < K0) {
-        int64_t r = (int64_t)I0[t * s_i0 + j];
-        return (r >= 0 && r < N0) ? (uint64_t)(P0 + r * DW) : 0;
-    }
+__device__ __forceinline__ int64_t cand_index(int j, int64_t t, const IT *I0, int64_t s_i0, int K0, const IT *I1,
+                                              int64_t s_i1, int K1) {
+    if (j < K0) return (int64_t)I0[t * s_i0 + j];
     j -= K0;
-    if (j < K1) {
-        int64_t r = (int64_t)I1[t * s_i1 + j];
-        return (r >= 0 && r < N1) ? (uint64_t)(P1 + r * DW) : 0;
-    }
-    return 0;
+    return j < K1 ? (int64_t)I1[t * s_i1 + j] : -1;
+}
+
+// the address of candidate column j's pool row from its index r, 0 for none
+__device__ __forceinline__ uint64_t cand_row(int j, int64_t r, const __nv_bfloat16 *P0, int K0, int N0,
+                                             const __nv_bfloat16 *P1, int N1) {
+    if (j < K0) return (r >= 0 && r < N0) ? (uint64_t)(P0 + r * DW) : 0;
+    return (r >= 0 && r < N1) ? (uint64_t)(P1 + r * DW) : 0;
 }
 
 template <typename IT>
@@ -169,11 +169,16 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
         }
     };
     // this thread's share of an item's live extent: one past the last candidate pool 1 shows
+    // (four indices a thread loaded before any is checked: one load's wait, not four in turn)
     auto extent = [&](int64_t te) {
         int last = K0;
-        for (int j = tid; j < K1; j += NTHREADS) {
-            int64_t r = (int64_t)I1[te * s_i1 + j];
-            if (r >= 0 && r < N1) last = max(last, K0 + j + 1);
+        for (int j = tid; j < K1; j += 4 * NTHREADS) {
+            int64_t r[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) r[u] = j + u * NTHREADS < K1 ? (int64_t)I1[te * s_i1 + j + u * NTHREADS] : -1;
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (r[u] >= 0 && r[u] < N1) last = max(last, K0 + j + u * NTHREADS + 1);
         }
         return __reduce_max_sync(0xffffffffu, last);
     };
@@ -186,13 +191,18 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
     };
 
     load_q(t, h0);
-    if (tid < CH) {
+    // the first chunks' indices, then the extent's, all loaded before any is checked
+    const float sink0 = Sink[h0 + ra], sink1 = Sink[h0 + rb];
+    int64_t first[NST];
 #pragma unroll
-        for (int c = 0; c < NST; c++) si[c * CH + tid] = cand(c * CH + tid, t, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
-    }
+    for (int c = 0; c < NST; c++) first[c] = tid < CH ? cand_index(c * CH + tid, t, I0, s_i0, K0, I1, s_i1, K1) : -1;
     {
         int last = extent(t);
         if (lane == 0) swl[w] = last;
+    }
+    if (tid < CH) {
+#pragma unroll
+        for (int c = 0; c < NST; c++) si[c * CH + tid] = cand_row(c * CH + tid, first[c], P0, K0, N0, P1, N1);
     }
     __syncthreads();
     int nch = chunks();
@@ -213,7 +223,7 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
     int64_t tn = more ? nitem / groups : 0;
     int hn = more ? (nitem % groups) * HB : 0;
 
-    float M0 = Sink[h0 + ra] * 1.4426950408889634f, M1 = Sink[h0 + rb] * 1.4426950408889634f;
+    float M0 = sink0 * 1.4426950408889634f, M1 = sink1 * 1.4426950408889634f;
     float L0 = tig == 0 ? 1.f : 0.f, L1 = L0;  // the sink's term, counted by one thread of four
     float qs0 = scale2, qs1 = scale2;          // the score scales of rows ra, rb
     float acc[128];  // [64 heads x 256 columns]: two m64n128 accumulators
@@ -226,8 +236,9 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
         const bool own = c + NST < nch, ahead = own || more;
         const int64_t ta = own ? t : tn;
         const int ca = own ? c + NST : c + NST - nch;
-        uint64_t nxt = 0;
-        if (tid < CH && ahead) nxt = cand(ca * CH + tid, ta, P0, I0, s_i0, K0, N0, P1, I1, s_i1, K1, N1);
+        // its index loaded now, checked once this chunk's p @ v is done
+        const int jn = ca * CH + tid;
+        const int64_t nraw = tid < CH && ahead ? cand_index(jn, ta, I0, s_i0, K0, I1, s_i1, K1) : -1;
         const bool scan = more && c == nch - NST;  // look up the next item's extent in this one
         cp_wait<NST - 1>();
         proxy_fence();
@@ -340,7 +351,7 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
         int lastn = 0;
         if (scan) lastn = extent(tn);  // while p @ v computes
         wg_wait();
-        if (tid < CH) si[((j + NST) % NSLOT) * CH + tid] = nxt;
+        if (tid < CH) si[((j + NST) % NSLOT) * CH + tid] = ahead ? cand_row(jn, nraw, P0, K0, N0, P1, N1) : 0;
         if (scan && lane == 0) swl[w] = lastn;
         __syncthreads();  // the stage and the next slot are free / written; the next extent is in
         const bool done = c + 1 == nch;
