@@ -14,10 +14,13 @@ import argparse
 
 import torch
 
-# the first is the shipped tile (triton_route.ROWS_TILE: two blocks of BR rows a step, 208 registers, no
-# spills); at BR 32 the build takes 255 registers and spills 40 bytes
-TILES = [dict(BR=16, BC=256, num_warps=8), dict(BR=32, BC=256, num_warps=8), dict(BR=8, BC=256, num_warps=8),
-         dict(BR=16, BC=512, num_warps=8), dict(BR=16, BC=128, num_warps=4), dict(BR=8, BC=512, num_warps=8)]
+# no spills in their sm_90a builds (the 64-bit addresses of a tile's loads and stores take the registers:
+# 64 x 256 and 128 x 128 at 8 warps spill); the first is the shipped tile (triton_route.ROWS_TILE): 148
+# registers, one 8-warp program an SM (capped at 128 it spills 88 bytes); 16 x 256 takes 108 (two an SM)
+TILES = [dict(BR=32, BC=256, num_warps=8), dict(BR=16, BC=256, num_warps=8),
+         dict(BR=32, BC=256, num_warps=8, maxnreg=128), dict(BR=16, BC=256, num_warps=16),
+         dict(BR=16, BC=512, num_warps=8), dict(BR=64, BC=128, num_warps=8), dict(BR=128, BC=64, num_warps=8),
+         dict(BR=256, BC=64, num_warps=8), dict(BR=128, BC=64, num_warps=4), dict(BR=32, BC=128, num_warps=4)]
 
 
 def main(argv=None) -> None:

@@ -41,6 +41,11 @@
 // items gains where an item has few chunks (the window at 256 rows: 39.7 -> 37.0 us) and loses
 // where it has many (CSA at 16k: 90.0 -> 95.1 us; bench/attention_cuda.py's cuda_grid,
 // attention_cuda_h100_7cbf2b1.json), so the launcher walks items of at most ``WALK_CHUNKS`` chunks.
+// A block's start loads every index it needs (its first chunks', its extent's) and the sinks before it
+// checks any: Nsight Compute showed a block waiting out those loads one after another (13% of a CSA
+// launch's stall samples at 256 rows, bench/results/attention_ncu_h100_514b797.log); loaded together the
+// four attention launches of a flash4 batch-256 16k step took 199 / 200 us against 217 / 227 (an H100,
+// the same bits; bench/results/serve_profile_ab_*_h100_f5095fc_*.json, attention_cuda_ab_h100_f5095fc.json).
 
 #include <cuda_bf16.h>
 #include <stdint.h>

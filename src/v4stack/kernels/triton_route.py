@@ -211,22 +211,12 @@ def route_rows_kernel(IDX, W, OFF, ORDER, RANK, TOK, WS, X, R, P, E, D, s_x, s_r
     i = tl.arange(0, BR)
     d = (c * BC + tl.arange(0, BC)).to(tl.int64)
     dm = d < D
-    # two blocks of BR rows a step, their tokens loaded a step ahead: both gathers are in flight at
-    # once and neither waits on its tokens' load (one block a step, its tokens loaded in the step,
-    # waited for both loads in turn)
-    ta = tl.load(TOK + below + i, mask=i < mine, other=0)
-    tb = tl.load(TOK + below + BR + i, mask=BR + i < mine, other=0)
-    for r0 in range(0, mine, 2 * BR):
-        ma = (r0 + i) < mine
-        mb = (r0 + BR + i) < mine
-        va = tl.load(X + ta[:, None] * s_x + d[None, :], mask=ma[:, None] & dm[None, :], other=0.0)
-        vb = tl.load(X + tb[:, None] * s_x + d[None, :], mask=mb[:, None] & dm[None, :], other=0.0)
-        nxt = r0 + 2 * BR + i
-        ta = tl.load(TOK + below + nxt, mask=nxt < mine, other=0)
-        tb = tl.load(TOK + below + BR + nxt, mask=BR + nxt < mine, other=0)
+    for r0 in range(0, mine, BR):
+        m = (r0 + i) < mine
         row = (below + r0 + i).to(tl.int64)
-        tl.store(R + row[:, None] * s_r + d[None, :], va.to(R.dtype.element_ty), mask=ma[:, None] & dm[None, :])
-        tl.store(R + (row + BR)[:, None] * s_r + d[None, :], vb.to(R.dtype.element_ty), mask=mb[:, None] & dm[None, :])
+        t = tl.load(TOK + row, mask=m, other=0)
+        v = tl.load(X + t[:, None] * s_x + d[None, :], mask=m[:, None] & dm[None, :], other=0.0)
+        tl.store(R + row[:, None] * s_r + d[None, :], v.to(R.dtype.element_ty), mask=m[:, None] & dm[None, :])
 
 
 def _route_outputs(P: int, E: int, wdtype, dev):
@@ -236,12 +226,11 @@ def _route_outputs(P: int, E: int, wdtype, dev):
             torch.empty(P, dtype=wdtype, device=dev))
 
 
-# route_rows' column block and rows a block (BR x BC a block's tile, two blocks a step). The sm_90a build
-# takes 208 registers and no spills (one 8-warp program an SM; at 32 rows a block it takes 255 and
-# spills). The form before (one block of 32 rows a step, its tokens loaded in the step) measured 9.82
-# us at 256 tokens and 4.05 at 64 on an H100 (b7d789c, bench/results/route_rows_h100_b7d789c.json);
-# bench/route_rows.py times this one's tiles
-ROWS_TILE = dict(BR=16, BC=256, num_warps=8)
+# route_rows' column block and rows a step (BR x BC a program's tile). At 16 rows a step the sm_90a
+# build takes 108 registers (two 8-warp programs an SM, flash4's 9 x 16 programs in one wave on 132
+# SMs) against 148, and measured no faster: 9.98 against 9.82 us at 256 tokens, 4.25 / 4.05 at 64
+# (an H100 at b7d789c, bench/results/route_rows_h100_b7d789c.json)
+ROWS_TILE = dict(BR=32, BC=256, num_warps=8)
 
 
 def moe_route_rows(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, n_experts: int, joined: bool,
