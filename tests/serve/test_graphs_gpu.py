@@ -44,6 +44,37 @@ def test_graph_replays_give_the_eager_tokens(mode):
 
 
 @torch.no_grad()
+def test_layout_copied_ahead_gives_the_eager_tokens():
+    """``layout_ahead``: each step's layout copied into its graph's buffer on the side stream before
+    the replay (overlapped steps) gives the eager engine's tokens. Control: the same steps with the
+    copy left out replay stale layouts and give other tokens, so the comparison sees the copy."""
+    from v4stack.serve.graphs import DecodeGraphs
+
+    model = V4Model(preset("tiny"), seed=3).cast(torch.bfloat16).eval().cuda()
+    sp = SamplingParams(max_tokens=24)
+
+    def run(graphs: bool, ahead: bool = False, copy: bool = True):
+        eng = Engine(model, EngineConfig(n_blocks=64, n_slots=8, n_snapshots=0, ops_mode="fast", cuda_graphs=graphs,
+                                         overlap=graphs))
+        if graphs:
+            g = eng.runner.graphs
+            g.layout_ahead = ahead
+            if not copy:
+                g._copy_ahead = lambda entry, dev: None
+        out = [r.output for r in eng.generate(_prompts(), sp)]
+        return out, eng
+
+    want, _ = run(False)
+    got, eng = run(True, ahead=True)
+    g = eng.runner.graphs
+    assert g.error is None and g.replays >= 15 and g.settled == 0 and g.draws >= 15 and g.fed_steps >= 10
+    assert all(e.ahead for pair in g.graphs.values() for e in pair)
+    assert got == want
+    stale, _ = run(True, ahead=True, copy=False)
+    assert stale != want
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("mode", ["fast", "invariant"])
 def test_indexer_on_the_side_stream_gives_the_same_tokens(mode):
     """A CSA layer's indexer chain on the side stream (``model.side``), eager and in graphs, gives

@@ -23,6 +23,11 @@ between them:
   (``sampling.greedy_rows``), its ids written to ``fed`` for the next step and its rows to pinned
   memory (the graph's last node). The engine then only records an event after the replay.
 
+With ``layout_ahead`` (``V4STACK_LAYOUT_AHEAD=1``) the layout instead goes to the graph's device
+buffer by a copy on a side stream when the step is launched, ordered after that buffer's last
+reader (the graph's previous replay) and before the replay: it runs while the device still works
+on the step before, and the graph starts with ``ops.fused.feed_ids`` alone.
+
 A shape has two graphs used in turn, each with its own staging and read-back buffers: with one
 step in flight, the graph being launched last ran two steps ago, so its buffers were consumed
 (the step's layout read, its draws read back by ``Sampled.collect``). Where that is not so (a
@@ -42,6 +47,7 @@ capture fails (an op that needs the host), the engine keeps running eagerly and 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -78,7 +84,10 @@ class _Graph:
     host: torch.Tensor | None  # ... read back into pinned memory
     per_step: int  # cache bytes a replay writes
     inside: bool = True  # the layout copy and the read-back are nodes of the graph (else made around it)
+    ahead: bool = False  # the layout is copied by the side stream before the replay (the read-back inside)
     done: torch.cuda.Event = field(default_factory=torch.cuda.Event)
+    copied: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # the side stream's copy of the layout
+    fresh: bool = True  # not replayed yet (its buffer's last reader: the capture's warm-up)
     last: Sampled | None = None  # the draws of this graph's last replay
 
 
@@ -106,6 +115,9 @@ class DecodeGraphs:
         # with the copies inside, the layout comes in through ``fused.layout_in`` (on CUDA a kernel reading the
         # pinned staging: no copy-engine node before the step's first kernel); else a transfer, then ``feed_ids``
         self.layout_kernel = True
+        # the layout copied into the graph's buffer on a side stream ahead of the replay (the module's docstring)
+        self.layout_ahead = os.environ.get("V4STACK_LAYOUT_AHEAD", "0") == "1"
+        self._copier: torch.cuda.Stream | None = None
         # graphs of up to this many rows launch the project's kernels programmatically (kernels/gdc.py: each may be
         # placed while the one before it finishes). On an H100 (flash4 fast, 1k) that took the step 1.57 -> 1.52 ms
         # at batch 1, 1.84 -> 1.78 at 16, 1.94 -> 1.92 at 64 (bench/results/serve_pdl*_h100_fb967b7_*.json), and made
@@ -161,10 +173,11 @@ class DecodeGraphs:
         while True:
             g = torch.cuda.CUDAGraph()
             inside = self.copies_inside
+            ahead = inside and self.layout_ahead
             try:
                 with torch.cuda.graph(g, pool=self.pool), programmatic(rows <= self.pdl_rows):
                     logits, tok, out = self._body(runner, buf, batch, rows, draw,
-                                                  staging if inside else None, host if inside else None)
+                                                  staging if inside and not ahead else None, host if inside else None)
                 break
             except Exception:  # noqa: BLE001  (a runtime that cannot capture the copies: make them around the replay)
                 if not inside:
@@ -175,7 +188,7 @@ class DecodeGraphs:
                 paged.bytes_written -= per_step
         paged.bytes_written -= per_step  # the capture counted its writes without running them
         self.pool = g.pool()
-        return _Graph(g, buf, staging, logits, tok, out, host, per_step, inside)
+        return _Graph(g, buf, staging, logits, tok, out, host, per_step, inside, ahead)
 
     def run(self, runner, chunks, ids: torch.Tensor | None = None, src: list[int] | None = None,
             draw: bool = False, captures: list[dict[int, int]] | None = None):
@@ -213,8 +226,11 @@ class DecodeGraphs:
             self.settled += 1
             entry.done.synchronize()
         entry.staging.copy_(host_layout)
-        if not entry.inside:
+        if entry.ahead:
+            self._copy_ahead(entry, dev)
+        elif not entry.inside:
             entry.buf.copy_(entry.staging, non_blocking=True)
+        entry.fresh = False
         t0 = time.perf_counter()
         entry.graph.replay()
         self.replay_s += time.perf_counter() - t0
@@ -227,6 +243,18 @@ class DecodeGraphs:
             return entry.logits[:n]
         entry.last = Sampled(entry.tok[:n], entry.host[:n], entry.done, None, None, fed=True)
         return entry.last
+
+    def _copy_ahead(self, entry: _Graph, dev) -> None:
+        """The layout into the graph's buffer on the side stream, after the buffer's last reader (the
+        graph's previous replay, or its capture's warm-up), and the replay ordered after the copy."""
+        copier = self._copier = self._copier or torch.cuda.Stream(dev)
+        if entry.fresh:
+            copier.wait_stream(torch.cuda.current_stream(dev))
+        copier.wait_event(entry.done)
+        with torch.cuda.stream(copier):
+            entry.buf.copy_(entry.staging, non_blocking=True)
+        entry.copied.record(copier)
+        torch.cuda.current_stream(dev).wait_event(entry.copied)
 
     def _entry(self, runner, key, host_layout) -> _Graph | None:
         """The graph of ``key`` this step replays (the shape's two in turn, both captured on its
