@@ -23,10 +23,13 @@ between them:
   (``sampling.greedy_rows``), its ids written to ``fed`` for the next step and its rows to pinned
   memory (the graph's last node). The engine then only records an event after the replay.
 
-With ``layout_ahead`` (``V4STACK_LAYOUT_AHEAD=1``) the layout instead goes to the graph's device
-buffer by a copy on a side stream when the step is launched, ordered after that buffer's last
-reader (the graph's previous replay) and before the replay: it runs while the device still works
-on the step before, and the graph starts with ``ops.fused.feed_ids`` alone.
+With ``layout_ahead`` (the default; ``V4STACK_LAYOUT_AHEAD=0`` turns it off) the layout instead goes
+to the graph's device buffer by a copy on a side stream when the step is launched, ordered after
+that buffer's last reader (the graph's previous replay) and before the replay: it runs while the
+device still works on the step before, and the graph starts with ``ops.fused.feed_ids`` alone. On
+an H100 (flash4 fast batch 256, two interleaved rounds) that took the step's p50 2398.8 / 2394.9 ->
+2382.8 / 2389.3 us at 1k and 2602.5 / 2596.9 -> 2597.1 / 2584.4 at 16k (the window's means 4-9 us
+lower in every round; ``bench/results/serve_env_layout_*_h100_bafc2b2_*.json``).
 
 A shape has two graphs used in turn, each with its own staging and read-back buffers: with one
 step in flight, the graph being launched last ran two steps ago, so its buffers were consumed
@@ -116,7 +119,7 @@ class DecodeGraphs:
         # pinned staging: no copy-engine node before the step's first kernel); else a transfer, then ``feed_ids``
         self.layout_kernel = True
         # the layout copied into the graph's buffer on a side stream ahead of the replay (the module's docstring)
-        self.layout_ahead = os.environ.get("V4STACK_LAYOUT_AHEAD", "0") == "1"
+        self.layout_ahead = os.environ.get("V4STACK_LAYOUT_AHEAD", "1") != "0"
         self._copier: torch.cuda.Stream | None = None
         # graphs of up to this many rows launch the project's kernels programmatically (kernels/gdc.py: each may be
         # placed while the one before it finishes). On an H100 (flash4 fast, 1k) that took the step 1.57 -> 1.52 ms
