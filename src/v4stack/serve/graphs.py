@@ -28,9 +28,10 @@ to the graph's device buffer by a copy on a side stream when the step is launche
 that buffer's last reader (the graph's previous replay) and before the replay: it runs while the
 device still works on the step before, and the graph starts with ``ops.fused.feed_ids`` alone. On
 an H100 (flash4 fast batch 256, two interleaved rounds) that took the step's p50 2398.8 / 2394.9 ->
-2382.8 / 2389.3 us at 1k and 2602.5 / 2596.9 -> 2597.1 / 2584.4 at 16k (the windows' means 4-9 us
-lower in every round; ``bench/serve_env_ab.sh`` with ``VARIANTS="in:V4STACK_LAYOUT_AHEAD=0
-ahead:V4STACK_LAYOUT_AHEAD=1"``, ``bench/results/serve_env_layout_*_h100_bafc2b2_*.json``).
+2382.8 / 2389.3 us at 1k and 2602.5 / 2596.9 -> 2597.1 / 2584.4 at 16k (the windows' means lower
+in every round: by 4.0 / 0.2 us at 1k, 8.9 / 4.4 at 16k; ``bench/serve_env_ab.sh`` with
+``VARIANTS="in:V4STACK_LAYOUT_AHEAD=0 ahead:V4STACK_LAYOUT_AHEAD=1"``,
+``bench/results/serve_env_layout_*_h100_bafc2b2_*.json``).
 
 A shape has two graphs used in turn, each with its own staging and read-back buffers: with one
 step in flight, the graph being launched last ran two steps ago, so its buffers were consumed
