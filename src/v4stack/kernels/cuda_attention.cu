@@ -132,6 +132,25 @@ __device__ __forceinline__ uint64_t cand_row(int j, int64_t r, const __nv_bfloat
     return (r >= 0 && r < N1) ? (uint64_t)(P1 + r * DW) : 0;
 }
 
+// a chunk's 64 candidate rows into a stage by cp.async from their addresses ``slot`` (0: a zero row):
+// thread (r4, seg) takes segment seg of rows 16 r4 .. 16 r4 + 15, so its addresses are two 16-byte
+// loads apart (one address for a whole warp: a broadcast) and each row's swizzle (r & 7 = i & 7) is
+// known at compile time
+__device__ __forceinline__ void chunk_rows(uint32_t stage, const uint64_t *slot, int r4, int seg,
+                                           const __nv_bfloat16 *P0) {
+    const ulonglong2 *a2 = reinterpret_cast<const ulonglong2 *>(slot + r4 * 16);
+#pragma unroll
+    for (int i2 = 0; i2 < CH / 8; i2++) {
+        const ulonglong2 v = a2[i2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const uint64_t a = e ? v.y : v.x;
+            const int r = r4 * 16 + 2 * i2 + e;
+            cp16(stage + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
+        }
+    }
+}
+
 template <typename IT>
 __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int64_t s_qt, int64_t s_qh,
                                        const __nv_bfloat16 *P0, const IT *__restrict__ I0, int64_t s_i0, int K0,
@@ -213,12 +232,7 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
     int nch = chunks();
 #pragma unroll
     for (int c = 0; c < NST; c++) {  // stream chunk c in group c (the queries with chunk 0)
-#pragma unroll
-        for (int i = 0; i < CH / 4; i++) {
-            int r = r4 + 4 * i;
-            uint64_t a = si[c * CH + r];
-            cp16(sk + c * KT + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
-        }
+        chunk_rows(sk + c * KT, si + c * CH, r4, seg, P0);
         cp_commit();
     }
 
@@ -281,14 +295,27 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             if (part == 0) srs[h] = __frcp_rn(__fsqrt_rn(__fdiv_rn(q2, (float)DW) + qeps));
         }
         wg_wait();
+        // the swap in 16-byte pieces: thread lt's eight float4 at (lt, q ^ (lt & 7)), so the eight threads
+        // of a quarter warp touch eight distinct bank groups
+        float4 *xs4 = reinterpret_cast<float4 *>(xs);
 #pragma unroll
-        for (int i = 0; i < NS; i++) {
-            s[i] += s1[i];
-            xs[half * NS * 128 + i * 128 + lt] = s[i];
+        for (int q = 0; q < NS / 4; q++) {
+            float4 v;
+            v.x = s[4 * q] += s1[4 * q];
+            v.y = s[4 * q + 1] += s1[4 * q + 1];
+            v.z = s[4 * q + 2] += s1[4 * q + 2];
+            v.w = s[4 * q + 3] += s1[4 * q + 3];
+            xs4[(half * 128 + lt) * (NS / 4) + (q ^ (lt & 7))] = v;
         }
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
 #pragma unroll
-        for (int i = 0; i < NS; i++) s[i] += xs[(1 - half) * NS * 128 + i * 128 + lt];
+        for (int q = 0; q < NS / 4; q++) {
+            const float4 v = xs4[((1 - half) * 128 + lt) * (NS / 4) + (q ^ (lt & 7))];
+            s[4 * q] += v.x;
+            s[4 * q + 1] += v.y;
+            s[4 * q + 2] += v.z;
+            s[4 * q + 3] += v.w;
+        }
         if (qn && c == 0) {
             qs0 = scale2 * srs[ra];
             qs1 = scale2 * srs[rb];
@@ -298,6 +325,8 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             cp_commit();
         }
 
+        // the row maxima over the raw scores (a score scale is positive: the scaled maximum is the
+        // maximum scaled), the scale applied inside each exponent's fma
         const uint64_t *slot = si + (j % NSLOT) * CH;
         float x0 = -INFINITY, x1 = -INFINITY;
 #pragma unroll
@@ -305,8 +334,8 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const bool ok = slot[n * 8 + 2 * tig + e] != 0;
-                s[4 * n + e] = ok ? s[4 * n + e] * qs0 : -INFINITY;
-                s[4 * n + e + 2] = ok ? s[4 * n + e + 2] * qs1 : -INFINITY;
+                s[4 * n + e] = ok ? s[4 * n + e] : -INFINITY;
+                s[4 * n + e + 2] = ok ? s[4 * n + e + 2] : -INFINITY;
                 x0 = fmaxf(x0, s[4 * n + e]);
                 x1 = fmaxf(x1, s[4 * n + e + 2]);
             }
@@ -315,28 +344,32 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
         x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, 2));
         x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, 1));
         x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, 2));
-        const float n0 = fmaxf(M0, x0), n1 = fmaxf(M1, x1);
+        const float n0 = fmaxf(M0, x0 * qs0), n1 = fmaxf(M1, x1 * qs1);
         const float al0 = ex2(M0 - n0), al1 = ex2(M1 - n1);
         M0 = n0;
         M1 = n1;
         float p0 = 0.f, p1 = 0.f;
 #pragma unroll
         for (int n = 0; n < CH / 8; n++) {
-            s[4 * n] = ex2(s[4 * n] - n0);
-            s[4 * n + 1] = ex2(s[4 * n + 1] - n0);
-            s[4 * n + 2] = ex2(s[4 * n + 2] - n1);
-            s[4 * n + 3] = ex2(s[4 * n + 3] - n1);
+            s[4 * n] = ex2(fmaf(s[4 * n], qs0, -n0));
+            s[4 * n + 1] = ex2(fmaf(s[4 * n + 1], qs0, -n0));
+            s[4 * n + 2] = ex2(fmaf(s[4 * n + 2], qs1, -n1));
+            s[4 * n + 3] = ex2(fmaf(s[4 * n + 3], qs1, -n1));
             p0 += s[4 * n] + s[4 * n + 1];
             p1 += s[4 * n + 2] + s[4 * n + 3];
         }
         L0 = L0 * al0 + p0;
         L1 = L1 * al1 + p1;
+        // a row whose maximum did not move has al == 1 (2^0): times 1 is exact, so a warp none of whose
+        // 16 rows moved skips the 128 products
+        if (__any_sync(0xffffffff, al0 != 1.f || al1 != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < 128; i += 4) {
-            acc[i] *= al0;
-            acc[i + 1] *= al0;
-            acc[i + 2] *= al1;
-            acc[i + 3] *= al1;
+            for (int i = 0; i < 128; i += 4) {
+                acc[i] *= al0;
+                acc[i + 1] *= al0;
+                acc[i + 2] *= al1;
+                acc[i + 3] *= al1;
+            }
         }
         // p @ v over this warpgroup's 256 output columns: regions 4 half .. 4 half + 3
         uint32_t pa[CH / 4];
@@ -384,14 +417,7 @@ __device__ __forceinline__ void attend(const __nv_bfloat16 *__restrict__ Q, int6
             }
             __syncthreads();
         }
-        if (ahead) {
-#pragma unroll
-            for (int i = 0; i < CH / 4; i++) {
-                int r = r4 + 4 * i;
-                uint64_t a = si[((j + NST) % NSLOT) * CH + r];
-                cp16(kb + at<CH>(r, seg), a ? (const void *)(a + seg * 16) : (const void *)P0, a != 0);
-            }
-        }
+        if (ahead) chunk_rows(kb, si + ((j + NST) % NSLOT) * CH, r4, seg, P0);
         cp_commit();
         if (!done) {
             c++;
