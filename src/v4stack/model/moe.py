@@ -18,7 +18,6 @@ dtype with fp32 accumulation. Expert-parallel backends (``megamoe/``) plug into 
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Protocol
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 from v4stack import ops
 from v4stack.config import ModelConfig
 from v4stack.model.linear import Linear, compute_dtype
-from v4stack.model import rowwise, side
+from v4stack.model import rowwise
 from v4stack.ops.fused import moe_route_rows, moe_unsort_combine, router, swiglu_act
 
 
@@ -136,40 +135,10 @@ class LocalGrouped:
         """The experts' outputs of every (token, slot) pair sorted by expert ``[T k, d]`` (already
         times the routing weights) and each pair's row in them ``[T k]`` - what ``run`` combines."""
         w1, w2, w3 = moe.stacked_weights(True) if shared_joins else moe.stacked_weights()
-        if shared_joins and self._shared_beside(x):
-            return self._sorted_out_beside(moe, x, weights, indices, w1, w2, w3)
         # by expert, then pair id (token * k + slot); joined: one more slot a token, expert E, weight 1
         offsets, order, rank, tok, ws, rows = moe_route_rows(x, indices, weights, moe.n_experts, shared_joins, w1.dtype)
         act = swiglu_act(ops.grouped_linear(rows, w1, offsets), ops.grouped_linear(rows, w3, offsets), moe.limit,
                          ws, w2.dtype)
-        return ops.grouped_linear(act, w2, offsets), rank
-
-    # V4STACK_SHARED_STREAM=1: fast mode on CUDA runs the joined shared expert's gate and up on the side
-    # stream (``_sorted_out_beside``)
-    shared_stream = os.environ.get("V4STACK_SHARED_STREAM", "0") == "1"
-
-    def _shared_beside(self, x: torch.Tensor) -> bool:
-        return self.shared_stream and x.is_cuda and ops.get_mode() == "fast" and x.shape[0] > 0
-
-    def _sorted_out_beside(self, moe: "MoE", x, weights, indices, w1, w2, w3):
-        """``sorted_out`` with the shared expert joined, its gate and up projections and activation
-        on the side stream (``model.side.Fork``: two dense GEMMs of every token's row, beside the
-        routing and the routed experts' grouped gate and up, which then cover the E routed experts
-        only). The joined expert's rows of the activations are the last ``T`` (every token's extra
-        slot sorts last, in token order, with routing weight 1: the same activation as without a
-        weight), copied in after the join; the down projection stays one grouped GEMM over all E + 1.
-        Fast mode only: the shared expert's gate and up take the dense GEMM's summation order."""
-        E, T = moe.n_experts, x.shape[0]
-        fork = side.Fork(x.device)
-        with fork:
-            xs = x.to(w1.dtype)
-            act_s = swiglu_act(ops.linear(xs, w1[E]), ops.linear(xs, w3[E]), moe.limit, None, w2.dtype)
-        offsets, order, rank, tok, ws, rows = moe_route_rows(x, indices, weights, E, True, w1.dtype)
-        routed = offsets[: E + 1]  # the routed experts' rows only: the tiles end at offsets[E]
-        act = swiglu_act(ops.grouped_linear(rows, w1[:E], routed), ops.grouped_linear(rows, w3[:E], routed),
-                         moe.limit, ws, w2.dtype)
-        fork.join()
-        act[act.shape[0] - T:] = act_s
         return ops.grouped_linear(act, w2, offsets), rank
 
 
