@@ -25,8 +25,9 @@ Float semantics (``FLOAT_SEMANTICS``, checked in the PTX by ``tests/ops/test_tri
   for fp32 and bf16 inputs), the slices in order.
 
 The grid form counts arrivals per output tile in ``counters(device)`` (int32, zero between
-launches: the last program resets its tile's count), so kernels of this form must not run
-concurrently on two streams of one device; the library launches them on the current stream only.
+launches: the last program resets its tile's count) and keeps its partials in ``workspace(device,
+n)``; both are held per stream (the current one's), so grid-form launches on a side stream (a CSA
+layer's indexer, ``model.side``) never share them with the main stream's, which run concurrently.
 """
 
 import triton
@@ -49,30 +50,41 @@ _workspace: dict = {}
 _retired: list = []
 
 
+def _stream_key(device):
+    """``(device, the current stream's handle)``: the grid form's scratch is the current stream's."""
+    import torch
+
+    dev = torch.device(device)
+    return dev, (torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+
+
 def workspace(device, n: int):
     """``n`` fp32 of scratch for the grid form's partials. Up to ``WORKSPACE`` one buffer per device
-    is reused (calls on one stream run one after another); a grown buffer keeps the old one alive,
-    so a CUDA graph captured with it never points at freed memory."""
+    and stream is reused (calls on one stream run one after another); a grown buffer keeps the old
+    one alive, so a CUDA graph captured with it never points at freed memory."""
     import torch
 
     if n > WORKSPACE:
         return torch.empty(n, dtype=torch.float32, device=device)
-    w = _workspace.get(device)
+    key = _stream_key(device)
+    w = _workspace.get(key)
     if w is None or w.numel() < n:
         if w is not None:
             _retired.append(w)
-        w = _workspace[device] = torch.empty(min(WORKSPACE, max(n, 2 * (w.numel() if w is not None else 0), 1 << 16)),
-                                             dtype=torch.float32, device=device)
+        w = _workspace[key] = torch.empty(min(WORKSPACE, max(n, 2 * (w.numel() if w is not None else 0), 1 << 16)),
+                                          dtype=torch.float32, device=device)
     return w
 
 
 def counters(device):
-    """The per-device arrival counters of the grid form (allocated zeroed once, reset by the kernel)."""
-    c = _counters.get(device)
+    """The arrival counters of the grid form, one set per device and stream (allocated zeroed once,
+    reset by the kernel)."""
+    key = _stream_key(device)
+    c = _counters.get(key)
     if c is None:
         import torch
 
-        c = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        c = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return c
 
 
