@@ -305,3 +305,55 @@ def test_the_shipped_linear_tiles_were_bit_checked_at_their_buckets():
                 assert G._bits_ok(v, also=False), (tb, m, tile)
     # inverse control: a row whose bits differed is refused
     assert not G._bits_ok({"bits_equal_alone": False, "bits_equal_ref": True})
+
+
+def test_the_split_k_launch_cuts_k_only_where_the_tiles_leave_the_sms_idle():
+    """``splitk_slice`` at flash4's decode shapes on 132 SMs: the packed input projections and
+    ``wo_b`` at 256 rows take slices (two or more programs an SM where a slice length gives it),
+    the wide ``wq_b`` and the head do not, nor rows outside ``SPLITK_ROWS``."""
+    sms = 132
+    assert tg.splitk_slice(256, 1536, 4096, sms) == 512  # 48 tiles x 8 slices
+    assert tg.splitk_slice(256, 2560, 4096, sms) == 1024  # 80 tiles x 4
+    assert tg.splitk_slice(256, 4160, 4096, sms) == 2048  # 132 tiles (33 column tiles) x 2
+    assert tg.splitk_slice(192, 4160, 4096, sms) == 1024  # 99 tiles x 4
+    assert tg.splitk_slice(256, 4352, 4096, sms) is None  # 136 tiles: they fill the SMs
+    assert tg.splitk_slice(256, 4096, 8192, sms) == 2048  # wo_b: 128 tiles x 4
+    assert tg.splitk_slice(256, 32768, 1024, sms) is None  # wq_b: 1024 tiles
+    assert tg.splitk_slice(64, 1536, 4096, sms) is None  # fewer rows than SPLITK_ROWS
+    assert tg.splitk_slice(256, 1536, 512, sms) is None  # K too short to cut
+
+
+def test_the_split_k_launch_gives_the_one_program_sum_of_its_slices():
+    """``linear_splitk`` (grid form: each slice its own program, the last adding the partials in
+    order) has the bits of the fused form walking the same slices in one program, and is near the
+    float64 product. Control: another slice length gives other bits."""
+    x, w = r(130, 1024).bfloat16(), r(80, 1024).bfloat16()
+    split = tg.splitk_slice(130, 80, 1024, 4)  # what the interpreter's 4 "SMs" give
+    assert split == 512
+    y = tg.linear_splitk(x, w)
+    fused = dict(tiles.SPLITK_TILE, grid=False)
+    assert torch.equal(y, _run(x, w, fused, split, False, torch.bfloat16))
+    want = x.double() @ w.double().T  # (the interpreter's block products are coarser than the GPU's MMA)
+    assert ((y.double() - want).abs() <= want.abs() * 2 ** -6 + 1e-3).all()
+    assert not torch.equal(y, _run(x, w, fused, 1024, False, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_fast_mode_takes_the_split_k_launch_where_it_applies(monkeypatch):
+    """With ``V4STACK_SPLITK`` on, fast mode's bf16 linear of 256 rows x 4096 -> 1536 (a window
+    layer's packed projections) runs ``triton_splitk_gemm`` and matches float64 to bf16 rounding;
+    off, the same call runs another implementation (the dispatch sees the switch)."""
+    from v4stack import ops
+    from v4stack.kernels import gpu
+
+    x = r(256, 4096).bfloat16().cuda()
+    w = (r(1536, 4096) * 4096 ** -0.5).bfloat16().cuda()
+    want = x.double() @ w.double().T
+    for on in (True, False):
+        monkeypatch.setattr(gpu, "SPLITK", on)
+        ops.reset_counters()
+        with ops.mode("fast"):
+            y = ops.linear(x, w)
+        names = set(ops.counters()["linear"])
+        assert (names == {"triton_splitk_gemm"}) == on, names
+        assert ((y.double() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()

@@ -41,6 +41,48 @@ def _mm_tile(X, W, rows, rmask, n0, s_xm, s_wn, N, K, BN: tl.constexpr, BK: tl.c
     return acc, cols
 
 
+def splitk_slice(M: int, N: int, K: int, sms: int) -> int | None:
+    """The K slice length of fast mode's split-K launch for ``[M, K] @ [N, K]^T`` on ``sms`` SMs,
+    or None where it does not apply: rows outside ``tiles.SPLITK_ROWS``, or more output tiles of
+    ``tiles.SPLITK_TILE`` than SMs (they fill the card walking their whole K). The longest slice
+    of ``tiles.SPLITK_SLICES`` that gives at least two programs an SM, else the shortest that cuts
+    K at all."""
+    from v4stack.kernels.tiles import SPLITK_ROWS, SPLITK_SLICES, SPLITK_TILE
+
+    lo, hi = SPLITK_ROWS
+    if not lo <= M <= hi:
+        return None
+    tiles_ = cdiv(M, SPLITK_TILE["BM"]) * cdiv(N, SPLITK_TILE["BN"])
+    if tiles_ > sms:
+        return None
+    cuts = [k for k in sorted(SPLITK_SLICES, reverse=True) if cdiv(K, k) >= 2]
+    for k in cuts:
+        if tiles_ * cdiv(K, k) >= 2 * sms:
+            return k
+    return cuts[-1] if cuts else None
+
+
+def linear_splitk(x, weight):
+    """Fast mode's ``x @ weight.T`` for bf16 / fp16 rows where ``splitk_slice`` applies: the slice
+    kernel's grid form with K cut into slices of that length, each slice of an output tile one
+    program, the tile's last program adding the fp32 partials in slice order (one rounding)."""
+    import torch
+
+    from v4stack.kernels.tiles import SPLITK_TILE
+    from v4stack.kernels.triton_tma import num_sms
+
+    N, K = weight.shape
+    a = x.reshape(-1, K)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = a.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    split = splitk_slice(M, N, K, num_sms())
+    run(a, w, y, SPLITK_TILE, split, False)
+    return y.view(*x.shape[:-1], N)
+
+
 def linear(x, weight, tile=None):
     """``x @ weight.T`` in fixed K slices (``triton_slices``): bf16 / fp16 on the ``wgmma`` chain,
     fp32 as 3xTF32 on the tensor cores. ``tile`` overrides the bucket's tile (the sweep,
