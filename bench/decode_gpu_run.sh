@@ -79,6 +79,23 @@ if [ "${IXAB_S:-0}" != 0 ]; then
   if [ "$ixtest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_INDEX_STREAM=1; echo "side-stream indexer on for the later stages"; fi
   pack
 fi
+# fast mode's split-K launch of the small-row linears (SKAB_S a run): its GPU tests, then flash4 fast batch 256
+# 16k with it off and on, two interleaved rounds; where the tests passed and both rounds gained (bench/ab_gain.py),
+# the later stages run with V4STACK_SPLITK=1 (every result's stamp.env records it)
+if [ "${SKAB_S:-0}" != 0 ]; then
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_slices.py -k "split_k or on_the_gpu" \
+    > "$W/gpu_tests_splitk.log" 2>&1
+  sktest=$?; tail -2 "$W/gpu_tests_splitk.log"
+  for i in 1 2; do for v in 0 1; do
+    V4STACK_SPLITK=$v timeout "$SKAB_S" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast \
+      --batches 256 --contexts 16384 --steps 32 --point-budget-s 4 --out "$W/serve_env_sk${v}_${CARD}_$i.json" \
+      > "$W/serve_env_sk${v}_$i.log" 2>&1
+    echo "== sk$v $i"; grep -E "^flash" "$W/serve_env_sk${v}_$i.log" | cut -c1-250
+  done; done
+  gains=$(python3 -m bench.ab_gain "$W"/serve_env_sk{0,1}_${CARD}_1.json "$W"/serve_env_sk{0,1}_${CARD}_2.json)
+  if [ "$sktest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_SPLITK=1; echo "split-K linears on for the later stages"; fi
+  pack
+fi
 # the greedy draw's launch shapes (GREEDY_S; the last GREEDY_TILES of bench/greedy_draw.py's list and the shipped
 # one, 0: all); the fastest tile that beats the shipped one at 256 and at 64 rows, with every id equal to
 # torch.argmax and the log-probabilities within 2e-6, then runs flash4 fast batch 256 16k against the shipped one
