@@ -201,7 +201,8 @@ def register_all(register) -> None:
         register(op, name, fn, mode=fast, device="cuda", accepts=trit(ok))
     # fast mode, half-precision rows of a decode step whose output tiles do not fill the SMs and whose
     # K is long (the packed input projections, ``wo_b``): the slice kernel split over K ahead of the
-    # picks below (``triton_gemm.linear_splitk``; ``V4STACK_SPLITK=0`` leaves those linears to them)
+    # picks below (``triton_gemm.linear_splitk``), with ``V4STACK_SPLITK=1`` - off until an A/B of the
+    # serving step has measured it (``bench/decode_gpu_run.sh``'s SKAB_S stage)
     def splitk_ok(x, weight):
         if not SPLITK or x.dtype not in C.HALF or not C.linear(x, weight) or x.dim() < 1:
             return False
