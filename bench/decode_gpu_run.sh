@@ -63,39 +63,27 @@ if [ "${NCU_S:-0}" != 0 ]; then
   done
   pack
 fi
-# the CSA indexer on the side stream (IXAB_S a run): its GPU test, then flash4 fast batch 256 16k with it off
-# and on, two interleaved rounds; where the test passed and both rounds' p50 are lower with it (bench/ab_gain.py's
-# margin), the later stages run with V4STACK_INDEX_STREAM=1 (every result's stamp.env records it)
-if [ "${IXAB_S:-0}" != 0 ]; then
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/serve/test_graphs_gpu.py > "$W/gpu_tests_graphs.log" 2>&1
-  ixtest=$?; tail -2 "$W/gpu_tests_graphs.log"
+# A switch's A/B (env_ab NAME VAR SECONDS TESTLOG pytest-args...): its GPU tests, then flash4 fast batch 256 16k with
+# VAR=0 and VAR=1, two interleaved rounds; where the tests passed and both rounds' p50 are lower with it
+# (bench/ab_gain.py's margin), the later stages run with VAR=1 (every result's stamp.env records it)
+env_ab() {
+  local name=$1 var=$2 secs=$3 log=$4; shift 4
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider "$@" > "$W/$log" 2>&1
+  local tests=$?; tail -2 "$W/$log"
   for i in 1 2; do for v in 0 1; do
-    V4STACK_INDEX_STREAM=$v timeout "$IXAB_S" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast \
-      --batches 256 --contexts 16384 --steps 32 --point-budget-s 4 --out "$W/serve_env_ix${v}_${CARD}_$i.json" \
-      > "$W/serve_env_ix${v}_$i.log" 2>&1
-    echo "== ix$v $i"; grep -E "^flash" "$W/serve_env_ix${v}_$i.log" | cut -c1-250
+    env "$var=$v" timeout "$secs" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast \
+      --batches 256 --contexts 16384 --steps 32 --point-budget-s 4 --out "$W/serve_env_${name}${v}_${CARD}_$i.json" \
+      > "$W/serve_env_${name}${v}_$i.log" 2>&1
+    echo "== $name$v $i"; grep -E "^flash" "$W/serve_env_${name}${v}_$i.log" | cut -c1-250
   done; done
-  gains=$(python3 -m bench.ab_gain "$W"/serve_env_ix{0,1}_${CARD}_1.json "$W"/serve_env_ix{0,1}_${CARD}_2.json)
-  if [ "$ixtest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_INDEX_STREAM=1; echo "side-stream indexer on for the later stages"; fi
+  local gains
+  gains=$(python3 -m bench.ab_gain "$W"/serve_env_${name}{0,1}_${CARD}_1.json "$W"/serve_env_${name}{0,1}_${CARD}_2.json)
+  if [ "$tests" = 0 ] && [ "$gains" = 1 ]; then export "$var=1"; echo "$var=1 for the later stages"; fi
   pack
-fi
-# fast mode's split-K launch of the small-row linears (SKAB_S a run): its GPU tests, then flash4 fast batch 256
-# 16k with it off and on, two interleaved rounds; where the tests passed and both rounds gained (bench/ab_gain.py),
-# the later stages run with V4STACK_SPLITK=1 (every result's stamp.env records it)
-if [ "${SKAB_S:-0}" != 0 ]; then
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_slices.py -k "split_k or on_the_gpu" \
-    > "$W/gpu_tests_splitk.log" 2>&1
-  sktest=$?; tail -2 "$W/gpu_tests_splitk.log"
-  for i in 1 2; do for v in 0 1; do
-    V4STACK_SPLITK=$v timeout "$SKAB_S" python3 -m bench.serve_roofline --device cuda --configs flash4 --modes fast \
-      --batches 256 --contexts 16384 --steps 32 --point-budget-s 4 --out "$W/serve_env_sk${v}_${CARD}_$i.json" \
-      > "$W/serve_env_sk${v}_$i.log" 2>&1
-    echo "== sk$v $i"; grep -E "^flash" "$W/serve_env_sk${v}_$i.log" | cut -c1-250
-  done; done
-  gains=$(python3 -m bench.ab_gain "$W"/serve_env_sk{0,1}_${CARD}_1.json "$W"/serve_env_sk{0,1}_${CARD}_2.json)
-  if [ "$sktest" = 0 ] && [ "$gains" = 1 ]; then export V4STACK_SPLITK=1; echo "split-K linears on for the later stages"; fi
-  pack
-fi
+}
+# the CSA indexer on the side stream (IXAB_S a run), and fast mode's split-K launch of the small-row linears (SKAB_S)
+[ "${IXAB_S:-0}" != 0 ] && env_ab ix V4STACK_INDEX_STREAM "$IXAB_S" gpu_tests_graphs.log tests/serve/test_graphs_gpu.py
+[ "${SKAB_S:-0}" != 0 ] && env_ab sk V4STACK_SPLITK "$SKAB_S" gpu_tests_splitk.log tests/ops/test_slices.py -k "split_k or on_the_gpu"
 # the greedy draw's launch shapes (GREEDY_S; the last GREEDY_TILES of bench/greedy_draw.py's list and the shipped
 # one, 0: all); the fastest tile that beats the shipped one at 256 and at 64 rows, with every id equal to
 # torch.argmax and the log-probabilities within 2e-6, then runs flash4 fast batch 256 16k against the shipped one
