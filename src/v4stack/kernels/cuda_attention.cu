@@ -48,8 +48,8 @@
 // the same bits; bench/results/serve_profile_ab_*_h100_f5095fc_*.json, attention_cuda_ab_h100_f5095fc.json).
 // Per chunk, the score swap goes in swizzled 16-byte pieces, the score scale rides in each exponent's fma
 // (maxima over the raw scores), a warp whose rows' maxima did not move skips its accumulators' rescale, and
-// the row addresses are read two at a time: ~150 fewer instructions a warp and chunk of ~1360, and only
-// 1-2% faster (CSA 16k at 256 rows 85.2 against 86.8 us on an H100, attention_cuda_ab_h100_22e7b32.json) -
+// the row addresses are read two at a time: the PTX of both entries 7372 -> 6974 instruction lines
+// (`nvcc -ptx -O3`, lines that open with an opcode), and only 1-2% faster (CSA 16k at 256 rows 85.2 against 86.8 us on an H100, attention_cuda_ab_h100_22e7b32.json) -
 // the chunk's chain of dependent steps, not the instruction count, bounds the kernel.
 
 #include <cuda_bf16.h>

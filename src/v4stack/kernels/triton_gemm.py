@@ -63,30 +63,21 @@ def splitk_slice(M: int, N: int, K: int, sms: int) -> int | None:
 
 
 def linear_splitk(x, weight):
-    """Fast mode's ``x @ weight.T`` for bf16 / fp16 rows where ``splitk_slice`` applies: the slice
-    kernel's grid form with K cut into slices of that length, each slice of an output tile one
-    program, the tile's last program adding the fp32 partials in slice order (one rounding)."""
-    import torch
-
+    """Fast mode's ``x @ weight.T`` for bf16 / fp16 rows where ``splitk_slice`` applies: ``linear``
+    with ``tiles.SPLITK_TILE`` (the grid form) and K cut into slices of that length, each slice of an
+    output tile one program, the tile's last program adding the fp32 partials in slice order."""
     from v4stack.kernels.tiles import SPLITK_TILE
     from v4stack.kernels.triton_tma import num_sms
 
     N, K = weight.shape
-    a = x.reshape(-1, K)
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    M = a.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    split = splitk_slice(M, N, K, num_sms())
-    run(a, w, y, SPLITK_TILE, split, False)
-    return y.view(*x.shape[:-1], N)
+    return linear(x, weight, SPLITK_TILE, splitk_slice(x.numel() // K, N, K, num_sms()))
 
 
-def linear(x, weight, tile=None):
+def linear(x, weight, tile=None, split: int = HALF_SPLIT):
     """``x @ weight.T`` in fixed K slices (``triton_slices``): bf16 / fp16 on the ``wgmma`` chain,
     fp32 as 3xTF32 on the tensor cores. ``tile`` overrides the bucket's tile (the sweep,
-    ``bench/gemm_tiles.py``); every tile gives the same bits."""
+    ``bench/gemm_tiles.py``); every tile gives the same bits. ``split``: the half-precision slice
+    length (fast mode's split-K launch alone passes another, ``linear_splitk``)."""
     import torch
 
     N, K = weight.shape
@@ -105,10 +96,10 @@ def linear(x, weight, tile=None):
             from v4stack.kernels.triton_tma import linear_tma
 
             linear_tma(a, w, y, BM=t["BM"], BN=t["BN"], BK=t["BK"], GROUP_M=t.get("GROUP_M", 8),
-                       num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False), SPLIT=HALF_SPLIT,
+                       num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False), SPLIT=split,
                        GRID=t.get("grid", False), UNR=t.get("unroll", 2))
         else:
-            run(a, w, y, t, HALF_SPLIT, False)
+            run(a, w, y, t, split, False)
     else:
         if tile is None and N <= F32_SKINNY_N:  # the MoE gate's logits: narrow tiles (tiles.py)
             tile = pick(F32_SKINNY_TILES, M)
