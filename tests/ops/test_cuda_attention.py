@@ -42,8 +42,13 @@ def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeyp
     other = tmp_path / "src"
     other.mkdir()
     (other / source).write_text((cubin.HERE / source).read_text() + "\n// changed\n")
+    (other / "hopper.cuh").write_text((cubin.HERE / "hopper.cuh").read_text())
     monkeypatch.setattr(cubin, "HERE", other)
-    assert cubin.cubin_path(source) != path
+    changed = cubin.cubin_path(source)
+    assert changed != path
+    # and a changed header it includes is another key too (the key reads the included bytes)
+    (other / "hopper.cuh").write_text((cubin.HERE / "hopper.cuh").read_text() + "\n// changed\n")
+    assert cubin.cubin_path(source) not in (path, changed)
 
 
 @needs_nvcc

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -48,8 +49,16 @@ def nvcc_version() -> str | None:
     return out.strip().splitlines()[-1] if out.strip() else None
 
 
-def cubin_path(source: str) -> Path:
+def source_bytes(source: str) -> bytes:
+    """``source``'s bytes followed by those of the local headers it includes (``#include "x.cuh"``,
+    beside it), so a changed header builds again."""
     src = (HERE / source).read_bytes()
+    heads = re.findall(rb'^\s*#include\s+"([A-Za-z0-9_.]+)"', src, flags=re.M)
+    return src + b"".join(b"\0" + h + b"\0" + (HERE / h.decode()).read_bytes() for h in heads)
+
+
+def cubin_path(source: str) -> Path:
+    src = source_bytes(source)
     key = hashlib.sha256(src + b"\0" + (nvcc_version() or "").encode() + b"\0" + " ".join(FLAGS).encode())
     return cache_dir() / f"{Path(source).stem}-{key.hexdigest()[:20]}.cubin"
 

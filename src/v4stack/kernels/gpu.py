@@ -244,6 +244,16 @@ def register_all(register) -> None:
     register("normed_sparse_attention", "cuda_normed_sparse_attention",
              _lazy("cuda_attention", "normed_sparse_attention"), mode=fast, device="cuda", accepts=cuda_attention_ok,
              first=True)
+    # fast mode, many rows, Hopper: the CUDA C++ indexed scores (a CSA decode step's) ahead of the Triton
+    # launch, with ``V4STACK_CUDA_INDEXER=1`` (``cuda_indexer``; off until an A/B of the serving step has
+    # measured it: bench/decode_gpu_run.sh's CIAB_S stage)
+    def cuda_indexer_ok(q, w, pool, rows):
+        from v4stack.kernels import cuda_indexer as ci
+
+        return (ci.ENABLED and q.shape[0] >= ci.MIN_ROWS and not (_grad_enabled() and _needs_grad((q, w, pool), {}))
+                and ci.accepts(q, w, pool, rows) and ci.ready())
+    register("indexer_scores_rows", "cuda_indexer_scores_rows", _lazy("cuda_indexer", "indexer_scores_rows"),
+             mode=fast, device="cuda", accepts=cuda_indexer_ok, first=True)
     for mode in (inv, fast):
         register("indexer_scores_rows", "triton_indexer_scores_rows", _lazy("triton_gemm", "indexer_scores_rows", "indexer"),
                  mode=mode, device="cuda", accepts=trit(C.indexer_scores_rows))
