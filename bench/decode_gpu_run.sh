@@ -87,7 +87,7 @@ env_ab() {
 # the small-row linears (SKAB_S a run)
 [ "${IC_S:-0}" != 0 ] && timeout "$IC_S" python3 -m bench.indexer_cuda --out "$W/indexer_cuda_${CARD}.json" > "$W/indexer_cuda.log" 2>&1; \
     [ "${IC_S:-0}" != 0 ] && cut -c1-260 "$W/indexer_cuda.log" | tail -24
-[ "${CIAB_S:-0}" != 0 ] && env_ab ci V4STACK_CUDA_INDEXER "$CIAB_S" gpu_tests_cuda_indexer.log tests/ops/test_cuda_indexer.py tests/ops/test_cuda_attention.py
+[ "${CIAB_S:-0}" != 0 ] && env_ab ci V4STACK_CUDA_INDEXER "$CIAB_S" gpu_tests_cuda_indexer.log tests/ops/test_cuda_indexer.py
 [ "${SKAB_S:-0}" != 0 ] && env_ab sk V4STACK_SPLITK "$SKAB_S" gpu_tests_splitk.log tests/ops/test_slices.py -k "split_k or on_the_gpu"
 # the greedy draw's launch shapes (GREEDY_S; the last GREEDY_TILES of bench/greedy_draw.py's list and the shipped
 # one, 0: all); the fastest tile that beats the shipped one at 256 and at 64 rows, with every id equal to
