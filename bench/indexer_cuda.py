@@ -18,11 +18,9 @@ import argparse
 
 import torch
 
-from bench.indexer_select import copy_bandwidth
+from bench.indexer_select import D, ENTRIES, H, copy_bandwidth, indexer_case
 from bench.runner import write_result
 from bench.timing import graph_variants
-
-H, D, ENTRIES = 64, 128, 4096
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -38,13 +36,7 @@ def cases(bw: float, rounds: int) -> list:
 
     out = []
     for T, width in ((256, ENTRIES), (256, 4608), (64, ENTRIES)):
-        g = torch.Generator(device="cuda").manual_seed(T)
-        q = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(T, H, device="cuda", generator=g) / 64).bfloat16()
-        pool = torch.randn(T * ENTRIES, D, device="cuda", generator=g).bfloat16()
-        rows = torch.full((T, width), -1, dtype=torch.long, device="cuda")
-        rows[:, :ENTRIES] = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
-        rows[:, ENTRIES - 3:] = -1  # entries not yet closed
+        q, w, pool, rows = indexer_case(T, width)
         need = pool.numel() * 2 + rows.numel() * 8 + T * width * 2 + q.numel() * 2
         ref64 = torch.einsum("ths,th->ts", torch.einsum("thd,tsd->ths", q.double(),
                                                         pool.double().view(T, ENTRIES, D)).clamp(min=0), w.double())

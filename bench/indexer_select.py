@@ -48,19 +48,26 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / graph_time(lambda: b.copy_(a), reps=10)
 
 
+def indexer_case(T: int, width: int):
+    """``T`` queries, their head weights, a bf16 pool of ``T * ENTRIES`` keys and each query's table
+    of ``width`` columns: its own ``ENTRIES`` rows (the last three not yet closed: -1), then -1."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(T, H, device="cuda", generator=g) / 64).bfloat16()
+    pool = torch.randn(T * ENTRIES, D, device="cuda", generator=g).bfloat16()
+    rows = torch.full((T, width), -1, dtype=torch.long, device="cuda")
+    rows[:, :ENTRIES] = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
+    rows[:, ENTRIES - 3:] = -1  # entries not yet closed
+    return q, w, pool, rows
+
+
 def indexer_cases(bw: float) -> list:
     from v4stack.kernels import triton_gemm as tg
 
     out = []
     # (a 16k step's table is 4608 entries wide: its last 512 are padding, whole programs of no entry)
     for T, width in ((256, ENTRIES), (256, 4608), (64, ENTRIES)):
-        g = torch.Generator(device="cuda").manual_seed(T)
-        q = torch.randn(T, H, D, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(T, H, device="cuda", generator=g) / 64).bfloat16()
-        pool = torch.randn(T * ENTRIES, D, device="cuda", generator=g).bfloat16()
-        rows = torch.full((T, width), -1, dtype=torch.long, device="cuda")
-        rows[:, :ENTRIES] = torch.arange(T * ENTRIES, device="cuda").view(T, ENTRIES)
-        rows[:, ENTRIES - 3:] = -1  # entries not yet closed
+        q, w, pool, rows = indexer_case(T, width)
         ref = tg.indexer_scores(q, w, pool, rows, tile=TILES[0])
         need = pool.numel() * 2 + rows.numel() * 8 + ref.numel() * 2 + q.numel() * 2
         case = {"queries": T, "entries": ENTRIES, "table_width": width, "bytes": need, "floor_s": need / bw,

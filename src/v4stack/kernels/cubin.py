@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 from v4stack.atomic import atomic_write
@@ -79,6 +80,21 @@ def build(source: str) -> tuple[Path, str]:
             raise RuntimeError(f"cubin: nvcc failed on {source}:\n{r.stderr[-4000:]}")
         atomic_write(out, obj.read_bytes())
     return out, r.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def ready(source: str, fallback: str) -> bool:
+    """This process can build and launch ``source``'s kernels: a Hopper GPU, and nvcc builds it
+    (asked once; a compiler that cannot - too old for sm_90a, say - leaves the caller on
+    ``fallback``, with a warning that says why)."""
+    if not usable():
+        return False
+    try:
+        build(source)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        warnings.warn(f"{Path(source).stem}: not built, {fallback}: {e}", RuntimeWarning)
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)

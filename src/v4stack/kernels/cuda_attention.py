@@ -8,8 +8,6 @@ same bits either way)."""
 from __future__ import annotations
 
 import functools
-import subprocess
-import warnings
 
 import torch
 
@@ -32,19 +30,9 @@ LOG2E = 1.4426950408889634
 MIN_ROWS = 64  # from here fast mode takes it over the Triton launches (bench/results/attention_cuda_h200.json)
 
 
-@functools.lru_cache(maxsize=None)
 def ready() -> bool:
-    """This process can build and launch it: a Hopper GPU, and nvcc builds the source (asked once; a
-    compiler that cannot - too old for sm_90a, say - leaves fast mode on the Triton launches, with a
-    warning that says why)."""
-    if not cubin.usable():
-        return False
-    try:
-        cubin.build(SOURCE)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        warnings.warn(f"cuda_attention: not built, fast mode keeps the Triton launches: {e}", RuntimeWarning)
-        return False
-    return True
+    """A Hopper GPU, and nvcc builds the source (``cubin.ready``: asked once)."""
+    return cubin.ready(SOURCE, "fast mode keeps the Triton launches")
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import warnings
 
 import torch
 
@@ -37,18 +35,9 @@ def smem(form: str) -> int:
     return CHUNK * WIDTH * 2 * (1 + nst) + cpb * CHUNK * 8 + 1024
 
 
-@functools.lru_cache(maxsize=None)
 def ready() -> bool:
-    """A Hopper GPU, and nvcc builds the source (asked once; where it cannot, fast mode keeps the
-    Triton launch, with a warning that says why)."""
-    if not cubin.usable():
-        return False
-    try:
-        cubin.build(SOURCE)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        warnings.warn(f"cuda_indexer: not built, fast mode keeps the Triton launch: {e}", RuntimeWarning)
-        return False
-    return True
+    """A Hopper GPU, and nvcc builds the source (``cubin.ready``: asked once)."""
+    return cubin.ready(SOURCE, "fast mode keeps the Triton launch")
 
 
 def _aligned(t: torch.Tensor) -> bool:
