@@ -10,7 +10,6 @@ Packed e4m3 pools and other widths stay on the Triton kernel."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
