@@ -38,6 +38,15 @@ def test_builds_for_hopper_without_spills_and_caches_by_source(tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == [path]  # only the finished file: no temporary left behind
     again, report2 = cubin.build(source)
     assert again == path and report2 == ""  # cached
+    # a source named by a path outside the package (an A/B's old tree) is keyed with the header beside
+    # it, where nvcc reads it (the package's header unchanged, the other one changed: another key)
+    elsewhere = tmp_path / "old"
+    elsewhere.mkdir()
+    for f in (source, "hopper.cuh"):
+        (elsewhere / f).write_text((cubin.HERE / f).read_text())
+    key_old = cubin.cubin_path(str(elsewhere / source))
+    (elsewhere / "hopper.cuh").write_text((cubin.HERE / "hopper.cuh").read_text() + "\n// changed\n")
+    assert cubin.cubin_path(str(elsewhere / source)) != key_old
     # the same file name with other bytes is another key (the control: the key reads the bytes)
     other = tmp_path / "src"
     other.mkdir()

@@ -52,10 +52,12 @@ def nvcc_version() -> str | None:
 
 def source_bytes(source: str) -> bytes:
     """``source``'s bytes followed by those of the local headers it includes (``#include "x.cuh"``,
-    beside it), so a changed header builds again."""
-    src = (HERE / source).read_bytes()
+    beside the source, where nvcc finds them: an A/B's old source outside the package reads its own),
+    so a changed header builds again."""
+    path = HERE / source
+    src = path.read_bytes()
     heads = re.findall(rb'^\s*#include\s+"([A-Za-z0-9_.]+)"', src, flags=re.M)
-    return src + b"".join(b"\0" + h + b"\0" + (HERE / h.decode()).read_bytes() for h in heads)
+    return src + b"".join(b"\0" + h + b"\0" + (path.parent / h.decode()).read_bytes() for h in heads)
 
 
 def cubin_path(source: str) -> Path:
