@@ -83,12 +83,11 @@ env_ab() {
 }
 # the CSA indexer on the side stream (IXAB_S a run)
 [ "${IXAB_S:-0}" != 0 ] && env_ab ix V4STACK_INDEX_STREAM "$IXAB_S" gpu_tests_graphs.log tests/serve/test_graphs_gpu.py
-# the CUDA C++ indexer against the Triton launch alone (IC_S; bench/indexer_cuda.py), then in the step (CIAB_S a run), and fast mode's split-K launch of
-# the small-row linears (SKAB_S a run)
+# the CUDA C++ indexer against the Triton launch alone (IC_S; bench/indexer_cuda.py), then in the step (CIAB_S a run;
+# it is on by default, so the later stages keep it whatever the A/B says)
 [ "${IC_S:-0}" != 0 ] && timeout "$IC_S" python3 -m bench.indexer_cuda --out "$W/indexer_cuda_${CARD}.json" > "$W/indexer_cuda.log" 2>&1; \
     [ "${IC_S:-0}" != 0 ] && cut -c1-260 "$W/indexer_cuda.log" | tail -24
 [ "${CIAB_S:-0}" != 0 ] && env_ab ci V4STACK_CUDA_INDEXER "$CIAB_S" gpu_tests_cuda_indexer.log tests/ops/test_cuda_indexer.py
-[ "${SKAB_S:-0}" != 0 ] && env_ab sk V4STACK_SPLITK "$SKAB_S" gpu_tests_splitk.log tests/ops/test_slices.py -k "split_k or on_the_gpu"
 # the greedy draw's launch shapes (GREEDY_S; the last GREEDY_TILES of bench/greedy_draw.py's list and the shipped
 # one, 0: all); the fastest tile that beats the shipped one at 256 and at 64 rows, with every id equal to
 # torch.argmax and the log-probabilities within 2e-6, then runs flash4 fast batch 256 16k against the shipped one

@@ -8,8 +8,8 @@ their weights alone need 4-11 us (a program walks the whole K of its tile). Here
 with K cut into slices of ``split`` spread over the grid (``triton_slices.run``'s grid form: each
 program one slice of one output tile, the tile's last program adds the fp32 partials in slice
 order), against ``torch.nn.functional.linear``: device time per call under CUDA graphs
-(interleaved rounds, median) and the error of each against float64. ``shipped`` is the launch fast
-mode takes with ``V4STACK_SPLITK=1`` (``triton_gemm.linear_splitk``), where it applies.
+(interleaved rounds, median) and the error of each against float64. On an H100 cuBLAS was faster at
+every shape (``bench/results/splitk_linear_h100_998536d.json``), so fast mode has no split-K launch.
 
     python -m bench.splitk_linear --out bench/results/splitk_linear_h100.json
 """
@@ -22,9 +22,7 @@ import torch
 
 from bench.runner import write_result
 from bench.timing import graph_variants
-from v4stack.kernels import triton_gemm as tg
 from v4stack.kernels import triton_slices as ts
-from v4stack.kernels.triton_tma import num_sms
 
 SHAPES = (("x_window", 4096, 1536), ("x_hca", 4096, 2560), ("x_csa", 4096, 4160), ("wo_b", 8192, 4096))
 
@@ -68,20 +66,16 @@ def main(argv=None) -> None:
                 v = cur["v"]
                 if v == "framework":
                     return torch.nn.functional.linear(x, w)
-                if v == "shipped":  # what fast mode runs with V4STACK_SPLITK=1 (tiles.SPLITK_TILE, splitk_slice)
-                    return tg.linear_splitk(x, w)
                 t = VARIANTS[v]
                 ts.run(x, w, y, t, t["split"], False)
                 return y
 
-            shipped = tg.splitk_slice(M, N, K, num_sms())
-            names = ["framework", *(["shipped"] if shipped else []), *VARIANTS]
+            names = ["framework", *VARIANTS]
             rec = graph_variants(call, {n: n for n in names}, use, rounds=a.rounds)
             for n in names:
                 use(n)
                 rec[n]["rel_err"] = (call().double() - want).abs().max().item() / scale
-            row = {"rows": M, "linear": name, "K": K, "N": N, "weight_bytes": N * K * 2, "shipped_slice": shipped,
-                   "variants": rec}
+            row = {"rows": M, "linear": name, "K": K, "N": N, "weight_bytes": N * K * 2, "variants": rec}
             out.append(row)
             best = min(names[1:], key=lambda n: rec[n]["us"])
             print(f"{M:4d} {name:9s} framework {rec['framework']['us']:6.1f} us  best {best} {rec[best]['us']:6.1f} us  "

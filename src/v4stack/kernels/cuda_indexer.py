@@ -23,9 +23,10 @@ FORMS = {"s3_c8": (3, 8), "s2_c8": (2, 8), "s4_c8": (4, 8), "s3_c4": (3, 4), "s4
 FORM = "s3_c8"  # the shipped one (int32 indices: this form only)
 TYPES = ("p", "i64", "i64", "p", "i64", "p", "i64", "p", "i64", "i32", "p", "i64", "i32")
 MIN_ROWS = 64  # from here fast mode takes it over the Triton launch
-# V4STACK_CUDA_INDEXER=1: fast mode's indexed scores take this kernel (``kernels/gpu.py``); off until
-# an A/B of the serving step has measured it (bench/decode_gpu_run.sh's CIAB_S stage)
-ENABLED = os.environ.get("V4STACK_CUDA_INDEXER", "0") == "1"
+# fast mode's indexed scores take this kernel (``kernels/gpu.py``); V4STACK_CUDA_INDEXER=0 keeps the
+# Triton launch. On an H100 it scored a flash4 batch-256 16k step's indexer in 102 us against the
+# Triton kernel's 111-112 (two interleaved profiles a side, serve_profile_ci{0,1}_h100_998536d_*.json)
+ENABLED = os.environ.get("V4STACK_CUDA_INDEXER", "1") != "0"
 
 
 def smem(form: str) -> int:

@@ -13,7 +13,6 @@ the GPU image carries Triton but not TileLang.
 import functools
 import importlib
 import importlib.util
-import os
 
 import torch
 
@@ -21,8 +20,6 @@ from v4stack.kernels import contracts as C
 from v4stack.kernels.attention_tiles import takes_online as _takes_online
 
 _grad_enabled = torch.is_grad_enabled
-# fast mode's split-K launch of small-row, long-K half-precision linears (``register_all``)
-SPLITK = os.environ.get("V4STACK_SPLITK", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,20 +196,6 @@ def register_all(register) -> None:
     for op, name, fn, check, when in fast_picks:
         ok = check if when is None else (lambda c, w: lambda *a: c(*a) and w(*a))(check, when)
         register(op, name, fn, mode=fast, device="cuda", accepts=trit(ok))
-    # fast mode, half-precision rows of a decode step whose output tiles do not fill the SMs and whose
-    # K is long (the packed input projections, ``wo_b``): the slice kernel split over K ahead of the
-    # picks below (``triton_gemm.linear_splitk``), with ``V4STACK_SPLITK=1`` - off until an A/B of the
-    # serving step has measured it (``bench/decode_gpu_run.sh``'s SKAB_S stage)
-    def splitk_ok(x, weight):
-        if not SPLITK or x.dtype not in C.HALF or not C.linear(x, weight) or x.dim() < 1:
-            return False
-        from v4stack.kernels.triton_gemm import splitk_slice
-        from v4stack.kernels.triton_tma import num_sms
-
-        return splitk_slice(rows(x), weight.shape[0], weight.shape[1], num_sms()) is not None
-    for dt in ("bfloat16", "float16"):
-        register("linear", "triton_splitk_gemm", _lazy("triton_gemm", "linear_splitk", "splitk"), mode=fast, fmt=dt,
-                 device="cuda", accepts=trit(splitk_ok), first=True)
     for dt, name in (("float32", "triton_fp32_gemm"), ("bfloat16", "triton_gemm")):  # fast linear: measured picks only
         when = measured(f"linear.{dt}", lambda x, w: rows(x))
         register("linear", name, _lazy("triton_gemm", "linear", "gemm_half"), mode=fast, fmt=dt, device="cuda",
@@ -245,8 +228,7 @@ def register_all(register) -> None:
              _lazy("cuda_attention", "normed_sparse_attention"), mode=fast, device="cuda", accepts=cuda_attention_ok,
              first=True)
     # fast mode, many rows, Hopper: the CUDA C++ indexed scores (a CSA decode step's) ahead of the Triton
-    # launch, with ``V4STACK_CUDA_INDEXER=1`` (``cuda_indexer``; off until an A/B of the serving step has
-    # measured it: bench/decode_gpu_run.sh's CIAB_S stage)
+    # launch (``cuda_indexer``; ``V4STACK_CUDA_INDEXER=0`` keeps the Triton launch)
     def cuda_indexer_ok(q, w, pool, rows):
         from v4stack.kernels import cuda_indexer as ci
 

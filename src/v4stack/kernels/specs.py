@@ -281,10 +281,6 @@ for _bh in attention_tiles.block_heads():  # every launch shape of the sparse at
 for _bh, _dv in attention_tiles.column_blocks():
     ALL[f"sparse_attention_cols_bh{_bh}_dv{_dv}"] = (lambda b, v: lambda: specs_more.sparse_attention_cols(BH=b, DV=v))(_bh, _dv)
     _ATTENTION.append(f"sparse_attention_cols_bh{_bh}_dv{_dv}")
-for _k in tiles.SPLITK_SLICES:  # fast mode's split-K launches of the slice kernel
-    _t = tiles.SPLITK_TILE
-    _n = f"splitk_{_t['BM']}x{_t['BN']}x{_t['BK']}_k{_k}"
-    ALL[_n] = (lambda t, k, n: lambda: specs_more.slices(t["BM"], t["BN"], t["BK"], k, grid=True, name=n))(_t, _k, _n)
 for _i, (_, _t) in enumerate(tiles.FP8_TILES):
     ALL[f"fp8_gemm_{_i}"] = (lambda t, i: lambda: fp8_gemm(t["BM"], t["BN"], tiles.FP8_BLOCK, f"fp8_gemm_{i}"))(_t, _i)
 
@@ -300,7 +296,6 @@ GROUPS = {"gemm_half": _active("HALF_TILES", "F32_TILES", "HALF_TILES_GRAPH", "F
                                   tile_spec("GROUPED_TILES", tiles.GROUPED_FALLBACK)}),
           "hc_mix": _active("HC_TILES", "HC_HALF_TILES", "HC_TILES_GRAPH", "HC_HALF_TILES_GRAPH"),
           "fp8_gemm": [n for n in ALL if n.startswith("fp8_gemm")],
-          "splitk": [n for n in ALL if n.startswith("splitk_")],
           "softmax": ["softmax_rows", "softmax_row"], "sparse_attention": _ATTENTION,
           "indexer": ["indexer_bs64", "indexer_bs128", "indexer_fp8_bs128", "indexer_bs128_ch2",
                       "indexer_fp8_bs128_ch2"]}

@@ -48,13 +48,6 @@ HALF_CANDIDATES = (_t(64, 32, 128, grid=True), _t(64, 64, 64, grid=True), _t(64,
                    _t(16, 64, 128, grid=True, unroll=2), _t(64, 32, 128, grid=True, unroll=2),
                    _t(64, 64, 128, grid=True, unroll=2))
 HALF_TILES = ((64, HALF_CANDIDATES[1]), (256, HALF_CANDIDATES[2]), (1 << 62, HALF_CANDIDATES[6]))
-# Fast mode's split-K launch of the slice kernel's grid form (``triton_gemm.linear_splitk``) for
-# bf16 / fp16 linears of SPLITK_ROWS rows with at most one SM's worth of output tiles: a decode
-# step's packed input projections and ``wo_b``, whose programs would each walk the whole K. Its K
-# slices are one of SPLITK_SLICES long (fast mode only: a row's sum order then depends on N too).
-SPLITK_TILE = _t(64, 128, 64, grid=True, unroll=8)
-SPLITK_SLICES = (512, 1024, 2048)
-SPLITK_ROWS = (129, 256)
 # fp32 (3xTF32, BK = F32_BK)
 F32_CANDIDATES = (_t(64, 32, F32_BK, s=3, grid=True), _t(64, 64, F32_BK, s=3, grid=True),
                   _t(64, 16, F32_BK, s=4, grid=True), _t(128, 64, F32_BK, w=8, s=3, grid=True),

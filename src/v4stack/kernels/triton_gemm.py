@@ -41,43 +41,10 @@ def _mm_tile(X, W, rows, rmask, n0, s_xm, s_wn, N, K, BN: tl.constexpr, BK: tl.c
     return acc, cols
 
 
-def splitk_slice(M: int, N: int, K: int, sms: int) -> int | None:
-    """The K slice length of fast mode's split-K launch for ``[M, K] @ [N, K]^T`` on ``sms`` SMs,
-    or None where it does not apply: rows outside ``tiles.SPLITK_ROWS``, or more output tiles of
-    ``tiles.SPLITK_TILE`` than SMs (they fill the card walking their whole K). The longest slice
-    of ``tiles.SPLITK_SLICES`` that gives at least two programs an SM, else the shortest that cuts
-    K at all."""
-    from v4stack.kernels.tiles import SPLITK_ROWS, SPLITK_SLICES, SPLITK_TILE
-
-    lo, hi = SPLITK_ROWS
-    if not lo <= M <= hi:
-        return None
-    tiles_ = cdiv(M, SPLITK_TILE["BM"]) * cdiv(N, SPLITK_TILE["BN"])
-    if tiles_ > sms:
-        return None
-    cuts = [k for k in sorted(SPLITK_SLICES, reverse=True) if cdiv(K, k) >= 2]
-    for k in cuts:
-        if tiles_ * cdiv(K, k) >= 2 * sms:
-            return k
-    return cuts[-1] if cuts else None
-
-
-def linear_splitk(x, weight):
-    """Fast mode's ``x @ weight.T`` for bf16 / fp16 rows where ``splitk_slice`` applies: ``linear``
-    with ``tiles.SPLITK_TILE`` (the grid form) and K cut into slices of that length, each slice of an
-    output tile one program, the tile's last program adding the fp32 partials in slice order."""
-    from v4stack.kernels.tiles import SPLITK_TILE
-    from v4stack.kernels.triton_tma import num_sms
-
-    N, K = weight.shape
-    return linear(x, weight, SPLITK_TILE, splitk_slice(x.numel() // K, N, K, num_sms()))
-
-
-def linear(x, weight, tile=None, split: int = HALF_SPLIT):
+def linear(x, weight, tile=None):
     """``x @ weight.T`` in fixed K slices (``triton_slices``): bf16 / fp16 on the ``wgmma`` chain,
     fp32 as 3xTF32 on the tensor cores. ``tile`` overrides the bucket's tile (the sweep,
-    ``bench/gemm_tiles.py``); every tile gives the same bits. ``split``: the half-precision slice
-    length (fast mode's split-K launch alone passes another, ``linear_splitk``)."""
+    ``bench/gemm_tiles.py``); every tile gives the same bits."""
     import torch
 
     N, K = weight.shape
@@ -96,10 +63,10 @@ def linear(x, weight, tile=None, split: int = HALF_SPLIT):
             from v4stack.kernels.triton_tma import linear_tma
 
             linear_tma(a, w, y, BM=t["BM"], BN=t["BN"], BK=t["BK"], GROUP_M=t.get("GROUP_M", 8),
-                       num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False), SPLIT=split,
+                       num_warps=t["num_warps"], num_stages=t["num_stages"], WS=t.get("WS", False), SPLIT=HALF_SPLIT,
                        GRID=t.get("grid", False), UNR=t.get("unroll", 2))
         else:
-            run(a, w, y, t, split, False)
+            run(a, w, y, t, HALF_SPLIT, False)
     else:
         if tile is None and N <= F32_SKINNY_N:  # the MoE gate's logits: narrow tiles (tiles.py)
             tile = pick(F32_SKINNY_TILES, M)
