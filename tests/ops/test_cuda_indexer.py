@@ -51,7 +51,7 @@ def test_every_form_builds_for_hopper_without_spills(tmp_path, monkeypatch):
         assert f"Compiling entry function '{n}' for 'sm_90a'" in report
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == len(names), report
     regs = [int(line.split("Used ")[1].split()[0]) for line in report.splitlines() if "Used " in line]
-    # three blocks of 128 threads an SM (the shipped form's shared memory allows three)
+    # registers for three blocks of 128 threads an SM at least (the forms' shared memory allows two to four)
     assert regs and max(regs) <= 65536 // (3 * 128)
 
 

@@ -152,9 +152,9 @@ __device__ __forceinline__ void index_scores(const __nv_bfloat16 *__restrict__ Q
         index_scores<IT, NST, CPB>(Q, s_qt, s_qh, Wt, s_wt, P, N, Rows, s_rt, S, Y, s_yt, slices);             \
     }
 // the shipped form (cuda_indexer.py's FORMS) and the others bench/indexer_cuda.py times
-IENTRY(indexer_rows_i64_s3_c8, int64_t, 3, 8)
-IENTRY(indexer_rows_i32_s3_c8, int32_t, 3, 8)
 IENTRY(indexer_rows_i64_s2_c8, int64_t, 2, 8)
+IENTRY(indexer_rows_i32_s2_c8, int32_t, 2, 8)
+IENTRY(indexer_rows_i64_s3_c8, int64_t, 3, 8)
 IENTRY(indexer_rows_i64_s4_c8, int64_t, 4, 8)
 IENTRY(indexer_rows_i64_s3_c4, int64_t, 3, 4)
 IENTRY(indexer_rows_i64_s4_c16, int64_t, 4, 16)
