@@ -53,6 +53,12 @@ def test_every_form_builds_for_hopper_without_spills(tmp_path, monkeypatch):
     regs = [int(line.split("Used ")[1].split()[0]) for line in report.splitlines() if "Used " in line]
     # registers for three blocks of 128 threads an SM at least (the forms' shared memory allows two to four)
     assert regs and max(regs) <= 65536 // (3 * 128)
+    # the shipped form: four blocks an SM, by its registers (each entry's report follows its name) and its
+    # shared memory (228 KB an SM, 1 KB of it reserved a block); control: s3_c8's shared memory allows three
+    entry = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", report, re.S))
+    for it in ("i64", "i32"):
+        assert int(entry[f"indexer_rows_{it}_{ci.FORM}"]) <= 65536 // (4 * 128)
+    assert 4 * (ci.smem(ci.FORM) + 1024) <= 228 * 1024 < 4 * (ci.smem("s3_c8") + 1024)
 
 
 def test_accepts_only_the_written_shapes():
